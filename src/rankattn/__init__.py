@@ -1,0 +1,9 @@
+"""rankattn: candidate-isolation attention for ranking transformers, on JAX."""
+
+from rankattn.api import attention, available_impls
+from rankattn.errors import RankattnError, RankattnTypeError, RankattnValueError
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "available_impls", "RankattnError", "RankattnTypeError",
+           "RankattnValueError"]

@@ -1,0 +1,83 @@
+"""The public entry point: :func:`attention`."""
+
+from __future__ import annotations
+
+from rankattn.backends import BACKENDS, Backend
+from rankattn.errors import fail
+from rankattn.validate import AttentionCall, check_attention_args
+
+
+def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=None, softcap=None,
+              softcap_method="tanh", return_lse=False, impl="auto"):
+    """Candidate-isolation attention for ranking transformers.
+
+    Args:
+      q: [B, Sq, Hq, D] queries; float32, bfloat16 or float16 (float64 with x64).
+      k: [B, Skv, Hkv, D] keys, same dtype; Hq must be a multiple of Hkv
+        (query head h uses kv head h // (Hq // Hkv); K/V are never repeated).
+      v: [B, Skv, Hkv, Dv] values, same dtype.
+      segment_ids: optional int [B, S] (needs Sq == Skv). 0 = padding,
+        +s = user/history token of session s, -s = candidate of session s.
+        Several sessions may be packed in one row, in any order. Key j is
+        visible to query i iff both are non-padding, in the same session, and
+        either key j is history or i == j is a candidate. So history attends
+        bidirectionally within its session, each candidate sees its session's
+        history and itself, and nothing crosses sessions.
+      bounds: optional int [4] or [B, 4] = (hist_lo, hist_hi, cand_lo, cand_hi),
+        half-open; the same mask as segment ids 1 on the history range, -1 on
+        the candidate range, 0 elsewhere. Give segment_ids or bounds, not both.
+      causal: history queries see only history keys j <= i (candidates still
+        see their whole session history). With no mask, plain causal attention.
+      scale: logit scale, default 1 / sqrt(D).
+      softcap: optional positive cap c applied after scaling: 'tanh' gives
+        c * tanh(s / c), 'soft_sign' gives s / (1 + |s| / c).
+      softcap_method: 'tanh' or 'soft_sign'.
+      return_lse: also return the natural-log log-sum-exp of each query row.
+      impl: 'auto' (the first of rankattn.available_impls() that can run the
+        call), a backend name ('xla', 'reference'), or a Backend instance such
+        as rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64)).
+
+    Returns:
+      out [B, Sq, Hq, Dv] in q's dtype, and with return_lse also
+      lse [B, Hq, Sq] float32. A query that sees no key gets out = 0,
+      lse = -inf and zero gradients (never NaN).
+
+    Mask arrays may be traced (under jit the plan is rebuilt from the new
+    values on device). The math runs in float32 (float64 for float64 inputs),
+    whatever the input dtype. Gradients flow to q, k, v, including through a
+    cotangent on lse (write z-loss as z / 2 * lse**2 in your loss).
+
+    Raises:
+      rankattn.RankattnError (a ValueError or TypeError) naming the argument,
+      the values seen and the fix; see docs/errors.md.
+    """
+    if not isinstance(return_lse, bool):
+        raise fail("RA116", f"return_lse must be a Python bool; got {type(return_lse).__name__}.")
+    call = check_attention_args(q, k, v, segment_ids=segment_ids, bounds=bounds, causal=causal,
+                                scale=scale, softcap=softcap, softcap_method=softcap_method)
+    out, lse = _select(impl, call)(call)
+    return (out, lse) if return_lse else out
+
+
+def available_impls() -> list[str]:
+    """Backend names, in the order impl='auto' tries them."""
+    return list(BACKENDS)
+
+
+def _select(impl, call: AttentionCall) -> Backend:
+    if isinstance(impl, Backend):
+        candidates = [impl]
+    elif impl == "auto":
+        candidates = list(BACKENDS.values())
+    elif isinstance(impl, str) and impl in BACKENDS:
+        candidates = [BACKENDS[impl]]
+    else:
+        raise fail("RA114", f"impl={impl!r} is not a backend; use 'auto' or one of "
+                            f"{', '.join(map(repr, BACKENDS))}.")
+    reasons = []
+    for backend in candidates:
+        why = backend.not_supported_reasons(call)
+        if not why:
+            return backend
+        reasons += why
+    raise fail("RA115", f"impl={impl!r} cannot run this call:\n    - " + "\n    - ".join(reasons))

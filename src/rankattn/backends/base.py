@@ -1,0 +1,31 @@
+"""What every backend provides, and how the dispatcher picks one."""
+
+from __future__ import annotations
+
+import abc
+
+import jax.numpy as jnp
+
+from rankattn.validate import AttentionCall
+
+
+def compute_dtype(dtype):
+    """The dtype of the math: at least float32 (float64 stays float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+class Backend(abc.ABC):
+    """One implementation of :func:`rankattn.attention`, with identical semantics to the others."""
+
+    name: str
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        """Why this backend cannot run ``call`` here; empty when it can."""
+        return []
+
+    @abc.abstractmethod
+    def __call__(self, call: AttentionCall):
+        """(out [B, S, Hq, Dv] in q's dtype, lse [B, Hq, S] float32)."""
+
+    def __repr__(self) -> str:
+        return f"<rankattn backend {self.name!r}>"

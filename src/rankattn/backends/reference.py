@@ -1,0 +1,68 @@
+"""Dense reference: the ground truth every other backend is tested against.
+
+It materialises the full [B, Hq, S, S] logits in float32 (float64 for float64
+inputs) and differentiates by plain autodiff, so it is slow and memory-hungry
+by design and simple enough to check by eye against :mod:`rankattn.semantics`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rankattn import semantics
+from rankattn.backends.base import Backend, compute_dtype
+from rankattn.validate import AttentionCall
+
+# The reference declines calls whose logits alone would exceed this.
+MAX_LOGITS_BYTES = 4 << 30
+
+
+def reference_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
+                        softcap: float | None, softcap_method: str):
+    """Dense attention. Shapes as :func:`rankattn.attention`; segment_ids int [B, S] or None."""
+    dtype = compute_dtype(q.dtype)
+    groups = q.shape[2] // k.shape[2]
+    qf = q.astype(dtype)
+    kf = jnp.repeat(k.astype(dtype), groups, axis=2)
+    vf = jnp.repeat(v.astype(dtype), groups, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest") * scale
+    s = semantics.softcap(s, softcap, softcap_method)
+
+    sq, skv = q.shape[1], k.shape[1]
+    if segment_ids is None:
+        segment_ids = jnp.ones((q.shape[0], sq), jnp.int32)
+    pos_q = jnp.arange(sq)[:, None]
+    pos_k = jnp.arange(skv)[None, :]
+    mask = semantics.visible(segment_ids[:, None, :, None], segment_ids[:, None, None, :],
+                             pos_q, pos_k, causal)
+
+    # Masked logits are replaced before exp (not after) so that neither the
+    # forward nor the gradient ever touches exp of a huge or -inf value.
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0)
+    p = jnp.where(mask, jnp.exp(jnp.where(mask, s, m) - m), 0)
+    l = p.sum(-1, keepdims=True)
+    seen = l > 0
+    safe_l = jnp.where(seen, l, 1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p / safe_l, vf, precision="highest")
+    lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)[..., 0]
+    return out.astype(q.dtype), lse.astype(jnp.float32)
+
+
+class Reference(Backend):
+    name = "reference"
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        b, sq, hq, _ = call.q.shape
+        nbytes = b * hq * sq * call.k.shape[1] * 4
+        if nbytes > MAX_LOGITS_BYTES:
+            return [f"reference: the dense logits would take {nbytes / 2**30:.1f} GiB "
+                    f"(B={b} x Hq={hq} x {sq} x {call.k.shape[1]} x 4 bytes), over its "
+                    f"{MAX_LOGITS_BYTES / 2**30:.0f} GiB limit; use impl='xla'"]
+        return []
+
+    def __call__(self, call: AttentionCall):
+        return reference_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
+                                   scale=call.scale, softcap=call.softcap,
+                                   softcap_method=call.softcap_method)

@@ -1,0 +1,122 @@
+"""The mask and logit semantics of rankattn, in one place.
+
+Every backend, the reference and the block planner call these functions, so
+there is exactly one definition of "query i may see key j".
+
+Segment ids (int [B, S]) are the canonical mask:
+
+* ``0``  padding: sees nothing, is seen by nothing;
+* ``+s`` a user / history token of session ``s``;
+* ``-s`` a candidate of session ``s``.
+
+Key j is visible to query i iff both are non-padding, in the same session
+``|s|``, and either the key is history (any query of the session sees it; with
+``causal`` a history query only sees history keys ``j <= i``) or ``i == j`` and
+both are candidates. Candidates therefore see their session's whole history
+and themselves, never another candidate.
+
+``bounds = (hist_lo, hist_hi, cand_lo, cand_hi)`` is the reference kernels'
+spelling of one session per row: segment id 1 on ``[hist_lo, hist_hi)``, -1 on
+``[cand_lo, cand_hi)`` and 0 elsewhere.
+
+Logits: ``s = (q . k) * scale``, then the soft cap, then the mask, then a
+softmax over the visible keys. A query with no visible key has output 0 and
+log-sum-exp ``-inf``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+SOFTCAP_METHODS = ("tanh", "soft_sign")
+
+
+def visible(seg_q, seg_k, pos_q, pos_k, causal: bool):
+    """Whether query (seg_q, pos_q) sees key (seg_k, pos_k); all arguments broadcast."""
+    same_session = (jnp.abs(seg_q) == jnp.abs(seg_k)) & (seg_q != 0)
+    key_is_history = seg_k > 0
+    if causal:
+        key_is_history &= (seg_q < 0) | (pos_k <= pos_q)
+    own_candidate = (seg_q < 0) & (pos_q == pos_k)
+    return same_session & (key_is_history | own_candidate)
+
+
+def bounds_to_segment_ids(bounds, seq_len: int):
+    """Segment ids [B, S] (int32) equal to ``bounds`` [B, 4]; candidates win where ranges overlap."""
+    pos = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
+    b = bounds.astype(jnp.int32)
+    hist = (pos >= b[:, 0:1]) & (pos < b[:, 1:2])
+    cand = (pos >= b[:, 2:3]) & (pos < b[:, 3:4])
+    return jnp.where(cand, -1, jnp.where(hist, 1, 0)).astype(jnp.int32)
+
+
+def softcap(s, cap: float | None, method: str):
+    """Apply the logit cap (identity when ``cap`` is None)."""
+    if cap is None:
+        return s
+    if method == "tanh":
+        return cap * jnp.tanh(s / cap)
+    return s / (1 + jnp.abs(s) / cap)
+
+
+def softcap_grad(s, cap: float | None, method: str):
+    """d softcap(s) / d s, as a factor on the capped logit's cotangent."""
+    if cap is None:
+        return jnp.ones_like(s)
+    if method == "tanh":
+        return 1 - jnp.square(jnp.tanh(s / cap))
+    return 1 / jnp.square(1 + jnp.abs(s) / cap)
+
+
+# --- Block-level view, used to skip work. -------------------------------------
+#
+# A block pair is "empty" when no query of the query block sees any key of the
+# key block, and "full" when every query sees every key. Both verdicts must be
+# exact-or-conservative with respect to `visible`: "empty" may only be claimed
+# when it is certain (a missed "empty" costs time, a wrong one loses keys), and
+# the same holds for "full" (a wrong one would skip the mask). A property test
+# checks both against `visible`.
+
+
+def block_stats(seg, block: int):
+    """Per-block summaries of segment ids [B, S] (S a multiple of ``block``)."""
+    b, s = seg.shape
+    blocks = seg.reshape(b, s // block, block)
+    session = jnp.abs(blocks)
+    real = blocks != 0
+    big = jnp.iinfo(jnp.int32).max
+    return dict(
+        any_real=real.any(-1),
+        all_real=real.all(-1),
+        lo=jnp.where(real, session, big).min(-1),
+        hi=jnp.where(real, session, 0).max(-1),
+        any_hist=(blocks > 0).any(-1),
+        all_hist=(blocks > 0).all(-1),
+        any_cand=(blocks < 0).any(-1),
+        all_cand=(blocks < 0).all(-1),
+    )
+
+
+def block_visibility(seg, block_q: int, block_k: int, causal: bool):
+    """(nonempty, full), each bool [B, nQ, nK], for segment ids [B, S] padded to both blocks."""
+    q = {n: x[:, :, None] for n, x in block_stats(seg, block_q).items()}
+    k = {n: x[:, None, :] for n, x in block_stats(seg, block_k).items()}
+    n_q, n_k = seg.shape[1] // block_q, seg.shape[1] // block_k
+    q_first = (jnp.arange(n_q) * block_q)[None, :, None]
+    q_last = q_first + block_q - 1
+    k_first = (jnp.arange(n_k) * block_k)[None, None, :]
+    k_last = k_first + block_k - 1
+
+    sessions_meet = q["any_real"] & k["any_real"] & (q["lo"] <= k["hi"]) & (k["lo"] <= q["hi"])
+    diagonal_meets = (q_first <= k_last) & (k_first <= q_last)
+    history_reachable = k["any_hist"]
+    if causal:
+        history_reachable &= q["any_cand"] | (k_first <= q_last)
+    own_candidate = q["any_cand"] & k["any_cand"] & diagonal_meets
+    nonempty = sessions_meet & (history_reachable | own_candidate)
+
+    one_session = (q["lo"] == q["hi"]) & (k["lo"] == k["hi"]) & (q["lo"] == k["lo"])
+    full = q["all_real"] & k["all_hist"] & one_session
+    if causal:
+        full &= q["all_cand"] | (k_last <= q_first)
+    return nonempty, full

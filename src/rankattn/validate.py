@@ -1,0 +1,180 @@
+"""Argument checking for :func:`rankattn.attention`.
+
+Turns the user's arguments into an :class:`AttentionCall` whose fields every
+backend can trust: shapes agree, the mask is canonical segment ids (or None),
+static options have Python types. Anything wrong raises a catalogued error
+(see :mod:`rankattn.errors`) before JAX ever sees it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rankattn import semantics
+from rankattn.errors import fail
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """A checked attention call. Arrays may be traced; everything else is static."""
+
+    q: jax.Array            # [B, S, Hq, D]
+    k: jax.Array            # [B, S, Hkv, D]
+    v: jax.Array            # [B, S, Hkv, Dv]
+    segment_ids: jax.Array | None  # int32 [B, S]; None = every token is history of one session
+    causal: bool
+    scale: float
+    softcap: float | None
+    softcap_method: str
+
+    @property
+    def groups(self) -> int:
+        return self.q.shape[2] // self.k.shape[2]
+
+    def segment_ids_or_default(self):
+        """Canonical segment ids: the given ones, or all history of one session."""
+        if self.segment_ids is not None:
+            return self.segment_ids
+        return jnp.ones(self.q.shape[:2], jnp.int32)
+
+
+def _concrete(x) -> np.ndarray | None:
+    """x as numpy if its values are known now, else None (traced under jit/vmap)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_tensor(name: str, x, layout: str):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise fail("RA101", f"{name} must be an array shaped {layout}; got {type(x).__name__}.")
+    if x.ndim != 4:
+        raise fail("RA101", f"{name} must be 4-D {layout}; got shape {tuple(x.shape)} ({x.ndim}-D). "
+                            f"Reshape it to {layout}.")
+    if 0 in x.shape:
+        raise fail("RA105", f"{name} has shape {tuple(x.shape)}; every axis of {layout} must be >= 1.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_static_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise fail("RA116", f"{name} must be a Python bool; got {type(value).__name__} {value!r}.")
+    return bool(value)
+
+
+def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap,
+                         softcap_method) -> AttentionCall:
+    _check_tensor("q", q, "[B, Sq, Hq, D]")
+    _check_tensor("k", k, "[B, Skv, Hkv, D]")
+    _check_tensor("v", v, "[B, Skv, Hkv, Dv]")
+    causal = _check_static_bool("causal", causal)
+
+    dtypes = {str(x.dtype) for x in (q, k, v)}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not any(x.dtype == d for d in FLOAT_DTYPES):
+            raise fail("RA104", f"{name} has dtype {x.dtype}; attention inputs must be float32, "
+                                f"bfloat16 or float16. Cast with {name}.astype(jnp.float32).")
+    if len(dtypes) > 1:
+        raise fail("RA104", f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, "
+                            f"v {v.dtype}. Cast them to one, e.g. .astype(jnp.bfloat16).")
+
+    (b, sq, hq, d), (bk, skv, hkv, dk), (bv, sv, hv, _) = q.shape, k.shape, v.shape
+    if not b == bk == bv:
+        raise fail("RA102", f"batch sizes differ: q {b}, k {bk}, v {bv}. Pass the same batch to all three.")
+    if (skv, hkv) != (sv, hv):
+        raise fail("RA102", f"k is {tuple(k.shape)} and v is {tuple(v.shape)}: they must agree on "
+                            "sequence length and kv heads (axes 1 and 2).")
+    if d != dk:
+        raise fail("RA102", f"q has head dim {d} and k has head dim {dk}; q . k needs them equal.")
+    if hq % hkv:
+        options = ", ".join(map(str, _divisors(hq)))
+        raise fail("RA103", f"q has {hq} heads and k has {hkv}; {hq} is not a multiple of {hkv}. "
+                            f"Use a kv head count that divides {hq}: {options}.")
+
+    mask_given = [n for n, x in (("segment_ids", segment_ids), ("bounds", bounds)) if x is not None]
+    if causal:
+        mask_given.append("causal=True")
+    if mask_given and sq != skv:
+        raise fail("RA106", f"{' and '.join(mask_given)} describe self-attention, but q has length "
+                            f"{sq} and k has length {skv}. Pass q, k, v of one sequence.")
+    if segment_ids is not None and bounds is not None:
+        raise fail("RA110", "segment_ids and bounds were both given; pass only one of them.")
+    if segment_ids is not None:
+        segment_ids = _check_segment_ids(segment_ids, b, sq)
+    if bounds is not None:
+        segment_ids = semantics.bounds_to_segment_ids(_check_bounds(bounds, b, sq), sq)
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    scale = _check_static_float("scale", scale, "RA113")
+    if not math.isfinite(scale) or scale == 0:
+        raise fail("RA113", f"scale must be finite and non-zero; got {scale}. Pass scale=None for 1/sqrt({d}).")
+
+    if softcap_method not in semantics.SOFTCAP_METHODS:
+        raise fail("RA112", f"softcap_method={softcap_method!r}; use one of "
+                            f"{', '.join(map(repr, semantics.SOFTCAP_METHODS))}.")
+    if softcap is not None:
+        softcap = _check_static_float("softcap", softcap, "RA111")
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise fail("RA111", f"softcap={softcap}; it must be a positive finite float such as 30.0, "
+                                "or None for no cap.")
+
+    return AttentionCall(q=q, k=k, v=v, segment_ids=segment_ids, causal=causal, scale=scale,
+                         softcap=softcap, softcap_method=softcap_method)
+
+
+def _check_static_float(name: str, value, code: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise fail(code, f"{name} must be a Python float; got {type(value).__name__}. It selects "
+                         "the compiled program, so it cannot be a traced array.") from e
+
+
+def _check_segment_ids(segment_ids, batch: int, seq_len: int):
+    if not hasattr(segment_ids, "shape") or not hasattr(segment_ids, "dtype"):
+        raise fail("RA107", f"segment_ids must be an int array [B, S]; got {type(segment_ids).__name__}.")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise fail("RA107", f"segment_ids has dtype {segment_ids.dtype}; it must be an integer dtype "
+                            "(0 = padding, +s = history of session s, -s = candidate of session s).")
+    if tuple(segment_ids.shape) != (batch, seq_len):
+        raise fail("RA107", f"segment_ids has shape {tuple(segment_ids.shape)}; q has batch {batch} "
+                            f"and length {seq_len}, so it must be ({batch}, {seq_len}).")
+    return jnp.asarray(segment_ids, jnp.int32)
+
+
+def _check_bounds(bounds, batch: int, seq_len: int):
+    if not hasattr(bounds, "shape"):
+        bounds = np.asarray(bounds)
+    if not jnp.issubdtype(bounds.dtype, jnp.integer):
+        raise fail("RA108", f"bounds has dtype {bounds.dtype}; it must be integer "
+                            "(hist_lo, hist_hi, cand_lo, cand_hi).")
+    if tuple(bounds.shape) == (4,):
+        bounds = jnp.broadcast_to(jnp.asarray(bounds), (batch, 4))
+    elif tuple(bounds.shape) != (batch, 4):
+        raise fail("RA108", f"bounds has shape {tuple(bounds.shape)}; it must be (4,) for the whole "
+                            f"batch or ({batch}, 4), one (hist_lo, hist_hi, cand_lo, cand_hi) per row.")
+    values = _concrete(bounds)
+    if values is not None:
+        for row, (hl, hh, cl, ch) in enumerate(values.tolist()):
+            problem = None
+            if not (0 <= hl <= hh <= seq_len and 0 <= cl <= ch <= seq_len):
+                problem = f"each range needs 0 <= lo <= hi <= S = {seq_len}"
+            elif hl < hh and cl < ch and hl < ch and cl < hh:
+                problem = "the history and candidate ranges overlap"
+            if problem:
+                raise fail("RA109", f"bounds row {row} = ({hl}, {hh}, {cl}, {ch}): {problem}. "
+                                    f"Use e.g. (0, h, h, {seq_len}) for h history tokens followed "
+                                    "by candidates.")
+    return jnp.asarray(bounds, jnp.int32)
