@@ -41,6 +41,13 @@ def visible(seg_q, seg_k, pos_q, pos_k, causal: bool):
     return same_session & (key_is_history | own_candidate)
 
 
+def dense_mask(seg_q, seg_k, causal: bool):
+    """The whole mask, bool [B, Sq, Skv], for segment ids [B, Sq] and [B, Skv]. References only."""
+    pos_q = jnp.arange(seg_q.shape[1])[:, None]
+    pos_k = jnp.arange(seg_k.shape[1])[None, :]
+    return visible(seg_q[:, :, None], seg_k[:, None, :], pos_q, pos_k, causal)
+
+
 def bounds_to_segment_ids(bounds, seq_len: int):
     """Segment ids [B, S] (int32) equal to ``bounds`` [B, 4]; candidates win where ranges overlap."""
     pos = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
@@ -97,11 +104,11 @@ def block_stats(seg, block: int):
     )
 
 
-def block_visibility(seg, block_q: int, block_k: int, causal: bool):
-    """(nonempty, full), each bool [B, nQ, nK], for segment ids [B, S] padded to both blocks."""
-    q = {n: x[:, :, None] for n, x in block_stats(seg, block_q).items()}
-    k = {n: x[:, None, :] for n, x in block_stats(seg, block_k).items()}
-    n_q, n_k = seg.shape[1] // block_q, seg.shape[1] // block_k
+def block_visibility(seg_q, seg_k, block_q: int, block_k: int, causal: bool):
+    """(nonempty, full), each bool [B, nQ, nK], for query / key segment ids padded to their blocks."""
+    q = {n: x[:, :, None] for n, x in block_stats(seg_q, block_q).items()}
+    k = {n: x[:, None, :] for n, x in block_stats(seg_k, block_k).items()}
+    n_q, n_k = seg_q.shape[1] // block_q, seg_k.shape[1] // block_k
     q_first = (jnp.arange(n_q) * block_q)[None, :, None]
     q_last = q_first + block_q - 1
     k_first = (jnp.arange(n_k) * block_k)[None, None, :]

@@ -34,16 +34,6 @@ class AttentionCall:
     softcap: float | None
     softcap_method: str
 
-    @property
-    def groups(self) -> int:
-        return self.q.shape[2] // self.k.shape[2]
-
-    def segment_ids_or_default(self):
-        """Canonical segment ids: the given ones, or all history of one session."""
-        if self.segment_ids is not None:
-            return self.segment_ids
-        return jnp.ones(self.q.shape[:2], jnp.int32)
-
 
 def _concrete(x) -> np.ndarray | None:
     """x as numpy if its values are known now, else None (traced under jit/vmap)."""

@@ -29,13 +29,11 @@ def reference_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
     s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest") * scale
     s = semantics.softcap(s, softcap, softcap_method)
 
-    sq, skv = q.shape[1], k.shape[1]
     if segment_ids is None:
-        segment_ids = jnp.ones((q.shape[0], sq), jnp.int32)
-    pos_q = jnp.arange(sq)[:, None]
-    pos_k = jnp.arange(skv)[None, :]
-    mask = semantics.visible(segment_ids[:, None, :, None], segment_ids[:, None, None, :],
-                             pos_q, pos_k, causal)
+        seg_q, seg_k = jnp.ones(q.shape[:2], jnp.int32), jnp.ones(k.shape[:2], jnp.int32)
+    else:
+        seg_q = seg_k = segment_ids
+    mask = semantics.dense_mask(seg_q, seg_k, causal)[:, None]
 
     # Masked logits are replaced before exp (not after) so that neither the
     # forward nor the gradient ever touches exp of a huge or -inf value.

@@ -20,7 +20,6 @@ How it works:
 from __future__ import annotations
 
 import dataclasses
-import math
 from functools import partial
 from typing import NamedTuple
 
@@ -34,7 +33,7 @@ from rankattn.validate import AttentionCall
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Query and key block lengths. Clamped to the (8-rounded) sequence length."""
+    """Query and key block lengths."""
 
     block_q: int = 128
     block_k: int = 128
@@ -46,9 +45,9 @@ class BlockSizes:
                 from rankattn.errors import fail
                 raise fail("RA116", f"BlockSizes.{name} must be a positive int; got {value!r}.")
 
-    def for_length(self, seq_len: int) -> BlockSizes:
-        cap = -(-seq_len // 8) * 8
-        return BlockSizes(min(self.block_q, cap), min(self.block_k, cap))
+    def for_lengths(self, q_len: int, kv_len: int) -> BlockSizes:
+        """Blocks no longer than the sequences (rounded up to 8), so short calls pad little."""
+        return BlockSizes(min(self.block_q, -(-q_len // 8) * 8), min(self.block_k, -(-kv_len // 8) * 8))
 
 
 class BlockPlan(NamedTuple):
@@ -70,42 +69,47 @@ class _Static:
     block_k: int
 
 
-def make_plan(segment_ids, block_q: int, block_k: int, causal: bool) -> BlockPlan:
-    """Plan for segment ids [B, S] with S a multiple of both block sizes."""
-    nonempty, _ = semantics.block_visibility(segment_ids, block_q, block_k, causal)
+def make_plan(seg_q, seg_k, block_q: int, block_k: int, causal: bool) -> BlockPlan:
+    """Plan for query / key segment ids [B, Sq], [B, Skv], padded to their block sizes."""
+    nonempty, _ = semantics.block_visibility(seg_q, seg_k, block_q, block_k, causal)
     order = jnp.argsort(~nonempty, axis=-1, stable=True).astype(jnp.int32)
     return BlockPlan(kv_index=order, kv_count=nonempty.sum(-1, dtype=jnp.int32))
 
 
 def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
                     softcap_method: str, block_sizes: BlockSizes = BlockSizes()):
-    """Blocked attention; arguments and results as :func:`rankattn.attention` (checked)."""
-    b, s, hq, _ = q.shape
-    hkv = k.shape[2]
-    sizes = block_sizes.for_length(s)
-    padded = _round_up(s, math.lcm(sizes.block_q, sizes.block_k))
-    if segment_ids is None:
-        segment_ids = jnp.ones((b, s), jnp.int32)
+    """Blocked attention; arguments and results as :func:`rankattn.attention` (checked).
 
-    def pad(x):
-        return jnp.pad(x, [(0, 0), (0, padded - s)] + [(0, 0)] * (x.ndim - 2))
+    Without segment ids every token is history of one session; q and k may then
+    differ in length (plain cross-attention).
+    """
+    b, sq, hq, _ = q.shape
+    skv, hkv = k.shape[1], k.shape[2]
+    sizes = block_sizes.for_lengths(sq, skv)
+    if segment_ids is None:
+        seg_q, seg_k = jnp.ones((b, sq), jnp.int32), jnp.ones((b, skv), jnp.int32)
+    else:
+        seg_q = seg_k = segment_ids.astype(jnp.int32)
+    seg_q, seg_k = _pad(seg_q, sizes.block_q), _pad(seg_k, sizes.block_k)
 
     dtype = compute_dtype(q.dtype)
-    seg = pad(segment_ids.astype(jnp.int32))
-    plan = make_plan(seg, sizes.block_q, sizes.block_k, causal)
+    plan = make_plan(seg_q, seg_k, sizes.block_q, sizes.block_k, causal)
     static = _Static(causal, scale, softcap, softcap_method, sizes.block_q, sizes.block_k)
-    qb = _query_blocks(pad(q.astype(dtype)), hkv, sizes.block_q)
-    kb = _key_blocks(pad(k.astype(dtype)), sizes.block_k)
-    vb = _key_blocks(pad(v.astype(dtype)), sizes.block_k)
-    out, lse = _flash(static, qb, kb, vb, seg, plan)
-    # [B, nQ, Hkv, G, bq, Dv] -> [B, S, Hq, Dv];  [B, nQ, Hkv, G, bq] -> [B, Hq, S]
-    out = out.transpose(0, 1, 4, 2, 3, 5).reshape(b, padded, hq, -1)[:, :s]
-    lse = lse.transpose(0, 2, 3, 1, 4).reshape(b, hq, padded)[:, :, :s]
+    qb = _query_blocks(_pad(q.astype(dtype), sizes.block_q), hkv, sizes.block_q)
+    kb = _key_blocks(_pad(k.astype(dtype), sizes.block_k), sizes.block_k)
+    vb = _key_blocks(_pad(v.astype(dtype), sizes.block_k), sizes.block_k)
+    out, lse = _flash(static, qb, kb, vb, seg_q, seg_k, plan)
+    # [B, nQ, Hkv, G, bq, Dv] -> [B, Sq, Hq, Dv];  [B, nQ, Hkv, G, bq] -> [B, Hq, Sq]
+    padded = seg_q.shape[1]
+    out = out.transpose(0, 1, 4, 2, 3, 5).reshape(b, padded, hq, -1)[:, :sq]
+    lse = lse.transpose(0, 2, 3, 1, 4).reshape(b, hq, padded)[:, :, :sq]
     return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+def _pad(x, block: int):
+    """Zero-pad axis 1 to a multiple of ``block``; zero segment ids are invisible padding."""
+    extra = -x.shape[1] % block
+    return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
 
 
 def _query_blocks(q, hkv: int, block: int):
@@ -135,12 +139,12 @@ class _Step(NamedTuple):
     logits: jax.Array  # [B, nQ, Hkv, G, bq, bk], before the cap
 
 
-def _step(static: _Static, t, qb, kb, vb, seg, plan: BlockPlan) -> _Step:
+def _step(static: _Static, t, qb, kb, vb, seg_q, seg_k, plan: BlockPlan) -> _Step:
     b, n_q = plan.kv_count.shape
     index = jax.lax.dynamic_index_in_dim(plan.kv_index, t, axis=2, keepdims=False)
     k_t, v_t = _gather(kb, index), _gather(vb, index)
-    seg_q = seg.reshape(b, n_q, static.block_q)
-    seg_k = _gather(seg.reshape(b, -1, static.block_k), index)
+    seg_q = seg_q.reshape(b, n_q, static.block_q)
+    seg_k = _gather(seg_k.reshape(b, -1, static.block_k), index)
     pos_q = (jnp.arange(n_q) * static.block_q)[None, :, None] + jnp.arange(static.block_q)
     pos_k = index[..., None] * static.block_k + jnp.arange(static.block_k)
     mask = semantics.visible(seg_q[..., :, None], seg_k[..., None, :],
@@ -151,16 +155,16 @@ def _step(static: _Static, t, qb, kb, vb, seg, plan: BlockPlan) -> _Step:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(static: _Static, qb, kb, vb, seg, plan: BlockPlan):
-    return _forward(static, qb, kb, vb, seg, plan)
+def _flash(static: _Static, qb, kb, vb, seg_q, seg_k, plan: BlockPlan):
+    return _forward(static, qb, kb, vb, seg_q, seg_k, plan)
 
 
-def _forward(static: _Static, qb, kb, vb, seg, plan: BlockPlan):
+def _forward(static: _Static, qb, kb, vb, seg_q, seg_k, plan: BlockPlan):
     rows = qb.shape[:-1]  # [B, nQ, Hkv, G, bq]
 
     def body(t, carry):
         m, l, acc = carry
-        st = _step(static, t, qb, kb, vb, seg, plan)
+        st = _step(static, t, qb, kb, vb, seg_q, seg_k, plan)
         s = semantics.softcap(st.logits, static.softcap, static.softcap_method)
         m_new = jnp.maximum(m, jnp.where(st.mask, s, -jnp.inf).max(-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
@@ -179,13 +183,13 @@ def _forward(static: _Static, qb, kb, vb, seg, plan: BlockPlan):
     return out, lse
 
 
-def _flash_fwd(static, qb, kb, vb, seg, plan):
-    out, lse = _forward(static, qb, kb, vb, seg, plan)
-    return (out, lse), (qb, kb, vb, seg, plan, out, lse)
+def _flash_fwd(static, qb, kb, vb, seg_q, seg_k, plan):
+    out, lse = _forward(static, qb, kb, vb, seg_q, seg_k, plan)
+    return (out, lse), (qb, kb, vb, seg_q, seg_k, plan, out, lse)
 
 
 def _flash_bwd(static, residuals, cotangents):
-    qb, kb, vb, seg, plan, out, lse = residuals
+    qb, kb, vb, seg_q, seg_k, plan, out, lse = residuals
     d_out, d_lse = cotangents
     # d lse / d s = P, so an lse cotangent enters exactly like -delta does.
     delta = (d_out * out).sum(-1) - d_lse
@@ -194,7 +198,7 @@ def _flash_bwd(static, residuals, cotangents):
 
     def body(t, carry):
         dq, dk, dv = carry
-        st = _step(static, t, qb, kb, vb, seg, plan)
+        st = _step(static, t, qb, kb, vb, seg_q, seg_k, plan)
         s = semantics.softcap(st.logits, static.softcap, static.softcap_method)
         p = jnp.where(st.mask, jnp.exp(s - lse_safe[..., None]), 0)
         dv_t = jnp.einsum("bnhgqk,bnhgqd->bnhkd", p, d_out, precision="highest")
@@ -208,7 +212,7 @@ def _flash_bwd(static, residuals, cotangents):
 
     init = (jnp.zeros_like(qb), jnp.zeros_like(kb), jnp.zeros_like(vb))
     dq, dk, dv = jax.lax.fori_loop(0, plan.kv_count.max(), body, init)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
