@@ -32,13 +32,26 @@ SOFTCAP_METHODS = ("tanh", "soft_sign")
 
 
 def visible(seg_q, seg_k, pos_q, pos_k, causal: bool):
-    """Whether query (seg_q, pos_q) sees key (seg_k, pos_k); all arguments broadcast."""
-    same_session = (jnp.abs(seg_q) == jnp.abs(seg_k)) & (seg_q != 0)
-    key_is_history = seg_k > 0
+    """Whether query (seg_q, pos_q) sees key (seg_k, pos_k); all arguments broadcast.
+
+    The union of two disjoint parts (their keys are history and candidates
+    respectively), which the blocked backend computes separately.
+    """
+    return (sees_history(seg_q, seg_k, pos_q, pos_k, causal)
+            | sees_itself(seg_q, pos_q, pos_k))
+
+
+def sees_history(seg_q, seg_k, pos_q, pos_k, causal: bool):
+    """The history part: key is history of the query's session (and j <= i for causal history)."""
+    visible_history = (jnp.abs(seg_q) == seg_k) & (seg_k > 0)
     if causal:
-        key_is_history &= (seg_q < 0) | (pos_k <= pos_q)
-    own_candidate = (seg_q < 0) & (pos_q == pos_k)
-    return same_session & (key_is_history | own_candidate)
+        visible_history &= (seg_q < 0) | (pos_k <= pos_q)
+    return visible_history
+
+
+def sees_itself(seg_q, pos_q, pos_k):
+    """The candidate part: a candidate sees its own key, and no other candidate's."""
+    return (seg_q < 0) & (pos_q == pos_k)
 
 
 def dense_mask(seg_q, seg_k, causal: bool):
@@ -77,12 +90,13 @@ def softcap_grad(s, cap: float | None, method: str):
 
 # --- Block-level view, used to skip work. -------------------------------------
 #
-# A block pair is "empty" when no query of the query block sees any key of the
-# key block, and "full" when every query sees every key. Both verdicts must be
-# exact-or-conservative with respect to `visible`: "empty" may only be claimed
-# when it is certain (a missed "empty" costs time, a wrong one loses keys), and
-# the same holds for "full" (a wrong one would skip the mask). A property test
-# checks both against `visible`.
+# Blocks only matter for the history part: the candidate part is one logit per
+# candidate (its own key), which the blocked backend adds without visiting a
+# block. A block pair is "empty" when no query of the query block sees a
+# history key of the key block, and "full" when every query sees every key.
+# Both verdicts must be exact or conservative with respect to `sees_history`:
+# a missed "empty" or "full" costs time, a wrong one loses keys or skips the
+# mask. A property test checks both.
 
 
 def block_stats(seg, block: int):
@@ -93,19 +107,22 @@ def block_stats(seg, block: int):
     real = blocks != 0
     big = jnp.iinfo(jnp.int32).max
     return dict(
-        any_real=real.any(-1),
         all_real=real.all(-1),
         lo=jnp.where(real, session, big).min(-1),
         hi=jnp.where(real, session, 0).max(-1),
-        any_hist=(blocks > 0).any(-1),
+        hist_lo=jnp.where(blocks > 0, blocks, big).min(-1),
+        hist_hi=jnp.where(blocks > 0, blocks, 0).max(-1),
         all_hist=(blocks > 0).all(-1),
         any_cand=(blocks < 0).any(-1),
         all_cand=(blocks < 0).all(-1),
     )
 
 
-def block_visibility(seg_q, seg_k, block_q: int, block_k: int, causal: bool):
-    """(nonempty, full), each bool [B, nQ, nK], for query / key segment ids padded to their blocks."""
+def history_block_visibility(seg_q, seg_k, block_q: int, block_k: int, causal: bool):
+    """(nonempty, full), each bool [B, nQ, nK], of the history part of the mask.
+
+    seg_q [B, Sq] and seg_k [B, Skv] are padded to multiples of their block sizes.
+    """
     q = {n: x[:, :, None] for n, x in block_stats(seg_q, block_q).items()}
     k = {n: x[:, None, :] for n, x in block_stats(seg_k, block_k).items()}
     n_q, n_k = seg_q.shape[1] // block_q, seg_k.shape[1] // block_k
@@ -114,15 +131,11 @@ def block_visibility(seg_q, seg_k, block_q: int, block_k: int, causal: bool):
     k_first = (jnp.arange(n_k) * block_k)[None, None, :]
     k_last = k_first + block_k - 1
 
-    sessions_meet = q["any_real"] & k["any_real"] & (q["lo"] <= k["hi"]) & (k["lo"] <= q["hi"])
-    diagonal_meets = (q_first <= k_last) & (k_first <= q_last)
-    history_reachable = k["any_hist"]
+    nonempty = (q["lo"] <= k["hist_hi"]) & (k["hist_lo"] <= q["hi"])
     if causal:
-        history_reachable &= q["any_cand"] | (k_first <= q_last)
-    own_candidate = q["any_cand"] & k["any_cand"] & diagonal_meets
-    nonempty = sessions_meet & (history_reachable | own_candidate)
+        nonempty &= q["any_cand"] | (k_first <= q_last)
 
-    one_session = (q["lo"] == q["hi"]) & (k["lo"] == k["hi"]) & (q["lo"] == k["lo"])
+    one_session = (q["lo"] == q["hi"]) & (q["lo"] == k["hist_lo"]) & (k["hist_lo"] == k["hist_hi"])
     full = q["all_real"] & k["all_hist"] & one_session
     if causal:
         full &= q["all_cand"] | (k_last <= q_first)

@@ -2,19 +2,24 @@
 
 How it works:
 
-1. Fix up shapes in Python: pad the sequence to a multiple of the block sizes
-   (padding gets segment id 0, so it is invisible) and split heads into
-   (kv head, group) so GQA never repeats K/V.
-2. Plan: from the segment ids (traced values welcome) decide for every
-   (query block, key block) pair whether any query can see any key
-   (:func:`rankattn.semantics.block_visibility`), and list, per query block,
-   the key blocks to visit, visited ones first.
-3. Forward: all query blocks advance together through their lists, one key
-   block per step, with an online softmax; the loop runs as many steps as the
-   longest list, so packed rows cost their sessions' blocks, not S^2.
-4. Backward: the same plan and the saved log-sum-exp; dq accumulates in
+1. Shape fix-ups in Python: pad the sequence to a multiple of the block sizes
+   (padding gets segment id 0, so it is invisible), fold the scale into q, and
+   split query heads into (kv head, group) so GQA never repeats K/V.
+2. The mask splits into two disjoint parts (:mod:`rankattn.semantics`): the
+   history part, and each candidate's own key. The own-key part is one logit
+   per candidate, computed for all rows at once in O(S * D); so no block is
+   ever visited just to find a candidate's diagonal.
+3. Plan (:class:`BlockPlan`): for every (query block, key block) pair, whether
+   the history part is empty, full or partial there, computed on device from
+   the (possibly traced) segment ids. Per query block it lists the full key
+   blocks, then the partial ones.
+4. Forward: all query blocks advance together through their lists, one key
+   block per step, with an online softmax; full blocks skip the mask
+   arithmetic, empty blocks are never touched. The own-key logit joins the
+   softmax at the end.
+5. Backward: the same plan and the saved log-sum-exp; dq accumulates in
    place, dk/dv scatter-add into the visited key blocks. No S x S tensor is
-   ever formed, forward or backward.
+   formed, forward or backward.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ import jax.numpy as jnp
 
 from rankattn import semantics
 from rankattn.backends.base import Backend, compute_dtype
+from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Query and key block lengths."""
+    """Query and key block lengths of the blocked backend."""
 
     block_q: int = 128
     block_k: int = 128
@@ -41,20 +47,35 @@ class BlockSizes:
     def __post_init__(self):
         for name in ("block_q", "block_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                from rankattn.errors import fail
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise fail("RA116", f"BlockSizes.{name} must be a positive int; got {value!r}.")
 
     def for_lengths(self, q_len: int, kv_len: int) -> BlockSizes:
         """Blocks no longer than the sequences (rounded up to 8), so short calls pad little."""
-        return BlockSizes(min(self.block_q, -(-q_len // 8) * 8), min(self.block_k, -(-kv_len // 8) * 8))
+        return BlockSizes(min(self.block_q, _round_up(q_len, 8)),
+                          min(self.block_k, _round_up(kv_len, 8)))
 
 
 class BlockPlan(NamedTuple):
-    """Which key blocks each query block visits. A pytree of int32 arrays."""
+    """Which key blocks each query block visits, for the history part of the mask.
 
-    kv_index: jax.Array  # [B, nQ, nK]: visited key blocks first, ascending
-    kv_count: jax.Array  # [B, nQ]: how many leading entries of kv_index are visited
+    A pytree of int32 arrays, so it can be built once under jit and reused by
+    every layer and by the backward pass.
+    """
+
+    kv_index: jax.Array    # [B, nQ, nK]: full key blocks, then partial ones, then the rest
+    full_count: jax.Array  # [B, nQ]: leading entries of kv_index that need no mask
+    count: jax.Array       # [B, nQ]: leading entries of kv_index that are visited at all
+
+
+def make_block_plan(seg_q, seg_k, sizes: BlockSizes, causal: bool) -> BlockPlan:
+    """The plan for query / key segment ids [B, Sq], [B, Skv], padded to their block sizes."""
+    nonempty, full = semantics.history_block_visibility(seg_q, seg_k, sizes.block_q,
+                                                        sizes.block_k, causal)
+    rank = jnp.where(full, 0, jnp.where(nonempty, 1, 2))
+    order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
+    return BlockPlan(kv_index=order, full_count=full.sum(-1, dtype=jnp.int32),
+                     count=nonempty.sum(-1, dtype=jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,26 +83,26 @@ class _Static:
     """Everything that selects the compiled program."""
 
     causal: bool
-    scale: float
     softcap: float | None
     softcap_method: str
-    block_q: int
-    block_k: int
+    sizes: BlockSizes
 
+    def cap(self, s):
+        return semantics.softcap(s, self.softcap, self.softcap_method)
 
-def make_plan(seg_q, seg_k, block_q: int, block_k: int, causal: bool) -> BlockPlan:
-    """Plan for query / key segment ids [B, Sq], [B, Skv], padded to their block sizes."""
-    nonempty, _ = semantics.block_visibility(seg_q, seg_k, block_q, block_k, causal)
-    order = jnp.argsort(~nonempty, axis=-1, stable=True).astype(jnp.int32)
-    return BlockPlan(kv_index=order, kv_count=nonempty.sum(-1, dtype=jnp.int32))
+    def cap_grad(self, s):
+        return semantics.softcap_grad(s, self.softcap, self.softcap_method)
 
 
 def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
-                    softcap_method: str, block_sizes: BlockSizes = BlockSizes()):
+                    softcap_method: str, block_sizes: BlockSizes = BlockSizes(),
+                    block_plan: BlockPlan | None = None):
     """Blocked attention; arguments and results as :func:`rankattn.attention` (checked).
 
-    Without segment ids every token is history of one session; q and k may then
-    differ in length (plain cross-attention).
+    Without segment ids every token is history of one session, and q and k may
+    differ in length (plain cross-attention). ``block_plan`` is a plan made by
+    :func:`make_block_plan` for these segment ids and ``block_sizes`` (after
+    :meth:`BlockSizes.for_lengths`); without one it is made here.
     """
     b, sq, hq, _ = q.shape
     skv, hkv = k.shape[1], k.shape[2]
@@ -91,14 +112,20 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     else:
         seg_q = seg_k = segment_ids.astype(jnp.int32)
     seg_q, seg_k = _pad(seg_q, sizes.block_q), _pad(seg_k, sizes.block_k)
+    if block_plan is None:
+        block_plan = make_block_plan(seg_q, seg_k, sizes, causal)
 
     dtype = compute_dtype(q.dtype)
-    plan = make_plan(seg_q, seg_k, sizes.block_q, sizes.block_k, causal)
-    static = _Static(causal, scale, softcap, softcap_method, sizes.block_q, sizes.block_k)
-    qb = _query_blocks(_pad(q.astype(dtype), sizes.block_q), hkv, sizes.block_q)
-    kb = _key_blocks(_pad(k.astype(dtype), sizes.block_k), sizes.block_k)
-    vb = _key_blocks(_pad(v.astype(dtype), sizes.block_k), sizes.block_k)
-    out, lse = _flash(static, qb, kb, vb, seg_q, seg_k, plan)
+    static = _Static(causal, softcap, softcap_method, sizes)
+    qb = _query_blocks(_pad(q.astype(dtype) * scale, sizes.block_q), hkv, sizes.block_q)
+    kb = _kv_blocks(_pad(k.astype(dtype), sizes.block_k), sizes.block_k)
+    vb = _kv_blocks(_pad(v.astype(dtype), sizes.block_k), sizes.block_k)
+    if segment_ids is None:
+        own_kv = None
+    else:  # each query's own key and value, in the query block layout
+        own_kv = (_kv_blocks(_pad(k.astype(dtype), sizes.block_q), sizes.block_q),
+                  _kv_blocks(_pad(v.astype(dtype), sizes.block_q), sizes.block_q))
+    out, lse = _flash(static, qb, kb, vb, own_kv, seg_q, seg_k, block_plan)
     # [B, nQ, Hkv, G, bq, Dv] -> [B, Sq, Hq, Dv];  [B, nQ, Hkv, G, bq] -> [B, Hq, Sq]
     padded = seg_q.shape[1]
     out = out.transpose(0, 1, 4, 2, 3, 5).reshape(b, padded, hq, -1)[:, :sq]
@@ -106,10 +133,13 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
 def _pad(x, block: int):
     """Zero-pad axis 1 to a multiple of ``block``; zero segment ids are invisible padding."""
-    extra = -x.shape[1] % block
-    return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.pad(x, [(0, 0), (0, -x.shape[1] % block)] + [(0, 0)] * (x.ndim - 2))
 
 
 def _query_blocks(q, hkv: int, block: int):
@@ -118,10 +148,16 @@ def _query_blocks(q, hkv: int, block: int):
     return q.reshape(b, s // block, block, hkv, hq // hkv, d).transpose(0, 1, 3, 4, 2, 5)
 
 
-def _key_blocks(x, block: int):
+def _kv_blocks(x, block: int):
     """[B, S, Hkv, D] -> [B, nK, Hkv, bk, D]."""
     b, s, h, d = x.shape
     return x.reshape(b, s // block, block, h, d).transpose(0, 1, 3, 2, 4)
+
+
+def _unblock_kv(x, length: int):
+    """Inverse of :func:`_kv_blocks`, dropping the padding: -> [B, length, Hkv, D]."""
+    b, n, h, block, d = x.shape
+    return x.transpose(0, 1, 3, 2, 4).reshape(b, n * block, h, d)[:, :length]
 
 
 def _gather(blocks, index):
@@ -129,90 +165,149 @@ def _gather(blocks, index):
     return jax.vmap(lambda x, i: x[i])(blocks, index)
 
 
-class _Step(NamedTuple):
-    """One key block per query block: what both passes need at step t."""
+class _Visit(NamedTuple):
+    """Step t of one of the two loops: one key block for every query block."""
 
     index: jax.Array   # [B, nQ] key block visited
+    valid: jax.Array   # [B, nQ] whether this query block has a t-th block in this loop
     k: jax.Array       # [B, nQ, Hkv, bk, D]
     v: jax.Array       # [B, nQ, Hkv, bk, Dv]
-    mask: jax.Array    # [B, nQ, 1, 1, bq, bk]
-    logits: jax.Array  # [B, nQ, Hkv, G, bq, bk], before the cap
+    mask: jax.Array | None  # [B, nQ, 1, 1, bq, bk] for partial blocks, None for full ones
+    logits: jax.Array  # [B, nQ, Hkv, G, bq, bk], scaled, before the cap
 
 
-def _step(static: _Static, t, qb, kb, vb, seg_q, seg_k, plan: BlockPlan) -> _Step:
-    b, n_q = plan.kv_count.shape
-    index = jax.lax.dynamic_index_in_dim(plan.kv_index, t, axis=2, keepdims=False)
+def _loops(plan: BlockPlan):
+    """(masked, first list position, trip count) of the full-block and partial-block loops."""
+    partial_count = plan.count - plan.full_count
+    return ((False, jnp.zeros_like(plan.full_count), plan.full_count),
+            (True, plan.full_count, partial_count))
+
+
+def _visit(static: _Static, masked: bool, t, start, count, qb, kb, vb, seg_q, seg_k,
+           plan: BlockPlan) -> _Visit:
+    b, n_q = count.shape
+    n_k = plan.kv_index.shape[-1]
+    position = jnp.minimum(start + t, n_k - 1)
+    index = jnp.take_along_axis(plan.kv_index, position[..., None], axis=-1)[..., 0]
+    valid = t < count
     k_t, v_t = _gather(kb, index), _gather(vb, index)
-    seg_q = seg_q.reshape(b, n_q, static.block_q)
-    seg_k = _gather(seg_k.reshape(b, -1, static.block_k), index)
-    pos_q = (jnp.arange(n_q) * static.block_q)[None, :, None] + jnp.arange(static.block_q)
-    pos_k = index[..., None] * static.block_k + jnp.arange(static.block_k)
-    mask = semantics.visible(seg_q[..., :, None], seg_k[..., None, :],
-                             pos_q[..., :, None], pos_k[..., None, :], static.causal)
-    mask &= (t < plan.kv_count)[..., None, None]
-    logits = jnp.einsum("bnhgqd,bnhkd->bnhgqk", qb, k_t, precision="highest") * static.scale
-    return _Step(index, k_t, v_t, mask[:, :, None, None], logits)
+    logits = jnp.einsum("bnhgqd,bnhkd->bnhgqk", qb, k_t, precision="highest")
+    mask = None
+    if masked:
+        bq, bk = static.sizes.block_q, static.sizes.block_k
+        pos_q = (jnp.arange(n_q) * bq)[None, :, None] + jnp.arange(bq)
+        pos_k = index[..., None] * bk + jnp.arange(bk)
+        mask = semantics.sees_history(seg_q.reshape(b, n_q, bq)[..., :, None],
+                                      _gather(seg_k.reshape(b, -1, bk), index)[..., None, :],
+                                      pos_q[..., :, None], pos_k[..., None, :], static.causal)
+        mask = (mask & valid[..., None, None])[:, :, None, None]
+    return _Visit(index, valid, k_t, v_t, mask, logits)
+
+
+def _row(x):
+    """[B, nQ] -> broadcastable against [B, nQ, Hkv, G, bq]."""
+    return x[:, :, None, None, None]
+
+
+def _own_logits(static: _Static, qb, own_kv, seg_q):
+    """Each candidate's logit on its own key: (capped, raw) [B, nQ, Hkv, G, bq], and the mask."""
+    b, n_q = qb.shape[:2]
+    raw = jnp.einsum("bnhgqd,bnhqd->bnhgq", qb, own_kv[0], precision="highest")
+    is_cand = (seg_q.reshape(b, n_q, 1, 1, -1) < 0)
+    return static.cap(raw), raw, is_cand
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(static: _Static, qb, kb, vb, seg_q, seg_k, plan: BlockPlan):
-    return _forward(static, qb, kb, vb, seg_q, seg_k, plan)
+def _flash(static: _Static, qb, kb, vb, own_kv, seg_q, seg_k, plan: BlockPlan):
+    return _forward(static, qb, kb, vb, own_kv, seg_q, seg_k, plan)
 
 
-def _forward(static: _Static, qb, kb, vb, seg_q, seg_k, plan: BlockPlan):
+def _forward(static: _Static, qb, kb, vb, own_kv, seg_q, seg_k, plan: BlockPlan):
     rows = qb.shape[:-1]  # [B, nQ, Hkv, G, bq]
+    carry = (jnp.full(rows, -jnp.inf, qb.dtype), jnp.zeros(rows, qb.dtype),
+             jnp.zeros(rows + vb.shape[-1:], qb.dtype))
 
-    def body(t, carry):
-        m, l, acc = carry
-        st = _step(static, t, qb, kb, vb, seg_q, seg_k, plan)
-        s = semantics.softcap(st.logits, static.softcap, static.softcap_method)
-        m_new = jnp.maximum(m, jnp.where(st.mask, s, -jnp.inf).max(-1))
+    for masked, start, count in _loops(plan):
+        def body(t, carry, masked=masked, start=start, count=count):
+            m, l, acc = carry
+            vis = _visit(static, masked, t, start, count, qb, kb, vb, seg_q, seg_k, plan)
+            s = static.cap(vis.logits)
+            if masked:
+                s = jnp.where(vis.mask, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))
+            shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
+            p = jnp.exp(s - shift[..., None])
+            alpha = jnp.exp(m - shift)
+            l_new = l * alpha + p.sum(-1)
+            acc_new = acc * alpha[..., None] + jnp.einsum("bnhgqk,bnhkd->bnhgqd", p, vis.v,
+                                                          precision="highest")
+            if masked:  # invalid steps are already fully masked
+                return m_new, l_new, acc_new
+            # A full-block step past this query block's list must change nothing.
+            ok = _row(vis.valid)
+            return (jnp.where(ok, m_new, m), jnp.where(ok, l_new, l),
+                    jnp.where(ok[..., None], acc_new, acc))
+
+        carry = jax.lax.fori_loop(0, count.max(), body, carry)
+    m, l, acc = carry
+
+    if own_kv is not None:  # the own-key logit joins the softmax
+        s_own, _, is_cand = _own_logits(static, qb, own_kv, seg_q)
+        m_new = jnp.where(is_cand, jnp.maximum(m, s_own), m)
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
-        p = jnp.where(st.mask, jnp.exp(s - shift[..., None]), 0)
+        p_own = jnp.where(is_cand, jnp.exp(s_own - shift), 0)
         alpha = jnp.exp(m - shift)
-        acc = acc * alpha[..., None] + jnp.einsum("bnhgqk,bnhkd->bnhgqd", p, st.v,
-                                                  precision="highest")
-        return m_new, l * alpha + p.sum(-1), acc
+        l = l * alpha + p_own
+        acc = acc * alpha[..., None] + p_own[..., None] * own_kv[1][:, :, :, None]
+        m = m_new
 
-    init = (jnp.full(rows, -jnp.inf, qb.dtype), jnp.zeros(rows, qb.dtype),
-            jnp.zeros(rows + vb.shape[-1:], qb.dtype))
-    m, l, acc = jax.lax.fori_loop(0, plan.kv_count.max(), body, init)
     seen = l > 0
     out = acc / jnp.where(seen, l, 1)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
     return out, lse
 
 
-def _flash_fwd(static, qb, kb, vb, seg_q, seg_k, plan):
-    out, lse = _forward(static, qb, kb, vb, seg_q, seg_k, plan)
-    return (out, lse), (qb, kb, vb, seg_q, seg_k, plan, out, lse)
+def _flash_fwd(static, qb, kb, vb, own_kv, seg_q, seg_k, plan):
+    out, lse = _forward(static, qb, kb, vb, own_kv, seg_q, seg_k, plan)
+    return (out, lse), (qb, kb, vb, own_kv, seg_q, seg_k, plan, out, lse)
 
 
 def _flash_bwd(static, residuals, cotangents):
-    qb, kb, vb, seg_q, seg_k, plan, out, lse = residuals
+    qb, kb, vb, own_kv, seg_q, seg_k, plan, out, lse = residuals
     d_out, d_lse = cotangents
     # d lse / d s = P, so an lse cotangent enters exactly like -delta does.
     delta = (d_out * out).sum(-1) - d_lse
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
     batch = jnp.arange(qb.shape[0])[:, None]
+    grads = (jnp.zeros_like(qb), jnp.zeros_like(kb), jnp.zeros_like(vb))
 
-    def body(t, carry):
-        dq, dk, dv = carry
-        st = _step(static, t, qb, kb, vb, seg_q, seg_k, plan)
-        s = semantics.softcap(st.logits, static.softcap, static.softcap_method)
-        p = jnp.where(st.mask, jnp.exp(s - lse_safe[..., None]), 0)
-        dv_t = jnp.einsum("bnhgqk,bnhgqd->bnhkd", p, d_out, precision="highest")
-        dp = jnp.einsum("bnhgqd,bnhkd->bnhgqk", d_out, st.v, precision="highest")
-        ds = p * (dp - delta[..., None])
-        ds = ds * semantics.softcap_grad(st.logits, static.softcap, static.softcap_method)
-        ds = ds * static.scale
-        dq = dq + jnp.einsum("bnhgqk,bnhkd->bnhgqd", ds, st.k, precision="highest")
-        dk_t = jnp.einsum("bnhgqk,bnhgqd->bnhkd", ds, qb, precision="highest")
-        return dq, dk.at[batch, st.index].add(dk_t), dv.at[batch, st.index].add(dv_t)
+    for masked, start, count in _loops(plan):
+        def body(t, grads, masked=masked, start=start, count=count):
+            dq, dk, dv = grads
+            vis = _visit(static, masked, t, start, count, qb, kb, vb, seg_q, seg_k, plan)
+            mask = vis.mask if masked else _row(vis.valid)[..., None]
+            p = jnp.where(mask, jnp.exp(static.cap(vis.logits) - lse_safe[..., None]), 0)
+            dp = jnp.einsum("bnhgqd,bnhkd->bnhgqk", d_out, vis.v, precision="highest")
+            ds = p * (dp - delta[..., None]) * static.cap_grad(vis.logits)
+            dq = dq + jnp.einsum("bnhgqk,bnhkd->bnhgqd", ds, vis.k, precision="highest")
+            dk_t = jnp.einsum("bnhgqk,bnhgqd->bnhkd", ds, qb, precision="highest")
+            dv_t = jnp.einsum("bnhgqk,bnhgqd->bnhkd", p, d_out, precision="highest")
+            return dq, dk.at[batch, vis.index].add(dk_t), dv.at[batch, vis.index].add(dv_t)
 
-    init = (jnp.zeros_like(qb), jnp.zeros_like(kb), jnp.zeros_like(vb))
-    dq, dk, dv = jax.lax.fori_loop(0, plan.kv_count.max(), body, init)
-    return dq, dk, dv, None, None, None
+        grads = jax.lax.fori_loop(0, count.max(), body, grads)
+    dq, dk, dv = grads
+
+    d_own = None
+    if own_kv is not None:
+        s_own, raw, is_cand = _own_logits(static, qb, own_kv, seg_q)
+        p_own = jnp.where(is_cand, jnp.exp(s_own - lse_safe), 0)
+        dp_own = jnp.einsum("bnhgqd,bnhqd->bnhgq", d_out, own_kv[1], precision="highest")
+        ds_own = p_own * (dp_own - delta) * static.cap_grad(raw)
+        dq = dq + ds_own[..., None] * own_kv[0][:, :, :, None]
+        d_own = (jnp.einsum("bnhgq,bnhgqd->bnhqd", ds_own, qb, precision="highest"),
+                 jnp.einsum("bnhgq,bnhgqd->bnhqd", p_own, d_out, precision="highest"))
+    # qb holds q * scale: autodiff of the wrapper applies the scale to dq.
+    return dq, dk, dv, d_own, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
