@@ -1,0 +1,27 @@
+"""Serving: a paged history KV cache, candidate scoring against it, and Quest page selection.
+
+With candidate isolation, history tokens never see candidates, so a user's
+history K/V per layer can be computed once and reused by every ranking request
+of that user: scoring C candidates costs O(C * S) per layer instead of
+O((S + C)^2), and scores are batch-invariant by construction.
+
+* :class:`PagedKVCache`, :func:`empty_cache`, :func:`cache_from_history`,
+  :func:`append`, :func:`release`: the cache (a pytree; every function is pure
+  and jittable).
+* :func:`attend`: queries [B, T, Hq, D] (or [B, Hq, D], [B, Hq*D]) against their
+  users' cached history plus an optional self term; exact, or with a token
+  ``budget`` using Quest's page bounds (``gqa='per_head' | 'group' | 'mean'``).
+* :func:`select_pages`, :func:`page_bounds`: the selection and the bounds
+  behind it, for inspection.
+
+Errors are RA2xx in docs/errors.md; the guide is docs/serving.md.
+"""
+
+from rankattn.serving import _errors  # noqa: F401  (registers RA2xx)
+from rankattn.serving.scoring import (DEFAULT_GROUP_RULE, GQA_MODES, GROUP_RULES, attend,
+                                     page_bounds, select_pages)
+from rankattn.serving.cache import (PagedKVCache, append, cache_from_history, empty_cache,
+                                    release)
+
+__all__ = ["DEFAULT_GROUP_RULE", "GQA_MODES", "GROUP_RULES", "PagedKVCache", "append", "attend",
+           "cache_from_history", "empty_cache", "page_bounds", "release", "select_pages"]

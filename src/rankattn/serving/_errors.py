@@ -1,0 +1,98 @@
+"""The serving module's error codes (RA2xx), registered into :mod:`rankattn.errors`."""
+
+from __future__ import annotations
+
+from rankattn.errors import ErrorKind, RankattnTypeError, register
+
+register(
+    ErrorKind(
+        "RA201", "cache is not a PagedKVCache or its arrays disagree",
+        "Serving functions take the cache built by rankattn.serving.empty_cache or "
+        "cache_from_history (and returned by append / release): a PagedKVCache whose k_pages "
+        "[N, P, Hkv, D] and v_pages [N, P, Hkv, Dv] agree on N, P and Hkv, with key min/max "
+        "[N, Hkv, D], page_table [U, max_pages] and lengths [U].",
+        "Pass the cache object that the last append or release returned; do not rebuild its "
+        "fields by hand.",
+        RankattnTypeError),
+    ErrorKind(
+        "RA202", "unsupported query shape",
+        "attend takes queries as [B, T, Hq, D] (T candidates or decode steps per row), "
+        "[B, Hq, D] (one query per row) or [B, Hq*D] (heads flattened, as SGLang passes them); "
+        "the output has the same layout with D replaced by the value head dim.",
+        "Reshape the query to one of the three layouts; B is the number of cached users you "
+        "score (the length of users).",
+        RankattnTypeError),
+    ErrorKind(
+        "RA203", "flattened query size is not a multiple of the head dim",
+        "A 2-D query [B, Hq*D] is split into heads of the cache's head dim D, so its last axis "
+        "must be a multiple of D.",
+        "Check that the query comes from the same layer as the cache (same head dim), or pass it "
+        "as [B, Hq, D]."),
+    ErrorKind(
+        "RA204", "query heads are not a multiple of the cache's kv heads",
+        "Grouped-query attention gives query head h the kv head h // (Hq // Hkv), so Hq must be "
+        "divisible by the cache's Hkv. Any divisible ratio works, in every gqa mode.",
+        "Use a cache built with a kv head count that divides the query head count (the message "
+        "lists them), or pass the query heads of this layer only."),
+    ErrorKind(
+        "RA205", "query and cache disagree on the head dim",
+        "q . k needs the query head dim to equal the cached keys' head dim.",
+        "Pass the query of the layer whose K/V the cache holds."),
+    ErrorKind(
+        "RA206", "users has the wrong shape, dtype or values",
+        "users is an integer array [B]: row b of the query is scored against cached user "
+        "users[b], which must be in [0, U). (Only concrete users can be range-checked; under jit "
+        "an out-of-range id reads a clamped row.)",
+        "Pass jnp.asarray(ids, jnp.int32) with one id per query row, each below the cache's "
+        "user count."),
+    ErrorKind(
+        "RA207", "self_kv is malformed",
+        "self_kv is a pair (k_self, v_self) holding each query's own key and value: "
+        "[B, T, Hkv, D] and [B, T, Hkv, Dv] for 4-D queries, [B, Hkv, D] / [B, Hkv, Dv] for "
+        "3-D queries, [B, Hkv*D] / [B, Hkv*Dv] for 2-D queries.",
+        "Pass a tuple of two arrays in the query's layout with the cache's kv heads and head "
+        "dims, or self_kv=None when the queries have no self term."),
+    ErrorKind(
+        "RA208", "budget, sink_pages or recent_pages is invalid",
+        "budget is a token count (a Python int, or None for exact attention); it buys "
+        "budget // P pages per query, which must leave room for at least one scored page after "
+        "the sink_pages first and recent_pages last pages that are always kept. sink_pages and "
+        "recent_pages are non-negative Python ints.",
+        "Pass budget=None for the exact path, or a budget of at least "
+        "(sink_pages + recent_pages + 1) * P tokens."),
+    ErrorKind(
+        "RA209", "unknown gqa mode or group rule",
+        "gqa is 'per_head' (each query head picks its pages), 'group' (one page set per kv "
+        "head, the default) or 'mean' (the group's mean query is scored, as SGLang does). "
+        "group_rule picks how 'group' merges its heads' page scores.",
+        "Pass one of the listed names."),
+    ErrorKind(
+        "RA210", "append does not fit in the cache",
+        "A user's history can hold at most max_pages * P tokens, and new pages come from the "
+        "cache's free pages. When the arrays are concrete, an append that does not fit raises "
+        "this error and changes nothing. Under jit it cannot raise: the users whose tokens do "
+        "not fit are left unchanged and cache.overflow becomes True (and stays True).",
+        "Release users you no longer serve (rankattn.serving.release), or build the cache with "
+        "more pages (num_pages=) or a larger per-user limit (max_pages=)."),
+    ErrorKind(
+        "RA211", "append arguments are malformed",
+        "append takes users [B] (distinct ids), k_new [B, T, Hkv, D] and v_new [B, T, Hkv, Dv] "
+        "matching the cache's heads and head dims, and counts [B] with 0 <= counts <= T "
+        "(row b appends its first counts[b] tokens).",
+        "Shape the new tokens like the cache's pages, give each user at most one row per call, "
+        "and pass counts as an int array [B]."),
+    ErrorKind(
+        "RA212", "history arrays or page layout are malformed",
+        "cache_from_history takes k_hist [U, S, Hkv, D], v_hist [U, S, Hkv, Dv] of one float "
+        "dtype and lengths [U] with 0 <= lengths <= S; empty_cache takes positive ints "
+        "(page_size, num_pages, max_pages, heads, head dims) and a float dtype.",
+        "Pad the histories to one length S, pass their true lengths, and use positive ints "
+        "such as page_size=16."),
+    ErrorKind(
+        "RA213", "a serving input has a non-float dtype",
+        "Queries, keys and values must be floating point (float32, bfloat16, float16, or "
+        "float64 with x64). The math runs in float32 (float64 for float64 inputs); the cache "
+        "may use a different float dtype than the queries.",
+        "Cast with .astype(jnp.float32) or .astype(jnp.bfloat16).",
+        RankattnTypeError),
+)

@@ -1,0 +1,369 @@
+"""The paged history KV cache: a pytree of arrays and pure functions that update it.
+
+Layout (one cache per layer):
+
+* ``k_pages [N, P, Hkv, D]`` and ``v_pages [N, P, Hkv, Dv]``: N physical pages of P
+  tokens each, shared by all users;
+* ``k_min``, ``k_max [N, Hkv, D]`` (float32, float64 for float64 caches): per page,
+  per kv head, per channel, the min / max over the page's *filled* slots only
+  (``+inf`` / ``-inf`` on a page with no token), which is what Quest's bound needs;
+* ``page_table [U, max_pages]`` int32: user u's token i lives in slot ``i % P`` of
+  page ``page_table[u, i // P]``; ``-1`` marks no page;
+* ``lengths [U]`` int32: tokens cached per user (user u owns exactly its first
+  ``ceil(lengths[u] / P)`` page-table entries);
+* ``free [N]`` bool: pages not owned by any user; allocation takes the free pages
+  with the lowest ids;
+* ``overflow []`` bool: set (and kept) when an append under jit did not fit.
+
+Every function returns a new cache and never mutates its argument; jit them with
+``donate_argnums=0`` to let XLA update the pages in place.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rankattn.backends.base import compute_dtype
+from rankattn.errors import fail
+from rankattn.validate import _concrete
+
+
+class PagedKVCache(NamedTuple):
+    """Paged K/V history of many users for one layer (see the module docstring)."""
+
+    k_pages: jax.Array     # [N, P, Hkv, D]
+    v_pages: jax.Array     # [N, P, Hkv, Dv]
+    k_min: jax.Array       # [N, Hkv, D] float32; +inf where a page has no token
+    k_max: jax.Array       # [N, Hkv, D] float32; -inf where a page has no token
+    page_table: jax.Array  # [U, max_pages] int32; -1 = no page
+    lengths: jax.Array     # [U] int32
+    free: jax.Array        # [N] bool
+    overflow: jax.Array    # [] bool, sticky
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def num_users(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_pages.shape[3]
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.v_pages.shape[3]
+
+
+def empty_cache(*, num_users: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+                v_head_dim: int | None = None, max_pages: int | None = None,
+                dtype=jnp.float32) -> PagedKVCache:
+    """A cache with no tokens: every page free, every length 0.
+
+    Args:
+      num_users: U, the number of user slots (rows of the page table).
+      num_pages: N, physical pages shared by all users.
+      page_size: P, tokens per page (e.g. 16, 32, 64).
+      kv_heads, head_dim: Hkv and D of the keys.
+      v_head_dim: Dv of the values (default D).
+      max_pages: most pages one user may own (default N); user capacity is
+        max_pages * P tokens. The page table costs U * max_pages int32.
+      dtype: float dtype of k_pages / v_pages (min/max are kept in float32).
+
+    Returns:
+      PagedKVCache; pages hold zeros, k_min +inf, k_max -inf, page_table -1.
+    """
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    max_pages = num_pages if max_pages is None else max_pages
+    sizes = dict(num_users=num_users, num_pages=num_pages, page_size=page_size,
+                 kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, max_pages=max_pages)
+    bad = {n: v for n, v in sizes.items() if not _positive_int(v)}
+    if bad:
+        raise fail("RA212", "empty_cache needs positive Python ints; got "
+                            + ", ".join(f"{n}={v!r}" for n, v in bad.items()) + ".")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise fail("RA213", f"empty_cache dtype={jnp.dtype(dtype)}; pass a float dtype such as "
+                            "jnp.float32 or jnp.bfloat16.")
+    stat = compute_dtype(dtype)
+    return PagedKVCache(
+        k_pages=jnp.zeros((num_pages, page_size, kv_heads, head_dim), dtype),
+        v_pages=jnp.zeros((num_pages, page_size, kv_heads, v_head_dim), dtype),
+        k_min=jnp.full((num_pages, kv_heads, head_dim), jnp.inf, stat),
+        k_max=jnp.full((num_pages, kv_heads, head_dim), -jnp.inf, stat),
+        page_table=jnp.full((num_users, max_pages), -1, jnp.int32),
+        lengths=jnp.zeros((num_users,), jnp.int32),
+        free=jnp.ones((num_pages,), bool),
+        overflow=jnp.zeros((), bool),
+    )
+
+
+def cache_from_history(k_hist, v_hist, lengths, page_size: int = 16, *,
+                       num_pages: int | None = None, max_pages: int | None = None) -> PagedKVCache:
+    """Build a cache from dense per-user histories (user u = row u).
+
+    Args:
+      k_hist: [U, S, Hkv, D] keys; float dtype (the cache keeps it).
+      v_hist: [U, S, Hkv, Dv] values, same dtype.
+      lengths: int [U]; positions >= lengths[u] of row u are not history.
+      page_size: P, tokens per page.
+      num_pages: physical pages (default U * max_pages, room for every row to
+        grow to max_pages pages).
+      max_pages: pages one user may own (default ceil(S / P)).
+
+    Returns:
+      PagedKVCache with user u's first lengths[u] tokens; users own pages in
+      row order. Same as ``append(empty_cache(...), arange(U), k_hist, v_hist,
+      lengths)``, which is how it is computed.
+    """
+    for name, x in (("k_hist", k_hist), ("v_hist", v_hist)):
+        if not hasattr(x, "shape") or len(x.shape) != 4 or 0 in x.shape:
+            raise fail("RA212", f"{name} must be a non-empty 4-D array [U, S, Hkv, D]; got "
+                                f"{_describe(x)}.")
+    (u, s, hkv, d), (uv, sv, hv, dv) = k_hist.shape, v_hist.shape
+    if (u, s, hkv) != (uv, sv, hv):
+        raise fail("RA212", f"k_hist is {tuple(k_hist.shape)} and v_hist is {tuple(v_hist.shape)}; "
+                            "they must agree on users, length and kv heads (axes 0-2).")
+    for x in (k_hist, v_hist):
+        check_float("k_hist" if x is k_hist else "v_hist", x)
+    if not hasattr(lengths, "shape"):
+        lengths = np.asarray(lengths)
+    if tuple(lengths.shape) != (u,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise fail("RA212", f"lengths must be an int array of shape ({u},), one per history row; "
+                            f"got {_describe(lengths)}.")
+    values = _concrete(lengths)
+    if values is not None and ((values < 0) | (values > s)).any():
+        raise fail("RA212", f"lengths {values.tolist()[:8]} must lie in [0, S={s}].")
+    for name, value in (("page_size", page_size), ("max_pages", max_pages)):
+        if value is not None and not _positive_int(value):
+            raise fail("RA212", f"{name}={value!r}; pass a positive Python int such as 16.")
+    max_pages = -(-s // page_size) if max_pages is None else max_pages
+    num_pages = u * max_pages if num_pages is None else num_pages
+    cache = empty_cache(num_users=u, num_pages=num_pages, page_size=page_size, kv_heads=hkv,
+                        head_dim=d, v_head_dim=dv, max_pages=max_pages, dtype=k_hist.dtype)
+    return append(cache, jnp.arange(u, dtype=jnp.int32), k_hist, v_hist, lengths)
+
+
+def append(cache: PagedKVCache, users, k_new, v_new, counts) -> PagedKVCache:
+    """Append new history tokens: row b adds its first counts[b] tokens to user users[b].
+
+    Args:
+      cache: PagedKVCache.
+      users: int [B], distinct user ids in [0, U).
+      k_new: [B, T, Hkv, D] keys (any float dtype; stored in the cache's dtype).
+      v_new: [B, T, Hkv, Dv] values.
+      counts: int [B], 0 <= counts[b] <= T.
+
+    Returns:
+      The new cache. Pages are allocated from the free pages with the lowest
+      ids; key min/max are updated with a scatter-min/max of exactly the new
+      tokens, so a partially filled page covers only its filled slots.
+
+    Raises RA210 when the arrays are concrete and a user would exceed max_pages * P
+    tokens or the free pages run out (nothing is changed). Under jit the
+    users that do not fit are skipped and ``cache.overflow`` is set instead.
+    Ids repeated within one call are an error when concrete and undefined
+    under jit. Cost: O(B * T) scatters plus O(B * max_pages + N) bookkeeping.
+    """
+    check_cache(cache)
+    users = check_users(users, cache, "append")
+    b = users.shape[0]
+    for name, x, last in (("k_new", k_new, cache.head_dim), ("v_new", v_new, cache.v_head_dim)):
+        if not hasattr(x, "shape") or len(x.shape) != 4:
+            raise fail("RA211", f"{name} must be 4-D [B, T, Hkv, D]; got {_describe(x)}.")
+        check_float(name, x)
+        want = (b, k_new.shape[1], cache.kv_heads, last)
+        if tuple(x.shape) != want:
+            raise fail("RA211", f"{name} has shape {tuple(x.shape)}; with {b} users and a cache of "
+                                f"{cache.kv_heads} kv heads it must be {want} [B, T, Hkv, D].")
+    if not hasattr(counts, "shape"):
+        counts = np.asarray(counts)
+    if tuple(counts.shape) != (b,) or not jnp.issubdtype(counts.dtype, jnp.integer):
+        raise fail("RA211", f"counts must be an int array of shape ({b},), one count per user; got "
+                            f"{_describe(counts)}.")
+    counts = jnp.asarray(counts, jnp.int32)
+    _check_append_values(cache, users, counts, k_new.shape[1])
+    return _append(cache, users, k_new, v_new, counts)
+
+
+def release(cache: PagedKVCache, users) -> PagedKVCache:
+    """Free the pages of ``users`` (int [B]) and set their lengths to 0.
+
+    Freed pages get k_min = +inf, k_max = -inf again, so their next owner's
+    bounds cover only its own tokens. Repeated ids are harmless.
+    """
+    check_cache(cache)
+    users = check_users(users, cache, "release")
+    return _release(cache, users)
+
+
+# --- Checks shared with attend. ---------------------------------------------------------------
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+
+
+def _describe(x) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{x.dtype} array of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def check_cache(cache) -> None:
+    """Raise RA201 unless ``cache`` is a consistent PagedKVCache."""
+    if not isinstance(cache, PagedKVCache):
+        raise fail("RA201", f"cache must be a rankattn.serving.PagedKVCache; got "
+                            f"{type(cache).__name__}. Build one with cache_from_history or "
+                            "empty_cache.")
+    n, p, h, d = cache.k_pages.shape
+    want = {"v_pages": (n, p, h, cache.v_head_dim), "k_min": (n, h, d), "k_max": (n, h, d),
+            "page_table": (cache.num_users, cache.max_pages), "lengths": (cache.num_users,),
+            "free": (n,), "overflow": ()}
+    for name, shape in want.items():
+        got = tuple(getattr(cache, name).shape)
+        if got != shape:
+            raise fail("RA201", f"cache.{name} has shape {got}, but k_pages {tuple(cache.k_pages.shape)} "
+                                f"implies {shape}. Use the cache returned by append / release.")
+
+
+def check_users(users, cache: PagedKVCache, where: str):
+    """users as int32 [B]; RA206 if malformed or (when concrete) out of range."""
+    if not hasattr(users, "shape"):
+        users = np.asarray(users)
+    if users.ndim != 1 or users.shape[0] == 0 or not jnp.issubdtype(users.dtype, jnp.integer):
+        raise fail("RA206", f"{where}: users must be a non-empty int array [B]; got "
+                            f"{_describe(users)}.")
+    values = _concrete(users)
+    if values is not None:
+        bad = values[(values < 0) | (values >= cache.num_users)]
+        if bad.size:
+            raise fail("RA206", f"{where}: users holds {bad[:5].tolist()}, outside [0, "
+                                f"{cache.num_users}) (the cache has {cache.num_users} users).")
+    return jnp.asarray(users, jnp.int32)
+
+
+def check_float(name: str, x) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise fail("RA213", f"{name} has dtype {x.dtype}; it must be a float dtype. Cast with "
+                            f"{name}.astype(jnp.float32).")
+
+
+def _check_append_values(cache: PagedKVCache, users, counts, t: int) -> None:
+    """The checks that need values; skipped under jit (the overflow flag covers capacity)."""
+    u, c = _concrete(users), _concrete(counts)
+    if u is None or c is None:
+        return
+    if len(set(u.tolist())) != len(u):
+        raise fail("RA211", f"users {u.tolist()} repeats an id; give each user one row per call "
+                            "(concatenate its tokens along T).")
+    if ((c < 0) | (c > t)).any():
+        raise fail("RA211", f"counts {c.tolist()} must lie in [0, T={t}].")
+    lengths, free = _concrete(cache.lengths), _concrete(cache.free)
+    if lengths is None or free is None:
+        return
+    p = cache.page_size
+    old = lengths[u]
+    over = old + c > cache.max_pages * p
+    if over.any():
+        i = int(np.argmax(over))
+        raise fail("RA210", f"user {u[i]} holds {old[i]} tokens and appends {c[i]}, over its "
+                            f"capacity max_pages * P = {cache.max_pages} * {p} = "
+                            f"{cache.max_pages * p}. Release it or build the cache with a larger "
+                            "max_pages.")
+    need = int((-(-(old + c) // p) - (-(-old // p))).sum())
+    if need > free.sum():
+        raise fail("RA210", f"this append needs {need} new pages but only {int(free.sum())} of "
+                            f"{cache.num_pages} are free. Release users or build the cache with "
+                            "more num_pages.")
+
+
+# --- Jitted bodies. ----------------------------------------------------------------------------
+
+
+@jax.jit
+def _append(cache: PagedKVCache, users, k_new, v_new, counts) -> PagedKVCache:
+    n, p = cache.num_pages, cache.page_size
+    b, t = k_new.shape[:2]
+    counts = jnp.clip(counts, 0, t)
+    old = cache.lengths[users]
+    pages_old = -(-old // p)
+    need = -(-(old + counts) // p) - pages_old
+
+    # Decide who fits before touching anything: per-user capacity first, then the
+    # free pages in row order (a skipped user frees nothing for later rows, which
+    # keeps the rule simple and order-stable).
+    fits = old + counts <= cache.max_pages * p
+    need = jnp.where(fits, need, 0)
+    start = jnp.cumsum(need) - need
+    fits &= start + need <= cache.free.sum()
+    counts = jnp.where(fits, counts, 0)
+    need = jnp.where(fits, need, 0)
+
+    # New page-table entries j in [pages_old, pages_old + need) take consecutive
+    # free pages (lowest ids first) starting at the row's offset `start`.
+    free_ids = jnp.nonzero(cache.free, size=n, fill_value=n)[0]
+    j = jnp.arange(cache.max_pages)[None, :]
+    is_new = (j >= pages_old[:, None]) & (j < (pages_old + need)[:, None])
+    take = jnp.clip(start[:, None] + j - pages_old[:, None], 0, n - 1)
+    rows = jnp.where(is_new, free_ids[take], cache.page_table[users])
+    free = cache.free.at[jnp.where(is_new, rows, n)].set(False, mode="drop")
+
+    # Token (b, i) goes to slot (old + i) % P of page rows[b, (old + i) // P].
+    pos = old[:, None] + jnp.arange(t)[None, :]
+    valid = jnp.arange(t)[None, :] < counts[:, None]
+    page = jnp.take_along_axis(rows, jnp.clip(pos // p, 0, cache.max_pages - 1), axis=1)
+    page = jnp.where(valid, page, n).reshape(-1)           # n = dropped by mode="drop"
+    flat = jnp.where(valid, page.reshape(b, t) * p + pos % p, n * p).reshape(-1)
+    k_flat = k_new.reshape(b * t, *k_new.shape[2:])
+    v_flat = v_new.reshape(b * t, *v_new.shape[2:])
+
+    def write(pages, new):
+        shape = pages.shape
+        pages = pages.reshape(n * p, *shape[2:])
+        return pages.at[flat].set(new.astype(pages.dtype), mode="drop").reshape(shape)
+
+    # Min/max see the values as stored (after the cast to the cache dtype), so the
+    # bound holds for exactly the keys attend will read.
+    k_stored = k_flat.astype(cache.k_pages.dtype).astype(cache.k_min.dtype)
+    return PagedKVCache(
+        k_pages=write(cache.k_pages, k_flat),
+        v_pages=write(cache.v_pages, v_flat),
+        k_min=cache.k_min.at[page].min(k_stored, mode="drop"),
+        k_max=cache.k_max.at[page].max(k_stored, mode="drop"),
+        page_table=cache.page_table.at[users].set(rows),
+        lengths=cache.lengths.at[users].set(old + counts),
+        free=free,
+        overflow=cache.overflow | ~fits.all(),
+    )
+
+
+@jax.jit
+def _release(cache: PagedKVCache, users) -> PagedKVCache:
+    n = cache.num_pages
+    rows = cache.page_table[users]
+    pages = jnp.where(rows >= 0, rows, n).reshape(-1)
+    return cache._replace(
+        k_min=cache.k_min.at[pages].set(jnp.inf, mode="drop"),
+        k_max=cache.k_max.at[pages].set(-jnp.inf, mode="drop"),
+        page_table=cache.page_table.at[users].set(-1),
+        lengths=cache.lengths.at[users].set(0),
+        free=cache.free.at[pages].set(True, mode="drop"),
+    )

@@ -1,0 +1,440 @@
+"""Scoring queries against the paged history cache, exactly or with Quest page selection.
+
+A query row b belongs to cached user ``users[b]``. It attends to that user's
+cached history and, optionally, to its own key/value (``self_kv``: a
+candidate's self term). That is exactly what a candidate row of
+:func:`rankattn.attention` sees with candidate isolation, so with no budget the
+two agree to float32 rounding.
+
+Quest (Tang et al., 2024) bounds the logit of query q on any key of page j by
+``U_j(q) = sum_i max(q_i * M_j[i], q_i * m_j[i])`` (M, m: the page's channel-wise
+key max / min, q: the *scaled* query, so the bound holds for any sign of
+``scale``). Since ``max(q M, q m) = max(q, 0) M + min(q, 0) m`` the scores of all
+pages are two matrix products. With a budget, each query keeps ``budget // P``
+pages: the ``sink_pages`` first and ``recent_pages`` last pages always, the rest
+by score, and attends to those pages only.
+
+Selection is *per query row*: each candidate picks its own pages (candidates
+of one request never share a page set, so isolation holds for the selection
+too and one candidate's presence never changes another's score). The page axis
+is padded to a static ``budget // P`` so shapes never depend on lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from rankattn import semantics
+from rankattn.backends.base import compute_dtype
+from rankattn.errors import fail
+from rankattn.serving.cache import (PagedKVCache, _describe, _positive_int, check_cache,
+                                    check_float, check_users)
+from rankattn.validate import check_attention_args
+
+GQA_MODES = ("per_head", "group", "mean")
+
+# Elements per gathered K/V chunk (and per chunk of logits) in the page loop:
+# large enough that the loop has few steps, small enough to stay in memory.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+# --- How "group" merges the page scores of its query heads. ------------------------------------
+#
+# Each rule maps bounds u [B, T, Hkv, G, M] (-inf on missing pages; `valid` marks
+# real pages) to one score per page [B, T, Hkv, 1, M]. benchmarks/SERVING.md
+# measures them on planted keys; DEFAULT_GROUP_RULE is the winner.
+
+
+def _masked_mean(x, valid):
+    count = jnp.maximum(valid.sum(-1, keepdims=True), 1)
+    return jnp.where(valid, x, 0).sum(-1, keepdims=True) / count
+
+
+def _rule_max(u, valid):
+    """Plain max of the raw bounds: the head with the largest query norm decides."""
+    return u.max(3, keepdims=True)
+
+
+def _rule_standardised(u, valid):
+    """Max over heads of each head's z-score over the user's pages."""
+    mean = _masked_mean(u, valid)
+    var = _masked_mean(jnp.square(jnp.where(valid, u - mean, 0)), valid)
+    return ((u - mean) * jax.lax.rsqrt(var + 1e-12)).max(3, keepdims=True)
+
+
+def _rule_gap(u, valid):
+    """Max over heads of the bound minus the head's best page bound (logit units)."""
+    return (u - u.max(-1, keepdims=True)).max(3, keepdims=True)
+
+
+def _rule_share(u, valid):
+    """Max over heads of the bound minus its logsumexp over pages: a softmax-share estimate."""
+    return (u - jax.nn.logsumexp(u, axis=-1, keepdims=True)).max(3, keepdims=True)
+
+
+def _rule_rank(u, valid):
+    """Best rank any head gives the page (a round-robin union of the heads' lists)."""
+    rank = jnp.argsort(jnp.argsort(-u, axis=-1), axis=-1)
+    return -rank.min(3, keepdims=True).astype(u.dtype)
+
+
+GROUP_RULES = {"max": _rule_max, "standardised": _rule_standardised, "gap": _rule_gap,
+               "share": _rule_share, "rank": _rule_rank}
+DEFAULT_GROUP_RULE = "standardised"
+
+
+# --- Public functions. -------------------------------------------------------------------------
+
+
+def attend(q, cache: PagedKVCache, users, self_kv=None, *, budget=None, gqa="group",
+           sink_pages=1, recent_pages=1, scale=None, softcap=None, softcap_method="tanh",
+           group_rule=DEFAULT_GROUP_RULE):
+    """Attention of queries to their users' cached history (+ optional self term).
+
+    Args:
+      q: queries, one of [B, T, Hq, D] (T candidates of one request, or T=1 for a
+        decode step), [B, Hq, D] or [B, Hq*D]; any float dtype. Hq must be a
+        multiple of the cache's Hkv (query head h reads kv head h // (Hq // Hkv)).
+      cache: PagedKVCache holding k/v pages [N, P, Hkv, D] / [N, P, Hkv, Dv].
+      users: int [B]; row b attends to the history of cached user users[b].
+      self_kv: optional (k_self, v_self), each query's own key and value in the
+        query's layout: [B, T, Hkv, D] and [B, T, Hkv, Dv] (or [B, Hkv, D],
+        or [B, Hkv*D]). Query (b, t) sees key (b, t) and no other self key.
+      budget: None for exact attention over the whole history, or a token
+        budget (Python int): each query row attends to budget // P pages
+        chosen by Quest's bound. Users with no more pages than that are
+        attended densely.
+      gqa: how a budget is shared by the query heads of a kv head:
+        'per_head' (each query head picks its own pages; most precise),
+        'group' (one page set per kv head, scored by ``group_rule``; the
+        default) or 'mean' (the group's mean query is scored, SGLang's rule,
+        whose score no longer bounds each head's logit).
+      sink_pages, recent_pages: the first / last pages of each history that
+        every query keeps (they count against the budget).
+      scale: logit scale (default 1 / sqrt(D)); softcap, softcap_method: as
+        :func:`rankattn.attention` (the cap applies to history and self logits).
+      group_rule: the 'group' merge rule, a key of GROUP_RULES (default chosen
+        by measurement, see benchmarks/SERVING.md); kept for comparison.
+
+    Returns:
+      out in q's layout with D replaced by Dv ([B, T, Hq, Dv], [B, Hq, Dv] or
+      [B, Hq*Dv]), in q's dtype. A row whose user has no history and no self
+      term gets zeros.
+
+    Without a budget this equals the candidate rows of
+    ``rankattn.attention(concat([history, candidates]), segment_ids=[1]*S + [-1]*T)``.
+    Math in float32 (float64 for float64 inputs). Traced users / cache values
+    are fine under jit; budget, gqa, pages, scale and softcap are static.
+    Cost: exact, O(T * Hq * S * D) reading the whole history once per row;
+    with a budget, O(T * Hq * (S/P + budget) * D), gathering only the selected
+    pages.
+    """
+    query, plan = _check(q, cache, users, self_kv, budget=budget, gqa=gqa, sink_pages=sink_pages,
+                         recent_pages=recent_pages, scale=scale, softcap=softcap,
+                         softcap_method=softcap_method, group_rule=group_rule)
+    users = check_users(users, cache, "attend")
+    k_self, v_self = query.self_kv
+    out = _attend(plan, query.q, cache, users, k_self, v_self)
+    return query.restore(out)
+
+
+def select_pages(q, cache: PagedKVCache, users, *, budget, gqa="group", sink_pages=1,
+                 recent_pages=1, scale=None, group_rule=DEFAULT_GROUP_RULE):
+    """The history pages each query head attends to under ``attend(..., budget=budget)``.
+
+    Arguments as :func:`attend` (budget required). Returns int32 [B, T, Hq, n]
+    (or [B, Hq, n] for 3-D / 2-D queries), n = min(budget // P, max_pages):
+    logical page numbers (page j holds tokens [j*P, (j+1)*P) of the user's
+    history), -1 where the user has fewer pages than n. Order is by score, the
+    kept sink/recent pages first.
+    """
+    if budget is None:
+        raise fail("RA208", "select_pages needs budget=<tokens>; budget=None means no selection.")
+    query, plan = _check(q, cache, users, None, budget=budget, gqa=gqa, sink_pages=sink_pages,
+                         recent_pages=recent_pages, scale=scale, softcap=None,
+                         softcap_method="tanh", group_rule=group_rule)
+    users = check_users(users, cache, "select_pages")
+    pages = _select_public(plan, query.q, cache, users)
+    return pages if query.has_t else pages[:, 0]
+
+
+def page_bounds(q, cache: PagedKVCache, users, *, scale=None):
+    """Quest's upper bound of every query head's (uncapped, scaled) logit, per page.
+
+    Arguments as :func:`attend`. Returns float32 [B, T, Hq, max_pages] (or
+    [B, Hq, max_pages] for 3-D / 2-D queries): entry j bounds ``scale * q . k``
+    for every key k of the user's page j, and is -inf where the user has no
+    page j. A soft cap is monotone, so capped logits are bounded by the capped
+    bound.
+    """
+    query, plan = _check(q, cache, users, None, budget=None, gqa="per_head", sink_pages=0,
+                         recent_pages=0, scale=scale, softcap=None, softcap_method="tanh",
+                         group_rule=DEFAULT_GROUP_RULE)
+    users = check_users(users, cache, "page_bounds")
+    bounds = _bounds_public(plan, query.q, cache, users)
+    return bounds if query.has_t else bounds[:, 0]
+
+
+# --- Argument checks. --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static: it selects the compiled program."""
+
+    pages: int | None        # pages per query (budget // P), None = exact
+    gqa: str
+    group_rule: str
+    sink_pages: int
+    recent_pages: int
+    scale: float
+    softcap: float | None
+    softcap_method: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Query:
+    q: jax.Array              # [B, T, Hq, D]
+    self_kv: tuple            # ([B, T, Hkv, D], [B, T, Hkv, Dv]) or (None, None)
+    has_t: bool               # the caller's layout had a T axis
+    flat: bool                # the caller's layout was [B, Hq*D]
+
+    def restore(self, out):
+        """[B, T, Hq, Dv] -> the caller's layout."""
+        if self.has_t:
+            return out
+        out = out[:, 0]
+        return out.reshape(out.shape[0], -1) if self.flat else out
+
+
+def _check(q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_pages, scale, softcap,
+           softcap_method, group_rule) -> tuple[_Query, _Plan]:
+    check_cache(cache)
+    hkv, d, dv = cache.kv_heads, cache.head_dim, cache.v_head_dim
+    if not hasattr(q, "shape") or not hasattr(q, "dtype"):
+        raise fail("RA202", f"q must be an array; got {type(q).__name__}.")
+    check_float("q", q)
+    shape = tuple(q.shape)
+    if len(shape) == 2:
+        if shape[1] % d:
+            raise fail("RA203", f"q has shape {shape}: its hidden size {shape[1]} is not a "
+                                f"multiple of the cache's head dim {d}. Pass [B, Hq*{d}] or "
+                                f"[B, Hq, {d}].")
+        q4 = q.reshape(shape[0], 1, shape[1] // d, d)
+    elif len(shape) == 3:
+        q4 = q[:, None]
+    elif len(shape) == 4:
+        q4 = q
+    else:
+        raise fail("RA202", f"q has shape {shape} ({len(shape)}-D); use [B, T, Hq, D], [B, Hq, D] "
+                            f"or [B, Hq*D] with D = {d} (the cache's head dim).")
+    b, t, hq, dq = q4.shape
+    if 0 in q4.shape:
+        raise fail("RA202", f"q has shape {shape}; every axis must be >= 1.")
+    if dq != d:
+        raise fail("RA205", f"q has head dim {dq} (shape {shape}) but the cache holds keys of "
+                            f"head dim {d}. Pass queries of the cache's layer.")
+    if hq % hkv:
+        options = ", ".join(str(x) for x in range(1, hq + 1) if hq % x == 0)
+        raise fail("RA204", f"q has {hq} query heads and the cache has {hkv} kv heads; {hq} is not "
+                            f"a multiple of {hkv}. kv head counts that divide {hq}: {options}.")
+    n_users = users.shape[0] if hasattr(users, "shape") and len(users.shape) == 1 else None
+    if n_users is not None and n_users != b:
+        raise fail("RA206", f"users has {n_users} ids but q has batch {b} (shape {shape}); give "
+                            "one user id per query row.")
+
+    self4 = (None, None)
+    if self_kv is not None:
+        self4 = _check_self_kv(self_kv, len(shape), b, t, hkv, d, dv)
+
+    # Scale and soft cap mean exactly what they mean in rankattn.attention, so the
+    # core's own checks (codes RA111-RA113) judge them, on shape-only stand-ins.
+    stand_in = jax.ShapeDtypeStruct((1, 1, 1, d), jnp.float32)
+    call = check_attention_args(stand_in, stand_in, stand_in, segment_ids=None, bounds=None,
+                                causal=False, scale=scale, softcap=softcap,
+                                softcap_method=softcap_method)
+
+    for name, value in (("sink_pages", sink_pages), ("recent_pages", recent_pages)):
+        if not (_positive_int(value) or (value == 0 and not isinstance(value, bool))):
+            raise fail("RA208", f"{name}={value!r}; pass a non-negative Python int.")
+    pages = None
+    if budget is not None:
+        p = cache.page_size
+        kept = sink_pages + recent_pages
+        if not _positive_int(budget) or budget // p < kept + 1:
+            raise fail("RA208", f"budget={budget!r} tokens buys {budget // p if _positive_int(budget) else 0} "
+                                f"pages of P={p}, but sink_pages={sink_pages} + recent_pages="
+                                f"{recent_pages} are always kept and at least one page must be "
+                                f"scored. Pass budget >= {(kept + 1) * p}, or budget=None for "
+                                "exact attention.")
+        pages = budget // p
+    if gqa not in GQA_MODES:
+        raise fail("RA209", f"gqa={gqa!r}; use one of {', '.join(map(repr, GQA_MODES))}.")
+    if group_rule not in GROUP_RULES:
+        raise fail("RA209", f"group_rule={group_rule!r}; use one of "
+                            f"{', '.join(map(repr, GROUP_RULES))}.")
+    plan = _Plan(pages=pages, gqa=gqa, group_rule=group_rule, sink_pages=int(sink_pages),
+                 recent_pages=int(recent_pages), scale=call.scale, softcap=call.softcap,
+                 softcap_method=call.softcap_method)
+    return _Query(q4, self4, has_t=len(shape) == 4, flat=len(shape) == 2), plan
+
+
+def _check_self_kv(self_kv, ndim: int, b: int, t: int, hkv: int, d: int, dv: int):
+    layouts = {4: lambda e: (b, t, hkv, e), 3: lambda e: (b, hkv, e), 2: lambda e: (b, hkv * e)}
+    want_k, want_v = layouts[ndim](d), layouts[ndim](dv)
+    if not isinstance(self_kv, (tuple, list)) or len(self_kv) != 2:
+        raise fail("RA207", f"self_kv must be a pair (k_self, v_self); got {type(self_kv).__name__}"
+                            f"{' of length ' + str(len(self_kv)) if isinstance(self_kv, (tuple, list)) else ''}.")
+    out = []
+    for name, x, want in (("k_self", self_kv[0], want_k), ("v_self", self_kv[1], want_v)):
+        if not hasattr(x, "shape") or tuple(x.shape) != want:
+            raise fail("RA207", f"self_kv's {name} is {_describe(x)}; for q in the {ndim}-D layout "
+                                f"and a cache of {hkv} kv heads it must have shape {want}.")
+        check_float(name, x)
+        out.append(x.reshape(b, t, hkv, -1))
+    return tuple(out)
+
+
+# --- Selection. --------------------------------------------------------------------------------
+
+
+def _user_pages(cache: PagedKVCache, users):
+    """(page table rows [B, M], lengths [B], real-page mask [B, M]) of the selected users."""
+    length = cache.lengths[users]
+    npages = -(-length // cache.page_size)
+    return cache.page_table[users], length, jnp.arange(cache.max_pages)[None, :] < npages[:, None]
+
+
+def _bounds(qs, cache: PagedKVCache, table, valid):
+    """Quest bounds [B, T, Hkv, G, M] of scaled queries qs [B, T, Hkv, G, D]; -inf off-history."""
+    idx = jnp.maximum(table, 0)
+    # Missing pages hold +-inf (or another user's stats); zero them before the
+    # product so no inf * 0 = NaN appears, then mask the result.
+    keep = valid[:, :, None, None]
+    hi = jnp.where(keep, cache.k_max[idx], 0).astype(qs.dtype)
+    lo = jnp.where(keep, cache.k_min[idx], 0).astype(qs.dtype)
+    u = (jnp.einsum("bthgd,bmhd->bthgm", jnp.maximum(qs, 0), hi, precision="highest")
+         + jnp.einsum("bthgd,bmhd->bthgm", jnp.minimum(qs, 0), lo, precision="highest"))
+    return jnp.where(valid[:, None, None, None, :], u, -jnp.inf)
+
+
+def _select(plan: _Plan, qf, cache: PagedKVCache, table, valid):
+    """Logical pages [B, T, Hkv, G', n] (G' = G for per_head, else 1), best first."""
+    qs = qf * plan.scale
+    if plan.gqa == "mean":
+        qs = qs.mean(3, keepdims=True)
+    u = _bounds(qs, cache, table, valid)
+    valid5 = valid[:, None, None, None, :]
+    if plan.gqa == "group":
+        u = jnp.where(valid5, GROUP_RULES[plan.group_rule](u, valid5), -jnp.inf)
+    j = jnp.arange(cache.max_pages)
+    npages = valid.sum(-1, keepdims=True)
+    kept = valid & ((j < plan.sink_pages) | (j >= npages - plan.recent_pages))
+    u = jnp.where(kept[:, None, None, None, :], jnp.inf, u)
+    return jax.lax.top_k(u, min(plan.pages, cache.max_pages))[1].astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnums=0)
+def _select_public(plan: _Plan, q, cache: PagedKVCache, users):
+    b, t, hq, d = q.shape
+    table, _, valid = _user_pages(cache, users)
+    qf = q.astype(compute_dtype(q.dtype)).reshape(b, t, cache.kv_heads, -1, d)
+    pages = _select(plan, qf, cache, table, valid)
+    pages = jnp.broadcast_to(pages, (b, t, cache.kv_heads, hq // cache.kv_heads, pages.shape[-1]))
+    real = jnp.take_along_axis(valid[:, None, None, None, :], pages, axis=-1)
+    return jnp.where(real, pages, -1).reshape(b, t, hq, -1)
+
+
+@partial(jax.jit, static_argnums=0)
+def _bounds_public(plan: _Plan, q, cache: PagedKVCache, users):
+    b, t, hq, d = q.shape
+    table, _, valid = _user_pages(cache, users)
+    qs = q.astype(compute_dtype(q.dtype)).reshape(b, t, cache.kv_heads, -1, d) * plan.scale
+    return _bounds(qs, cache, table, valid).reshape(b, t, hq, -1).astype(jnp.float32)
+
+
+# --- Attention over pages. ---------------------------------------------------------------------
+
+
+@partial(jax.jit, static_argnums=0)
+def _attend(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
+    b, t, hq, d = q.shape
+    hkv = cache.kv_heads
+    dtype = compute_dtype(jnp.promote_types(q.dtype, cache.k_pages.dtype))
+    qf = q.astype(dtype).reshape(b, t, hkv, hq // hkv, d)
+    table, length, valid = _user_pages(cache, users)
+
+    if plan.pages is None or plan.pages >= cache.max_pages:
+        logical = jnp.broadcast_to(jnp.arange(cache.max_pages, dtype=jnp.int32),
+                                   (b, 1, 1, 1, cache.max_pages))
+    else:
+        logical = _select(plan, qf, cache, table, valid)
+
+    rows = qf.shape[:-1]  # [B, T, Hkv, G]
+    if k_self is None:
+        state = (jnp.full(rows, -jnp.inf, dtype), jnp.zeros(rows, dtype),
+                 jnp.zeros(rows + (cache.v_head_dim,), dtype))
+    else:
+        # The self key starts the online softmax: m = its logit, l = 1, acc = its value.
+        s = jnp.einsum("bthgd,bthd->bthg", qf, k_self.astype(dtype), precision="highest")
+        s = semantics.softcap(s * plan.scale, plan.softcap, plan.softcap_method)
+        state = (s, jnp.ones(rows, dtype),
+                 jnp.broadcast_to(v_self.astype(dtype)[:, :, :, None], rows + (cache.v_head_dim,)))
+    m, l, acc = _attend_pages(plan, qf, cache, table, length, logical, state)
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1)[..., None]
+    return out.reshape(b, t, hq, -1).astype(q.dtype)
+
+
+def _attend_pages(plan: _Plan, qf, cache: PagedKVCache, table, length, logical, state):
+    """Online softmax of qf [B, T, Hkv, G, D] over pages ``logical`` [B, T', Hkv', G', n].
+
+    T', Hkv', G' are 1 (the page list is shared along that axis) or full size.
+    Pages are visited ``chunk`` at a time; only those pages are gathered.
+    """
+    b, n = logical.shape[0], logical.shape[-1]
+    p, hkv = cache.page_size, cache.kv_heads
+    gathered = b * logical.shape[1] * hkv * logical.shape[3] * p * max(cache.head_dim,
+                                                                       cache.v_head_dim)
+    scores = b * qf.shape[1] * hkv * qf.shape[3] * p
+    chunk = max(1, min(n, _CHUNK_ELEMENTS // max(gathered, scores)))
+    steps = -(-n // chunk)
+    # Padding entries name page max_pages, which starts at or past every length.
+    logical = jnp.pad(logical, [(0, 0)] * 4 + [(0, steps * chunk - n)],
+                      constant_values=cache.max_pages)
+    batch = jnp.arange(b)[:, None, None, None, None]
+    head = jnp.arange(hkv)[None, None, :, None, None]
+    k_sub = "b" + ("t" if logical.shape[1] > 1 else "") + "h" + ("g" if logical.shape[3] > 1 else "")
+    squeeze = tuple(a for a in (1, 3) if logical.shape[a] == 1)
+
+    def step(carry, i):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(logical, i * chunk, chunk, axis=4)
+        phys = table[batch, jnp.minimum(pages, cache.max_pages - 1)]
+        phys = jnp.maximum(phys, 0)
+        # [B, T', Hkv, G', c, P, D]: advanced indices around a slice go first.
+        # Merging (page, slot) into one key axis keeps the products plain batched
+        # matmuls; a 2-axis contraction layout costs XLA a transpose of the chunk.
+        k = cache.k_pages[phys, :, head].squeeze(squeeze)
+        v = cache.v_pages[phys, :, head].squeeze(squeeze)
+        k = k.reshape(*k.shape[:-3], chunk * p, k.shape[-1]).astype(qf.dtype)
+        v = v.reshape(*v.shape[:-3], chunk * p, v.shape[-1]).astype(qf.dtype)
+        pos = (pages[..., None] * p + jnp.arange(p)).reshape(*pages.shape[:-1], chunk * p)
+        mask = pos < length[:, None, None, None, None]
+        s = jnp.einsum(f"bthgd,{k_sub}kd->bthgk", qf, k, precision="highest") * plan.scale
+        s = semantics.softcap(s, plan.softcap, plan.softcap_method)
+        m_new = jnp.maximum(m, jnp.where(mask, s, -jnp.inf).max(-1))
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
+        e = jnp.where(mask, jnp.exp(s - shift[..., None]), 0)
+        alpha = jnp.exp(m - shift)
+        acc = acc * alpha[..., None] + jnp.einsum(f"bthgk,{k_sub}ke->bthge", e, v,
+                                                  precision="highest")
+        return (m_new, l * alpha + e.sum(-1), acc), None
+
+    if steps == 1:
+        return step(state, 0)[0]
+    return jax.lax.scan(step, state, jnp.arange(steps))[0]
