@@ -2,7 +2,7 @@
 
 from rankattn.api import attention, available_impls
 from rankattn.errors import RankattnError, RankattnTypeError, RankattnValueError
-from rankattn import serving  # noqa: E402  (rankattn.serving; registers RA2xx)
+from rankattn import serving  # registers the serving error codes (RA2xx)
 
 __version__ = "0.1.0"
 

@@ -191,7 +191,7 @@ def _visit(static: _Static, masked: bool, t, start, count, qb, kb, vb, seg_q, se
     index = jnp.take_along_axis(plan.kv_index, position[..., None], axis=-1)[..., 0]
     valid = t < count
     k_t, v_t = _gather(kb, index), _gather(vb, index)
-    logits = jnp.einsum("bnhgqd,bnhkd->bnhgqk", qb, k_t, precision="highest")
+    logits = _block_dot("bnhrd,bnhkd->bnhrk", qb, k_t)
     mask = None
     if masked:
         bq, bk = static.sizes.block_q, static.sizes.block_k
@@ -202,6 +202,22 @@ def _visit(static: _Static, masked: bool, t, start, count, qb, kb, vb, seg_q, se
                                       pos_q[..., :, None], pos_k[..., None, :], static.causal)
         mask = (mask & valid[..., None, None])[:, :, None, None]
     return _Visit(index, valid, k_t, v_t, mask, logits)
+
+
+def _block_dot(spec: str, x, y):
+    """einsum of block operands, with each 6-D operand's (G, bq) axes merged into one row axis r.
+
+    XLA's CPU dot is markedly faster on [rows, D] x [D, bk] than with a separate
+    group axis; the merge and split are free reshapes.
+    """
+    def merge(a):
+        return a.reshape(a.shape[:3] + (-1,) + a.shape[5:]) if a.ndim == 6 else a
+
+    group = (x if x.ndim == 6 else y).shape[3]
+    out = jnp.einsum(spec, merge(x), merge(y), precision="highest")
+    if "r" in spec.split("->")[1]:
+        out = out.reshape(out.shape[:3] + (group, -1) + out.shape[4:])
+    return out
 
 
 def _row(x):
@@ -239,8 +255,7 @@ def _forward(static: _Static, qb, kb, vb, own_kv, seg_q, seg_k, plan: BlockPlan)
             p = jnp.exp(s - shift[..., None])
             alpha = jnp.exp(m - shift)
             l_new = l * alpha + p.sum(-1)
-            acc_new = acc * alpha[..., None] + jnp.einsum("bnhgqk,bnhkd->bnhgqd", p, vis.v,
-                                                          precision="highest")
+            acc_new = acc * alpha[..., None] + _block_dot("bnhrk,bnhkd->bnhrd", p, vis.v)
             if masked:  # invalid steps are already fully masked
                 return m_new, l_new, acc_new
             # A full-block step past this query block's list must change nothing.
@@ -287,11 +302,11 @@ def _flash_bwd(static, residuals, cotangents):
             vis = _visit(static, masked, t, start, count, qb, kb, vb, seg_q, seg_k, plan)
             mask = vis.mask if masked else _row(vis.valid)[..., None]
             p = jnp.where(mask, jnp.exp(static.cap(vis.logits) - lse_safe[..., None]), 0)
-            dp = jnp.einsum("bnhgqd,bnhkd->bnhgqk", d_out, vis.v, precision="highest")
+            dp = _block_dot("bnhrd,bnhkd->bnhrk", d_out, vis.v)
             ds = p * (dp - delta[..., None]) * static.cap_grad(vis.logits)
-            dq = dq + jnp.einsum("bnhgqk,bnhkd->bnhgqd", ds, vis.k, precision="highest")
-            dk_t = jnp.einsum("bnhgqk,bnhgqd->bnhkd", ds, qb, precision="highest")
-            dv_t = jnp.einsum("bnhgqk,bnhgqd->bnhkd", p, d_out, precision="highest")
+            dq = dq + _block_dot("bnhrk,bnhkd->bnhrd", ds, vis.k)
+            dk_t = _block_dot("bnhrk,bnhrd->bnhkd", ds, qb)
+            dv_t = _block_dot("bnhrk,bnhrd->bnhkd", p, d_out)
             return dq, dk.at[batch, vis.index].add(dk_t), dv.at[batch, vis.index].add(dv_t)
 
         grads = jax.lax.fori_loop(0, count.max(), body, grads)
