@@ -2,9 +2,10 @@
 
 from rankattn.api import attention, available_impls
 from rankattn.errors import RankattnError, RankattnTypeError, RankattnValueError
+from rankattn.planning import Plan, plan
 from rankattn import serving  # registers the serving error codes (RA2xx)
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "available_impls", "RankattnError", "RankattnTypeError",
+__all__ = ["attention", "available_impls", "plan", "Plan", "RankattnError", "RankattnTypeError",
            "RankattnValueError"]

@@ -8,7 +8,7 @@ from rankattn.validate import AttentionCall, check_attention_args
 
 
 def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=None, softcap=None,
-              softcap_method="tanh", return_lse=False, impl="auto"):
+              softcap_method="tanh", return_lse=False, impl="auto", plan=None):
     """Candidate-isolation attention for ranking transformers.
 
     Args:
@@ -33,6 +33,9 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
         c * tanh(s / c), 'soft_sign' gives s / (1 + |s| / c).
       softcap_method: 'tanh' or 'soft_sign'.
       return_lse: also return the natural-log log-sum-exp of each query row.
+      plan: a rankattn.plan(...) of this batch's mask, built once and reused
+        by every layer (then segment_ids, bounds and causal are not given).
+        Results are bit-identical to passing the mask itself.
       impl: 'auto' (the first of rankattn.available_impls() that can run the
         call), a backend name ('xla', 'reference'), or a Backend instance such
         as rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64)).
@@ -54,7 +57,8 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
     if not isinstance(return_lse, bool):
         raise fail("RA116", f"return_lse must be a Python bool; got {type(return_lse).__name__}.")
     call = check_attention_args(q, k, v, segment_ids=segment_ids, bounds=bounds, causal=causal,
-                                scale=scale, softcap=softcap, softcap_method=softcap_method)
+                                scale=scale, softcap=softcap, softcap_method=softcap_method,
+                                plan=plan)
     out, lse = _select(impl, call)(call)
     return (out, lse) if return_lse else out
 

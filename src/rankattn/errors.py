@@ -121,6 +121,13 @@ _KINDS = [
         "the compiled program, so they cannot be traced arrays.",
         "Pass Python values (True/False, ints), not jax arrays.",
         RankattnTypeError),
+    ErrorKind(
+        "RA117", "a plan was misused",
+        "rankattn.plan() needs segment_ids or bounds (bounds also needs seq_len); a plan holds "
+        "the mask, so attention(plan=...) takes no segment_ids, bounds or causal, and the plan's "
+        "(B, S) must match q.",
+        "Build one plan per batch with rankattn.plan(segment_ids=..., causal=...) and pass only "
+        "plan= to every layer's attention call."),
 ]
 
 CATALOG: dict[str, ErrorKind] = {kind.code: kind for kind in _KINDS}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ class AttentionCall:
     scale: float
     softcap: float | None
     softcap_method: str
+    plan: Any = None  # rankattn.plan.Plan whose segment_ids and causal are the two fields above
 
 
 def _concrete(x) -> np.ndarray | None:
@@ -64,7 +66,7 @@ def _check_static_bool(name: str, value) -> bool:
 
 
 def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap,
-                         softcap_method) -> AttentionCall:
+                         softcap_method, plan=None) -> AttentionCall:
     _check_tensor("q", q, "[B, Sq, Hq, D]")
     _check_tensor("k", k, "[B, Skv, Hkv, D]")
     _check_tensor("v", v, "[B, Skv, Hkv, Dv]")
@@ -92,18 +94,23 @@ def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap
         raise fail("RA103", f"q has {hq} heads and k has {hkv}; {hq} is not a multiple of {hkv}. "
                             f"Use a kv head count that divides {hq}: {options}.")
 
-    mask_given = [n for n, x in (("segment_ids", segment_ids), ("bounds", bounds)) if x is not None]
+    mask_given = [n for n, x in (("segment_ids", segment_ids), ("bounds", bounds), ("plan", plan))
+                  if x is not None]
     if causal:
         mask_given.append("causal=True")
     if mask_given and sq != skv:
         raise fail("RA106", f"{' and '.join(mask_given)} describe self-attention, but q has length "
                             f"{sq} and k has length {skv}. Pass q, k, v of one sequence.")
-    if segment_ids is not None and bounds is not None:
-        raise fail("RA110", "segment_ids and bounds were both given; pass only one of them.")
-    if segment_ids is not None:
-        segment_ids = _check_segment_ids(segment_ids, b, sq)
-    if bounds is not None:
-        segment_ids = semantics.bounds_to_segment_ids(_check_bounds(bounds, b, sq), sq)
+    if plan is not None:
+        if len(mask_given) > 1:
+            raise fail("RA117", f"plan was given together with {', '.join(mask_given[1:])}; the "
+                                "plan already holds the mask. Pass only plan=.")
+        if plan.shape != (b, sq):
+            raise fail("RA117", f"plan was made for (B, S) = {plan.shape}, but q has B={b}, S={sq}. "
+                                "Make the plan from this batch's segment ids.")
+        segment_ids, causal = plan.segment_ids, plan.causal
+    else:
+        segment_ids, causal = check_mask_args(segment_ids, bounds, causal, b, sq)
 
     if scale is None:
         scale = 1.0 / math.sqrt(d)
@@ -121,7 +128,19 @@ def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap
                                 "or None for no cap.")
 
     return AttentionCall(q=q, k=k, v=v, segment_ids=segment_ids, causal=causal, scale=scale,
-                         softcap=softcap, softcap_method=softcap_method)
+                         softcap=softcap, softcap_method=softcap_method, plan=plan)
+
+
+def check_mask_args(segment_ids, bounds, causal, batch: int, seq_len: int):
+    """(canonical int32 segment ids [B, S] or None, causal) from either spelling of the mask."""
+    causal = _check_static_bool("causal", causal)
+    if segment_ids is not None and bounds is not None:
+        raise fail("RA110", "segment_ids and bounds were both given; pass only one of them.")
+    if segment_ids is not None:
+        segment_ids = _check_segment_ids(segment_ids, batch, seq_len)
+    if bounds is not None:
+        segment_ids = semantics.bounds_to_segment_ids(_check_bounds(bounds, batch, seq_len), seq_len)
+    return segment_ids, causal
 
 
 def _check_static_float(name: str, value, code: str) -> float:

@@ -78,6 +78,14 @@ def make_block_plan(seg_q, seg_k, sizes: BlockSizes, causal: bool) -> BlockPlan:
                      count=nonempty.sum(-1, dtype=jnp.int32))
 
 
+def self_attention_plan(segment_ids, block_sizes: BlockSizes, causal: bool):
+    """(block sizes for this length, BlockPlan) for self-attention over segment ids [B, S]."""
+    sizes = block_sizes.for_lengths(segment_ids.shape[1], segment_ids.shape[1])
+    seg = segment_ids.astype(jnp.int32)
+    return sizes, make_block_plan(_pad(seg, sizes.block_q), _pad(seg, sizes.block_k), sizes,
+                                  causal)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """Everything that selects the compiled program."""
@@ -100,9 +108,9 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     """Blocked attention; arguments and results as :func:`rankattn.attention` (checked).
 
     Without segment ids every token is history of one session, and q and k may
-    differ in length (plain cross-attention). ``block_plan`` is a plan made by
-    :func:`make_block_plan` for these segment ids and ``block_sizes`` (after
-    :meth:`BlockSizes.for_lengths`); without one it is made here.
+    differ in length (plain cross-attention). ``block_plan``, if given, comes
+    from :func:`self_attention_plan` with these segment ids, ``block_sizes``
+    and ``causal``; without one it is made here, by the same code.
     """
     b, sq, hq, _ = q.shape
     skv, hkv = k.shape[1], k.shape[2]
@@ -337,9 +345,13 @@ class Xla(Backend):
         self.block_sizes = block_sizes
 
     def __call__(self, call: AttentionCall):
+        sizes, blocks = self.block_sizes, None
+        if call.plan is not None:  # the plan fixes the block sizes it was made for
+            sizes, blocks = call.plan.block_sizes, call.plan.blocks
         return flash_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
                                scale=call.scale, softcap=call.softcap,
-                               softcap_method=call.softcap_method, block_sizes=self.block_sizes)
+                               softcap_method=call.softcap_method, block_sizes=sizes,
+                               block_plan=blocks)
 
     def __repr__(self) -> str:
         return f"<rankattn backend 'xla' {self.block_sizes}>"
