@@ -9,7 +9,7 @@ register(
         "RA201", "cache is not a PagedKVCache or its arrays disagree",
         "Serving functions take the cache built by rankattn.serving.empty_cache or "
         "cache_from_history (and returned by append / release): a PagedKVCache whose k_pages "
-        "[N, P, Hkv, D] and v_pages [N, P, Hkv, Dv] agree on N, P and Hkv, with key min/max "
+        "[N, Hkv, P, D] and v_pages [N, Hkv, P, Dv] agree on N, Hkv and P, with key min/max "
         "[N, Hkv, D], page_table [U, max_pages] and lengths [U].",
         "Pass the cache object that the last append or release returned; do not rebuild its "
         "fields by hand.",

@@ -2,8 +2,11 @@
 
 Layout (one cache per layer):
 
-* ``k_pages [N, P, Hkv, D]`` and ``v_pages [N, P, Hkv, Dv]``: N physical pages of P
-  tokens each, shared by all users;
+* ``k_pages [N, Hkv, P, D]`` and ``v_pages [N, Hkv, P, Dv]``: N physical pages of P
+  tokens each, shared by all users. Head-major inside a page, so that one
+  (page, kv head) is one contiguous P * D block: Quest gathers selected pages
+  per kv head, and on XLA:CPU a gather of such blocks measured 2x faster
+  than of the token-major layout [N, P, Hkv, D] (whose rows are D long);
 * ``k_min``, ``k_max [N, Hkv, D]`` (float32, float64 for float64 caches): per page,
   per kv head, per channel, the min / max over the page's *filled* slots only
   (``+inf`` / ``-inf`` on a page with no token), which is what Quest's bound needs;
@@ -35,8 +38,8 @@ from rankattn.validate import _concrete
 class PagedKVCache(NamedTuple):
     """Paged K/V history of many users for one layer (see the module docstring)."""
 
-    k_pages: jax.Array     # [N, P, Hkv, D]
-    v_pages: jax.Array     # [N, P, Hkv, Dv]
+    k_pages: jax.Array     # [N, Hkv, P, D]
+    v_pages: jax.Array     # [N, Hkv, P, Dv]
     k_min: jax.Array       # [N, Hkv, D] float32; +inf where a page has no token
     k_max: jax.Array       # [N, Hkv, D] float32; -inf where a page has no token
     page_table: jax.Array  # [U, max_pages] int32; -1 = no page
@@ -46,7 +49,7 @@ class PagedKVCache(NamedTuple):
 
     @property
     def page_size(self) -> int:
-        return self.k_pages.shape[1]
+        return self.k_pages.shape[2]
 
     @property
     def num_pages(self) -> int:
@@ -62,7 +65,7 @@ class PagedKVCache(NamedTuple):
 
     @property
     def kv_heads(self) -> int:
-        return self.k_pages.shape[2]
+        return self.k_pages.shape[1]
 
     @property
     def head_dim(self) -> int:
@@ -104,8 +107,8 @@ def empty_cache(*, num_users: int, num_pages: int, page_size: int, kv_heads: int
                             "jnp.float32 or jnp.bfloat16.")
     stat = compute_dtype(dtype)
     return PagedKVCache(
-        k_pages=jnp.zeros((num_pages, page_size, kv_heads, head_dim), dtype),
-        v_pages=jnp.zeros((num_pages, page_size, kv_heads, v_head_dim), dtype),
+        k_pages=jnp.zeros((num_pages, kv_heads, page_size, head_dim), dtype),
+        v_pages=jnp.zeros((num_pages, kv_heads, page_size, v_head_dim), dtype),
         k_min=jnp.full((num_pages, kv_heads, head_dim), jnp.inf, stat),
         k_max=jnp.full((num_pages, kv_heads, head_dim), -jnp.inf, stat),
         page_table=jnp.full((num_users, max_pages), -1, jnp.int32),
@@ -233,8 +236,8 @@ def check_cache(cache) -> None:
         raise fail("RA201", f"cache must be a rankattn.serving.PagedKVCache; got "
                             f"{type(cache).__name__}. Build one with cache_from_history or "
                             "empty_cache.")
-    n, p, h, d = cache.k_pages.shape
-    want = {"v_pages": (n, p, h, cache.v_head_dim), "k_min": (n, h, d), "k_max": (n, h, d),
+    n, h, p, d = cache.k_pages.shape
+    want = {"v_pages": (n, h, p, cache.v_head_dim), "k_min": (n, h, d), "k_max": (n, h, d),
             "page_table": (cache.num_users, cache.max_pages), "lengths": (cache.num_users,),
             "free": (n,), "overflow": ()}
     for name, shape in want.items():
@@ -326,19 +329,23 @@ def _append(cache: PagedKVCache, users, k_new, v_new, counts) -> PagedKVCache:
     rows = jnp.where(is_new, free_ids[take], cache.page_table[users])
     free = cache.free.at[jnp.where(is_new, rows, n)].set(False, mode="drop")
 
-    # Token (b, i) goes to slot (old + i) % P of page rows[b, (old + i) // P].
+    # Token (b, i) goes to slot (old + i) % P of page rows[b, (old + i) // P]; its
+    # head h to row (page * Hkv + h) * P + slot of the pages viewed as [N*Hkv*P, D].
+    hkv = cache.kv_heads
     pos = old[:, None] + jnp.arange(t)[None, :]
     valid = jnp.arange(t)[None, :] < counts[:, None]
     page = jnp.take_along_axis(rows, jnp.clip(pos // p, 0, cache.max_pages - 1), axis=1)
-    page = jnp.where(valid, page, n).reshape(-1)           # n = dropped by mode="drop"
-    flat = jnp.where(valid, page.reshape(b, t) * p + pos % p, n * p).reshape(-1)
-    k_flat = k_new.reshape(b * t, *k_new.shape[2:])
-    v_flat = v_new.reshape(b * t, *v_new.shape[2:])
+    page = jnp.where(valid, page, n)                        # n = dropped by mode="drop"
+    flat = (page[..., None] * hkv + jnp.arange(hkv)) * p + (pos % p)[..., None]
+    flat = flat.reshape(-1)
+    page = page.reshape(-1)
+    k_flat = k_new.reshape(b * t, hkv, -1)
+    v_flat = v_new.reshape(b * t, hkv, -1)
 
     def write(pages, new):
-        shape = pages.shape
-        pages = pages.reshape(n * p, *shape[2:])
-        return pages.at[flat].set(new.astype(pages.dtype), mode="drop").reshape(shape)
+        rows_view = pages.reshape(-1, pages.shape[-1])
+        new = new.reshape(-1, new.shape[-1]).astype(pages.dtype)
+        return rows_view.at[flat].set(new, mode="drop").reshape(pages.shape)
 
     # Min/max see the values as stored (after the cast to the cache dtype), so the
     # bound holds for exactly the keys attend will read.

@@ -39,7 +39,7 @@ GQA_MODES = ("per_head", "group", "mean")
 
 # Elements per gathered K/V chunk (and per chunk of logits) in the page loop:
 # large enough that the loop has few steps, small enough to stay in memory.
-_CHUNK_ELEMENTS = 1 << 22
+_CHUNK_ELEMENTS = 1 << 18
 
 
 # --- How "group" merges the page scores of its query heads. ------------------------------------
@@ -99,7 +99,7 @@ def attend(q, cache: PagedKVCache, users, self_kv=None, *, budget=None, gqa="gro
       q: queries, one of [B, T, Hq, D] (T candidates of one request, or T=1 for a
         decode step), [B, Hq, D] or [B, Hq*D]; any float dtype. Hq must be a
         multiple of the cache's Hkv (query head h reads kv head h // (Hq // Hkv)).
-      cache: PagedKVCache holding k/v pages [N, P, Hkv, D] / [N, P, Hkv, Dv].
+      cache: PagedKVCache holding k/v pages [N, Hkv, P, D] / [N, Hkv, P, Dv].
       users: int [B]; row b attends to the history of cached user users[b].
       self_kv: optional (k_self, v_self), each query's own key and value in the
         query's layout: [B, T, Hkv, D] and [B, T, Hkv, Dv] (or [B, Hkv, D],
@@ -408,21 +408,21 @@ def _attend_pages(plan: _Plan, qf, cache: PagedKVCache, table, length, logical, 
                       constant_values=cache.max_pages)
     batch = jnp.arange(b)[:, None, None, None, None]
     head = jnp.arange(hkv)[None, None, :, None, None]
+    # One row per (page, kv head): the contiguous P * D block a selected page costs.
+    k_rows = cache.k_pages.reshape(-1, p * cache.head_dim)
+    v_rows = cache.v_pages.reshape(-1, p * cache.v_head_dim)
     k_sub = "b" + ("t" if logical.shape[1] > 1 else "") + "h" + ("g" if logical.shape[3] > 1 else "")
     squeeze = tuple(a for a in (1, 3) if logical.shape[a] == 1)
 
     def step(carry, i):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(logical, i * chunk, chunk, axis=4)
-        phys = table[batch, jnp.minimum(pages, cache.max_pages - 1)]
-        phys = jnp.maximum(phys, 0)
-        # [B, T', Hkv, G', c, P, D]: advanced indices around a slice go first.
+        phys = jnp.maximum(table[batch, jnp.minimum(pages, cache.max_pages - 1)], 0)
+        row = (phys * hkv + head).squeeze(squeeze)       # [B, (T), Hkv, (G), c]
         # Merging (page, slot) into one key axis keeps the products plain batched
         # matmuls; a 2-axis contraction layout costs XLA a transpose of the chunk.
-        k = cache.k_pages[phys, :, head].squeeze(squeeze)
-        v = cache.v_pages[phys, :, head].squeeze(squeeze)
-        k = k.reshape(*k.shape[:-3], chunk * p, k.shape[-1]).astype(qf.dtype)
-        v = v.reshape(*v.shape[:-3], chunk * p, v.shape[-1]).astype(qf.dtype)
+        k = k_rows[row].reshape(*row.shape[:-1], chunk * p, -1).astype(qf.dtype)
+        v = v_rows[row].reshape(*row.shape[:-1], chunk * p, -1).astype(qf.dtype)
         pos = (pages[..., None] * p + jnp.arange(p)).reshape(*pages.shape[:-1], chunk * p)
         mask = pos < length[:, None, None, None, None]
         s = jnp.einsum(f"bthgd,{k_sub}kd->bthgk", qf, k, precision="highest") * plan.scale
