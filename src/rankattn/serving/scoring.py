@@ -133,10 +133,10 @@ def attend(q, cache: PagedKVCache, users, self_kv=None, *, budget=None, gqa="gro
     with a budget, O(T * Hq * (S/P + budget) * D), gathering only the selected
     pages.
     """
-    query, plan = _check(q, cache, users, self_kv, budget=budget, gqa=gqa, sink_pages=sink_pages,
-                         recent_pages=recent_pages, scale=scale, softcap=softcap,
-                         softcap_method=softcap_method, group_rule=group_rule)
-    users = check_users(users, cache, "attend")
+    query, users, plan = _check("attend", q, cache, users, self_kv, budget=budget, gqa=gqa,
+                                sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
+                                softcap=softcap, softcap_method=softcap_method,
+                                group_rule=group_rule)
     k_self, v_self = query.self_kv
     out = _attend(plan, query.q, cache, users, k_self, v_self)
     return query.restore(out)
@@ -154,10 +154,9 @@ def select_pages(q, cache: PagedKVCache, users, *, budget, gqa="group", sink_pag
     """
     if budget is None:
         raise fail("RA208", "select_pages needs budget=<tokens>; budget=None means no selection.")
-    query, plan = _check(q, cache, users, None, budget=budget, gqa=gqa, sink_pages=sink_pages,
-                         recent_pages=recent_pages, scale=scale, softcap=None,
-                         softcap_method="tanh", group_rule=group_rule)
-    users = check_users(users, cache, "select_pages")
+    query, users, plan = _check("select_pages", q, cache, users, None, budget=budget, gqa=gqa,
+                                sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
+                                softcap=None, softcap_method="tanh", group_rule=group_rule)
     pages = _select_public(plan, query.q, cache, users)
     return pages if query.has_t else pages[:, 0]
 
@@ -171,10 +170,10 @@ def page_bounds(q, cache: PagedKVCache, users, *, scale=None):
     page j. A soft cap is monotone, so capped logits are bounded by the capped
     bound.
     """
-    query, plan = _check(q, cache, users, None, budget=None, gqa="per_head", sink_pages=0,
-                         recent_pages=0, scale=scale, softcap=None, softcap_method="tanh",
-                         group_rule=DEFAULT_GROUP_RULE)
-    users = check_users(users, cache, "page_bounds")
+    query, users, plan = _check("page_bounds", q, cache, users, None, budget=None,
+                                gqa="per_head", sink_pages=0, recent_pages=0, scale=scale,
+                                softcap=None, softcap_method="tanh",
+                                group_rule=DEFAULT_GROUP_RULE)
     bounds = _bounds_public(plan, query.q, cache, users)
     return bounds if query.has_t else bounds[:, 0]
 
@@ -211,9 +210,10 @@ class _Query:
         return out.reshape(out.shape[0], -1) if self.flat else out
 
 
-def _check(q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_pages, scale, softcap,
-           softcap_method, group_rule) -> tuple[_Query, _Plan]:
+def _check(where, q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_pages, scale,
+           softcap, softcap_method, group_rule) -> tuple[_Query, jax.Array, _Plan]:
     check_cache(cache)
+    users = check_users(users, cache, where)
     hkv, d, dv = cache.kv_heads, cache.head_dim, cache.v_head_dim
     if not hasattr(q, "shape") or not hasattr(q, "dtype"):
         raise fail("RA202", f"q must be an array; got {type(q).__name__}.")
@@ -242,10 +242,9 @@ def _check(q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_pages, s
         options = ", ".join(str(x) for x in range(1, hq + 1) if hq % x == 0)
         raise fail("RA204", f"q has {hq} query heads and the cache has {hkv} kv heads; {hq} is not "
                             f"a multiple of {hkv}. kv head counts that divide {hq}: {options}.")
-    n_users = users.shape[0] if hasattr(users, "shape") and len(users.shape) == 1 else None
-    if n_users is not None and n_users != b:
-        raise fail("RA206", f"users has {n_users} ids but q has batch {b} (shape {shape}); give "
-                            "one user id per query row.")
+    if users.shape[0] != b:
+        raise fail("RA206", f"{where}: users has {users.shape[0]} ids but q has batch {b} (shape "
+                            f"{shape}); give one user id per query row.")
 
     self4 = (None, None)
     if self_kv is not None:
@@ -280,7 +279,7 @@ def _check(q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_pages, s
     plan = _Plan(pages=pages, gqa=gqa, group_rule=group_rule, sink_pages=int(sink_pages),
                  recent_pages=int(recent_pages), scale=call.scale, softcap=call.softcap,
                  softcap_method=call.softcap_method)
-    return _Query(q4, self4, has_t=len(shape) == 4, flat=len(shape) == 2), plan
+    return _Query(q4, self4, has_t=len(shape) == 4, flat=len(shape) == 2), users, plan
 
 
 def _check_self_kv(self_kv, ndim: int, b: int, t: int, hkv: int, d: int, dv: int):

@@ -1,0 +1,261 @@
+"""Every error path of rankattn.serving: its code, its type, and a message that names the values."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rankattn
+from rankattn import errors, serving
+
+HKV, D, DV, P = 2, 8, 6, 4
+
+
+@pytest.fixture(scope="module")
+def cache():
+    k = jnp.ones((3, 10, HKV, D))
+    v = jnp.ones((3, 10, HKV, DV))
+    return serving.cache_from_history(k, v, jnp.array([10, 5, 0]), page_size=P, num_pages=12,
+                                      max_pages=4)
+
+
+def q4(b=2, t=3, hq=4, d=D, dtype=jnp.float32):
+    return jnp.ones((b, t, hq, d), dtype)
+
+
+USERS = jnp.array([0, 1])
+
+
+def raises(code, *fragments):
+    """Context manager: the call raises rankattn error ``code`` whose message holds ``fragments``."""
+    kind = errors.CATALOG[code].kind
+    return _Raises(kind, code, fragments)
+
+
+class _Raises:
+    def __init__(self, kind, code, fragments):
+        self.ctx = pytest.raises(kind)
+        self.code, self.fragments = code, fragments
+
+    def __enter__(self):
+        self.info = self.ctx.__enter__()
+        return self.info
+
+    def __exit__(self, *exc):
+        out = self.ctx.__exit__(*exc)
+        err = self.info.value
+        assert err.code == self.code, str(err)
+        assert isinstance(err, rankattn.RankattnError)
+        for fragment in self.fragments:
+            assert fragment in str(err), f"{fragment!r} not in {str(err)!r}"
+        return out
+
+
+def test_codes_are_registered_and_documented():
+    codes = [c for c in errors.CATALOG if c.startswith("RA2")]
+    assert codes == [f"RA2{i:02d}" for i in range(1, len(codes) + 1)]
+    for code in codes:
+        assert errors.explain(code).startswith(code)
+
+
+# --- attend / select_pages / page_bounds. ------------------------------------------------------
+
+
+def test_not_a_cache():
+    with raises("RA201", "PagedKVCache", "dict"):
+        serving.attend(q4(), {"k": 1}, USERS)
+
+
+def test_inconsistent_cache(cache):
+    broken = cache._replace(k_min=cache.k_min[:, :1])
+    with raises("RA201", "cache.k_min", "(12, 1, 8)", "(12, 2, 8)"):
+        serving.attend(q4(), broken, USERS)
+
+
+@pytest.mark.parametrize("shape", [(2,), (2, 1, 3, 4, D), ()])
+def test_unsupported_query_rank(cache, shape):
+    with raises("RA202", str(tuple(shape)), "[B, T, Hq, D]", "[B, Hq*D]"):
+        serving.attend(jnp.ones(shape), cache, USERS)
+
+
+def test_query_not_an_array(cache):
+    with raises("RA202", "list"):
+        serving.attend([[1.0]], cache, USERS)
+
+
+def test_empty_query_axis(cache):
+    with raises("RA202", "(2, 0, 4, 8)", ">= 1"):
+        serving.attend(q4(t=0), cache, USERS)
+
+
+def test_flat_query_not_multiple_of_head_dim(cache):
+    with raises("RA203", "hidden size 30", "head dim 8", "[B, Hq*8]"):
+        serving.attend(jnp.ones((2, 30)), cache, USERS)
+
+
+@pytest.mark.parametrize("q", [jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 8)), jnp.ones((2, 24))])
+def test_query_heads_not_multiple_of_kv_heads(cache, q):
+    # 3 query heads (in every layout) over 2 kv heads.
+    q = q[:, :, :3] if q.ndim == 4 else q[:, :3] if q.ndim == 3 else q
+    with raises("RA204", "3 query heads", "2 kv heads", "divide 3: 1, 3"):
+        serving.attend(q, cache, USERS)
+
+
+def test_head_dim_mismatch(cache):
+    with raises("RA205", "head dim 16", "head dim 8"):
+        serving.attend(q4(d=16), cache, USERS)
+
+
+@pytest.mark.parametrize("users, fragment", [
+    (jnp.array([[0, 1]]), "int array [B]"),
+    (jnp.array([0.0, 1.0]), "float32"),
+    (jnp.array([], jnp.int32), "non-empty"),
+    (jnp.array([0, 3]), "[3]"),
+    (jnp.array([0, -1]), "[-1]"),
+    (jnp.array([0, 1, 2]), "3 ids but q has batch 2"),
+])
+def test_bad_users(cache, users, fragment):
+    with raises("RA206", fragment):
+        serving.attend(q4(), cache, users)
+
+
+@pytest.mark.parametrize("make_self, fragment", [
+    (lambda: jnp.ones((2, 3, HKV, D)), "pair"),
+    (lambda: (jnp.ones((2, 3, HKV, D)),), "length 1"),
+    (lambda: (jnp.ones((2, 3, HKV, D)), jnp.ones((2, 3, HKV, D))), "(2, 3, 2, 6)"),
+    (lambda: (jnp.ones((2, 3, 4, D)), jnp.ones((2, 3, HKV, DV))), "(2, 3, 2, 8)"),
+    (lambda: (jnp.ones((2, 3, HKV, D), jnp.int32), jnp.ones((2, 3, HKV, DV))), "int32"),
+])
+def test_bad_self_kv(cache, make_self, fragment):
+    code = "RA213" if fragment == "int32" else "RA207"
+    with raises(code, fragment):
+        serving.attend(q4(), cache, USERS, make_self())
+
+
+def test_self_kv_in_the_flat_layout_must_be_flat(cache):
+    with raises("RA207", f"({2}, {HKV * D})"):
+        serving.attend(jnp.ones((2, 4 * D)), cache, USERS, (jnp.ones((2, HKV, D)),) * 2)
+
+
+def test_integer_query(cache):
+    with raises("RA213", "int32"):
+        serving.attend(jnp.ones((2, 3, 4, D), jnp.int32), cache, USERS)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(budget=4), "budget=4"),                              # 1 page < sink + recent + 1
+    (dict(budget=0), "budget=0"),
+    (dict(budget=2.5), "budget=2.5"),
+    (dict(budget=64, sink_pages=-1), "sink_pages=-1"),
+    (dict(budget=64, recent_pages=True), "recent_pages=True"),
+    (dict(budget=64, recent_pages=1.0), "recent_pages=1.0"),
+])
+def test_bad_budget_or_kept_pages(cache, kwargs, fragment):
+    with raises("RA208", fragment):
+        serving.attend(q4(), cache, USERS, **kwargs)
+
+
+def test_select_pages_needs_a_budget(cache):
+    with raises("RA208", "budget=None"):
+        serving.select_pages(q4(), cache, USERS, budget=None)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(budget=64, gqa="heads"), "gqa='heads'"),
+    (dict(budget=64, group_rule="avg"), "group_rule='avg'"),
+])
+def test_bad_gqa_mode(cache, kwargs, fragment):
+    with raises("RA209", fragment, "'per_head'" if "gqa" in kwargs else "'standardised'"):
+        serving.attend(q4(), cache, USERS, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, code", [
+    (dict(scale=0.0), "RA113"),
+    (dict(scale=jnp.float32(0.5) * jnp.ones(2)), "RA113"),
+    (dict(softcap=-1.0), "RA111"),
+    (dict(softcap=1.0, softcap_method="clip"), "RA112"),
+])
+def test_scale_and_softcap_use_the_core_checks(cache, kwargs, code):
+    with raises(code):
+        serving.attend(q4(), cache, USERS, **kwargs)
+
+
+# --- append / release / construction. ----------------------------------------------------------
+
+
+def test_append_over_user_capacity_changes_nothing(cache):
+    new = jnp.ones((1, 7, HKV, D))
+    with raises("RA210", "user 0 holds 10 tokens and appends 7", "4 * 4 = 16"):
+        serving.append(cache, jnp.array([0]), new, jnp.ones((1, 7, HKV, DV)), jnp.array([7]))
+
+
+def test_append_out_of_free_pages(cache):
+    # 12 pages, 3 + 2 used: user 2 asks for 16 tokens = 4 pages (fits its max), 7 free... then
+    # users 1 and 2 together need 2 + 4 = 6 <= 7; ask for 8 with a smaller cache instead.
+    small = serving.cache_from_history(jnp.ones((2, 8, HKV, D)), jnp.ones((2, 8, HKV, DV)),
+                                       jnp.array([8, 0]), page_size=P, num_pages=3, max_pages=4)
+    with raises("RA210", "needs 2 new pages but only 1 of 3 are free"):
+        serving.append(small, jnp.array([1]), jnp.ones((1, 8, HKV, D)), jnp.ones((1, 8, HKV, DV)),
+                       jnp.array([8]))
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (dict(k_new=jnp.ones((1, 2, HKV, D + 1))), "(1, 2, 2, 8)"),
+    (dict(k_new=jnp.ones((1, 2, D))), "4-D"),
+    (dict(v_new=jnp.ones((1, 3, HKV, DV))), "(1, 2, 2, 6)"),
+    (dict(counts=jnp.array([1, 1])), "shape (1,)"),
+    (dict(counts=jnp.array([1.0])), "float32"),
+    (dict(counts=jnp.array([3])), "[0, T=2]"),
+    (dict(users=jnp.array([1, 1]), k_new=jnp.ones((2, 2, HKV, D)),
+          v_new=jnp.ones((2, 2, HKV, DV)), counts=jnp.array([1, 1])), "repeats an id"),
+])
+def test_malformed_append(cache, args, fragment):
+    call = dict(users=jnp.array([1]), k_new=jnp.ones((1, 2, HKV, D)),
+                v_new=jnp.ones((1, 2, HKV, DV)), counts=jnp.array([2]))
+    call.update(args)
+    with raises("RA211", fragment):
+        serving.append(cache, **call)
+
+
+def test_append_integer_keys(cache):
+    with raises("RA213", "k_new", "int32"):
+        serving.append(cache, jnp.array([1]), jnp.ones((1, 2, HKV, D), jnp.int32),
+                       jnp.ones((1, 2, HKV, DV)), jnp.array([2]))
+
+
+def test_release_checks_users(cache):
+    with raises("RA206", "release", "[5]"):
+        serving.release(cache, jnp.array([5]))
+    with raises("RA201"):
+        serving.release(None, jnp.array([0]))
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: serving.cache_from_history(jnp.ones((2, 8, D)), jnp.ones((2, 8, HKV, D)),
+                                        jnp.array([8, 8])), "k_hist must be a non-empty 4-D"),
+    (lambda: serving.cache_from_history(jnp.ones((2, 8, HKV, D)), jnp.ones((2, 7, HKV, D)),
+                                        jnp.array([8, 8])), "(2, 7, 2, 8)"),
+    (lambda: serving.cache_from_history(jnp.ones((2, 8, HKV, D)), jnp.ones((2, 8, HKV, D)),
+                                        jnp.array([8])), "shape (2,)"),
+    (lambda: serving.cache_from_history(jnp.ones((2, 8, HKV, D)), jnp.ones((2, 8, HKV, D)),
+                                        jnp.array([8, 9])), "[0, S=8]"),
+    (lambda: serving.cache_from_history(jnp.ones((2, 8, HKV, D)), jnp.ones((2, 8, HKV, D)),
+                                        jnp.array([8, 8]), page_size=0), "page_size=0"),
+    (lambda: serving.cache_from_history(jnp.ones((2, 8, HKV, D)), jnp.ones((2, 8, HKV, D)),
+                                        jnp.array([8, 8]), max_pages=1.5), "max_pages=1.5"),
+    (lambda: serving.empty_cache(num_users=2, num_pages=0, page_size=4, kv_heads=1, head_dim=4),
+     "num_pages=0"),
+])
+def test_malformed_history_or_layout(call, fragment):
+    with raises("RA212", fragment):
+        call()
+
+
+def test_non_float_cache_dtype():
+    with raises("RA213", "int32"):
+        serving.empty_cache(num_users=1, num_pages=1, page_size=4, kv_heads=1, head_dim=4,
+                            dtype=jnp.int32)
+    with raises("RA213", "k_hist", "int32"):
+        serving.cache_from_history(jnp.ones((1, 4, 1, 2), jnp.int32),
+                                   jnp.ones((1, 4, 1, 2), jnp.int32), np.array([4]))
