@@ -86,6 +86,13 @@ def self_attention_plan(segment_ids, block_sizes: BlockSizes, causal: bool):
                                   causal)
 
 
+# Query blocks are processed a few at a time: XLA materialises each step's
+# logits for every query block it handles at once, and keeping that slab near
+# this size keeps it in cache (measured on a 2-core AMD EPYC: B=8 rows at once
+# ran 1.6x slower per row than one row at a time).
+STEP_LOGITS_BYTES = 1 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """Everything that selects the compiled program."""
@@ -94,12 +101,24 @@ class _Static:
     softcap: float | None
     softcap_method: str
     sizes: BlockSizes
+    n_q: int    # query blocks per row
+    n_k: int    # key blocks per row
+    chunk: int  # query blocks (units) per scan step
 
     def cap(self, s):
         return semantics.softcap(s, self.softcap, self.softcap_method)
 
     def cap_grad(self, s):
         return semantics.softcap_grad(s, self.softcap, self.softcap_method)
+
+
+class _Units(NamedTuple):
+    """The plan per unit, a unit being one query block of one batch row (u = b * nQ + n)."""
+
+    kv_index: jax.Array    # [U, nK] key blocks as rows of the flattened [B * nK] block array
+    full_count: jax.Array  # [U]
+    count: jax.Array       # [U]
+    q_start: jax.Array     # [U] position of the unit's first query in its row
 
 
 def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
@@ -115,29 +134,52 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     b, sq, hq, _ = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     sizes = block_sizes.for_lengths(sq, skv)
+    bq, bk = sizes.block_q, sizes.block_k
     if segment_ids is None:
         seg_q, seg_k = jnp.ones((b, sq), jnp.int32), jnp.ones((b, skv), jnp.int32)
     else:
         seg_q = seg_k = segment_ids.astype(jnp.int32)
-    seg_q, seg_k = _pad(seg_q, sizes.block_q), _pad(seg_k, sizes.block_k)
+    seg_q, seg_k = _pad(seg_q, bq), _pad(seg_k, bk)
     if block_plan is None:
         block_plan = make_block_plan(seg_q, seg_k, sizes, causal)
 
+    n_q, n_k = seg_q.shape[1] // bq, seg_k.shape[1] // bk
+    unit_bytes = hq * bq * bk * 4
+    n_chunks = -(-b * n_q * unit_bytes // STEP_LOGITS_BYTES)
+    chunk = -(-b * n_q // n_chunks)  # as even as possible, so little padding
+    n_units = chunk * n_chunks
+    static = _Static(causal, softcap, softcap_method, sizes, n_q, n_k, chunk)
+
+    def units(x):
+        """[B, nQ, ...] -> [U, ...], padded with zero units (which see nothing)."""
+        x = x.reshape((b * n_q,) + x.shape[2:])
+        return jnp.pad(x, [(0, n_units - b * n_q)] + [(0, 0)] * (x.ndim - 1))
+
+    def key_rows(x):
+        """[B, S, Hkv, D] -> [B * nK, Hkv, bk, D]."""
+        x = _pad(x.astype(dtype), bk)
+        return x.reshape(b * n_k, bk, hkv, -1).transpose(0, 2, 1, 3)
+
+    def query_units(x, heads):
+        """[B, S, H, D] -> [U, Hkv, H // Hkv, bq, D]; query head h = kv_head * G + g."""
+        x = _pad(x.astype(dtype), bq).reshape(b, n_q, bq, hkv, heads // hkv, -1)
+        return units(x.transpose(0, 1, 3, 4, 2, 5))
+
     dtype = compute_dtype(q.dtype)
-    static = _Static(causal, softcap, softcap_method, sizes)
-    qb = _query_blocks(_pad(q.astype(dtype) * scale, sizes.block_q), hkv, sizes.block_q)
-    kb = _kv_blocks(_pad(k.astype(dtype), sizes.block_k), sizes.block_k)
-    vb = _kv_blocks(_pad(v.astype(dtype), sizes.block_k), sizes.block_k)
-    if segment_ids is None:
-        own_kv = None
-    else:  # each query's own key and value, in the query block layout
-        own_kv = (_kv_blocks(_pad(k.astype(dtype), sizes.block_q), sizes.block_q),
-                  _kv_blocks(_pad(v.astype(dtype), sizes.block_q), sizes.block_q))
-    out, lse = _flash(static, qb, kb, vb, own_kv, seg_q, seg_k, block_plan)
-    # [B, nQ, Hkv, G, bq, Dv] -> [B, Sq, Hq, Dv];  [B, nQ, Hkv, G, bq] -> [B, Hq, Sq]
-    padded = seg_q.shape[1]
-    out = out.transpose(0, 1, 4, 2, 3, 5).reshape(b, padded, hq, -1)[:, :sq]
-    lse = lse.transpose(0, 2, 3, 1, 4).reshape(b, hq, padded)[:, :, :sq]
+    plan = _Units(
+        kv_index=units(block_plan.kv_index + (jnp.arange(b, dtype=jnp.int32) * n_k)[:, None, None]),
+        full_count=units(block_plan.full_count), count=units(block_plan.count),
+        q_start=units(jnp.broadcast_to(jnp.arange(n_q, dtype=jnp.int32) * bq, (b, n_q))))
+    qu = query_units(q * scale, hq)
+    own_kv = None
+    if segment_ids is not None:  # each query's own key and value, in the query layout
+        own_kv = (query_units(k, hkv)[:, :, 0], query_units(v, hkv)[:, :, 0])
+    out, lse = _flash(static, qu, key_rows(k), key_rows(v), own_kv,
+                      units(seg_q.reshape(b, n_q, bq)), seg_k.reshape(b * n_k, bk), plan)
+    # [U, Hkv, G, bq, Dv] -> [B, Sq, Hq, Dv];  [U, Hkv, G, bq] -> [B, Hq, Sq]
+    out = out[:b * n_q].reshape(b, n_q, hq, bq, -1).transpose(0, 1, 3, 2, 4)
+    out = out.reshape(b, n_q * bq, hq, -1)[:, :sq]
+    lse = lse[:b * n_q].reshape(b, n_q, hq, bq).transpose(0, 2, 1, 3).reshape(b, hq, -1)[:, :, :sq]
     return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
@@ -150,187 +192,177 @@ def _pad(x, block: int):
     return jnp.pad(x, [(0, 0), (0, -x.shape[1] % block)] + [(0, 0)] * (x.ndim - 2))
 
 
-def _query_blocks(q, hkv: int, block: int):
-    """[B, S, Hq, D] -> [B, nQ, Hkv, G, bq, D]; query head h = kv_head * G + g."""
-    b, s, hq, d = q.shape
-    return q.reshape(b, s // block, block, hkv, hq // hkv, d).transpose(0, 1, 3, 4, 2, 5)
+def _chunks(static: _Static, tree):
+    """Split every leading unit axis [U, ...] into [U / chunk, chunk, ...] for lax.scan."""
+    return jax.tree.map(lambda x: x.reshape((-1, static.chunk) + x.shape[1:]), tree)
 
 
-def _kv_blocks(x, block: int):
-    """[B, S, Hkv, D] -> [B, nK, Hkv, bk, D]."""
-    b, s, h, d = x.shape
-    return x.reshape(b, s // block, block, h, d).transpose(0, 1, 3, 2, 4)
-
-
-def _unblock_kv(x, length: int):
-    """Inverse of :func:`_kv_blocks`, dropping the padding: -> [B, length, Hkv, D]."""
-    b, n, h, block, d = x.shape
-    return x.transpose(0, 1, 3, 2, 4).reshape(b, n * block, h, d)[:, :length]
-
-
-def _gather(blocks, index):
-    """blocks [B, nK, ...], index [B, nQ] -> [B, nQ, ...]."""
-    return jax.vmap(lambda x, i: x[i])(blocks, index)
+def _unchunk(tree):
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
 
 
 class _Visit(NamedTuple):
-    """Step t of one of the two loops: one key block for every query block."""
+    """Step t of one of the two loops: one key block for every unit of a chunk."""
 
-    index: jax.Array   # [B, nQ] key block visited
-    valid: jax.Array   # [B, nQ] whether this query block has a t-th block in this loop
-    k: jax.Array       # [B, nQ, Hkv, bk, D]
-    v: jax.Array       # [B, nQ, Hkv, bk, Dv]
-    mask: jax.Array | None  # [B, nQ, 1, 1, bq, bk] for partial blocks, None for full ones
-    logits: jax.Array  # [B, nQ, Hkv, G, bq, bk], scaled, before the cap
+    index: jax.Array   # [C] key block visited (row of the flattened block array)
+    valid: jax.Array   # [C] whether this unit has a t-th block in this loop
+    k: jax.Array       # [C, Hkv, bk, D]
+    v: jax.Array       # [C, Hkv, bk, Dv]
+    mask: jax.Array | None  # [C, 1, 1, bq, bk] for partial blocks, None for full ones
+    logits: jax.Array  # [C, Hkv, G, bq, bk], scaled, before the cap
 
 
-def _loops(plan: BlockPlan):
+def _loops(plan: _Units):
     """(masked, first list position, trip count) of the full-block and partial-block loops."""
-    partial_count = plan.count - plan.full_count
     return ((False, jnp.zeros_like(plan.full_count), plan.full_count),
-            (True, plan.full_count, partial_count))
+            (True, plan.full_count, plan.count - plan.full_count))
 
 
-def _visit(static: _Static, masked: bool, t, start, count, qb, kb, vb, seg_q, seg_k,
-           plan: BlockPlan) -> _Visit:
-    b, n_q = count.shape
-    n_k = plan.kv_index.shape[-1]
-    position = jnp.minimum(start + t, n_k - 1)
-    index = jnp.take_along_axis(plan.kv_index, position[..., None], axis=-1)[..., 0]
+def _visit(static: _Static, masked: bool, t, start, count, q, kb, vb, seg_q, seg_kb,
+           plan: _Units) -> _Visit:
+    position = jnp.minimum(start + t, static.n_k - 1)
+    index = jnp.take_along_axis(plan.kv_index, position[:, None], axis=-1)[:, 0]
     valid = t < count
-    k_t, v_t = _gather(kb, index), _gather(vb, index)
-    logits = _block_dot("bnhrd,bnhkd->bnhrk", qb, k_t)
+    k_t, v_t = kb[index], vb[index]
+    logits = _block_dot("chrd,chkd->chrk", q, k_t)
     mask = None
     if masked:
         bq, bk = static.sizes.block_q, static.sizes.block_k
-        pos_q = (jnp.arange(n_q) * bq)[None, :, None] + jnp.arange(bq)
-        pos_k = index[..., None] * bk + jnp.arange(bk)
-        mask = semantics.sees_history(seg_q.reshape(b, n_q, bq)[..., :, None],
-                                      _gather(seg_k.reshape(b, -1, bk), index)[..., None, :],
-                                      pos_q[..., :, None], pos_k[..., None, :], static.causal)
-        mask = (mask & valid[..., None, None])[:, :, None, None]
+        pos_q = plan.q_start[:, None] + jnp.arange(bq)
+        pos_k = (index % static.n_k)[:, None] * bk + jnp.arange(bk)
+        mask = semantics.sees_history(seg_q[:, :, None], seg_kb[index][:, None, :],
+                                      pos_q[:, :, None], pos_k[:, None, :], static.causal)
+        mask = (mask & valid[:, None, None])[:, None, None]
     return _Visit(index, valid, k_t, v_t, mask, logits)
 
 
 def _block_dot(spec: str, x, y):
-    """einsum of block operands, with each 6-D operand's (G, bq) axes merged into one row axis r.
+    """einsum of block operands, with each 5-D operand's (G, bq) axes merged into one row axis r.
 
     XLA's CPU dot is markedly faster on [rows, D] x [D, bk] than with a separate
     group axis; the merge and split are free reshapes.
     """
     def merge(a):
-        return a.reshape(a.shape[:3] + (-1,) + a.shape[5:]) if a.ndim == 6 else a
+        return a.reshape(a.shape[:2] + (-1,) + a.shape[4:]) if a.ndim == 5 else a
 
-    group = (x if x.ndim == 6 else y).shape[3]
+    group = (x if x.ndim == 5 else y).shape[2]
     out = jnp.einsum(spec, merge(x), merge(y), precision="highest")
     if "r" in spec.split("->")[1]:
-        out = out.reshape(out.shape[:3] + (group, -1) + out.shape[4:])
+        out = out.reshape(out.shape[:2] + (group, -1) + out.shape[3:])
     return out
 
 
 def _row(x):
-    """[B, nQ] -> broadcastable against [B, nQ, Hkv, G, bq]."""
-    return x[:, :, None, None, None]
+    """[C] -> broadcastable against [C, Hkv, G, bq]."""
+    return x[:, None, None, None]
 
 
-def _own_logits(static: _Static, qb, own_kv, seg_q):
-    """Each candidate's logit on its own key: (capped, raw) [B, nQ, Hkv, G, bq], and the mask."""
-    b, n_q = qb.shape[:2]
-    raw = jnp.einsum("bnhgqd,bnhqd->bnhgq", qb, own_kv[0], precision="highest")
-    is_cand = (seg_q.reshape(b, n_q, 1, 1, -1) < 0)
+def _own_logits(static: _Static, q, own_kv, seg_q):
+    """Each candidate's logit on its own key: (capped, raw) [C, Hkv, G, bq], and the mask."""
+    raw = jnp.einsum("chgqd,chqd->chgq", q, own_kv[0], precision="highest")
+    is_cand = (seg_q < 0)[:, None, None, :]
     return static.cap(raw), raw, is_cand
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(static: _Static, qb, kb, vb, own_kv, seg_q, seg_k, plan: BlockPlan):
-    return _forward(static, qb, kb, vb, own_kv, seg_q, seg_k, plan)
+def _flash(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units):
+    return _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan)
 
 
-def _forward(static: _Static, qb, kb, vb, own_kv, seg_q, seg_k, plan: BlockPlan):
-    rows = qb.shape[:-1]  # [B, nQ, Hkv, G, bq]
-    carry = (jnp.full(rows, -jnp.inf, qb.dtype), jnp.zeros(rows, qb.dtype),
-             jnp.zeros(rows + vb.shape[-1:], qb.dtype))
+def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units):
+    def chunk(_, xs):
+        q, own, seg_q, units = xs
+        rows = q.shape[:-1]  # [C, Hkv, G, bq]
+        carry = (jnp.full(rows, -jnp.inf, q.dtype), jnp.zeros(rows, q.dtype),
+                 jnp.zeros(rows + vb.shape[-1:], q.dtype))
+        for masked, start, count in _loops(units):
+            def body(t, carry, masked=masked, start=start, count=count):
+                m, l, acc = carry
+                vis = _visit(static, masked, t, start, count, q, kb, vb, seg_q, seg_kb, units)
+                s = static.cap(vis.logits)
+                if masked:
+                    s = jnp.where(vis.mask, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(-1))
+                shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
+                p = jnp.exp(s - shift[..., None])
+                alpha = jnp.exp(m - shift)
+                l_new = l * alpha + p.sum(-1)
+                acc_new = acc * alpha[..., None] + _block_dot("chrk,chkd->chrd", p, vis.v)
+                if masked:  # invalid steps are already fully masked
+                    return m_new, l_new, acc_new
+                # A full-block step past this unit's list must change nothing.
+                ok = _row(vis.valid)
+                return (jnp.where(ok, m_new, m), jnp.where(ok, l_new, l),
+                        jnp.where(ok[..., None], acc_new, acc))
 
-    for masked, start, count in _loops(plan):
-        def body(t, carry, masked=masked, start=start, count=count):
-            m, l, acc = carry
-            vis = _visit(static, masked, t, start, count, qb, kb, vb, seg_q, seg_k, plan)
-            s = static.cap(vis.logits)
-            if masked:
-                s = jnp.where(vis.mask, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(-1))
+            carry = jax.lax.fori_loop(0, count.max(), body, carry)
+        m, l, acc = carry
+
+        if own is not None:  # the own-key logit joins the softmax
+            s_own, _, is_cand = _own_logits(static, q, own, seg_q)
+            m_new = jnp.where(is_cand, jnp.maximum(m, s_own), m)
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
-            p = jnp.exp(s - shift[..., None])
+            p_own = jnp.where(is_cand, jnp.exp(s_own - shift), 0)
             alpha = jnp.exp(m - shift)
-            l_new = l * alpha + p.sum(-1)
-            acc_new = acc * alpha[..., None] + _block_dot("bnhrk,bnhkd->bnhrd", p, vis.v)
-            if masked:  # invalid steps are already fully masked
-                return m_new, l_new, acc_new
-            # A full-block step past this query block's list must change nothing.
-            ok = _row(vis.valid)
-            return (jnp.where(ok, m_new, m), jnp.where(ok, l_new, l),
-                    jnp.where(ok[..., None], acc_new, acc))
+            l = l * alpha + p_own
+            acc = acc * alpha[..., None] + p_own[..., None] * own[1][:, :, None]
+            m = m_new
 
-        carry = jax.lax.fori_loop(0, count.max(), body, carry)
-    m, l, acc = carry
+        seen = l > 0
+        out = acc / jnp.where(seen, l, 1)[..., None]
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
+        return None, (out, lse)
 
-    if own_kv is not None:  # the own-key logit joins the softmax
-        s_own, _, is_cand = _own_logits(static, qb, own_kv, seg_q)
-        m_new = jnp.where(is_cand, jnp.maximum(m, s_own), m)
-        shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
-        p_own = jnp.where(is_cand, jnp.exp(s_own - shift), 0)
-        alpha = jnp.exp(m - shift)
-        l = l * alpha + p_own
-        acc = acc * alpha[..., None] + p_own[..., None] * own_kv[1][:, :, :, None]
-        m = m_new
-
-    seen = l > 0
-    out = acc / jnp.where(seen, l, 1)[..., None]
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
-    return out, lse
+    _, result = jax.lax.scan(chunk, None, _chunks(static, (qu, own_kv, seg_qu, plan)))
+    return _unchunk(result)
 
 
-def _flash_fwd(static, qb, kb, vb, own_kv, seg_q, seg_k, plan):
-    out, lse = _forward(static, qb, kb, vb, own_kv, seg_q, seg_k, plan)
-    return (out, lse), (qb, kb, vb, own_kv, seg_q, seg_k, plan, out, lse)
+def _flash_fwd(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan):
+    out, lse = _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan)
+    return (out, lse), (qu, kb, vb, own_kv, seg_qu, seg_kb, plan, out, lse)
 
 
 def _flash_bwd(static, residuals, cotangents):
-    qb, kb, vb, own_kv, seg_q, seg_k, plan, out, lse = residuals
+    qu, kb, vb, own_kv, seg_qu, seg_kb, plan, out, lse = residuals
     d_out, d_lse = cotangents
     # d lse / d s = P, so an lse cotangent enters exactly like -delta does.
     delta = (d_out * out).sum(-1) - d_lse
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
-    batch = jnp.arange(qb.shape[0])[:, None]
-    grads = (jnp.zeros_like(qb), jnp.zeros_like(kb), jnp.zeros_like(vb))
 
-    for masked, start, count in _loops(plan):
-        def body(t, grads, masked=masked, start=start, count=count):
-            dq, dk, dv = grads
-            vis = _visit(static, masked, t, start, count, qb, kb, vb, seg_q, seg_k, plan)
-            mask = vis.mask if masked else _row(vis.valid)[..., None]
-            p = jnp.where(mask, jnp.exp(static.cap(vis.logits) - lse_safe[..., None]), 0)
-            dp = _block_dot("bnhrd,bnhkd->bnhrk", d_out, vis.v)
-            ds = p * (dp - delta[..., None]) * static.cap_grad(vis.logits)
-            dq = dq + _block_dot("bnhrk,bnhkd->bnhrd", ds, vis.k)
-            dk_t = _block_dot("bnhrk,bnhrd->bnhkd", ds, qb)
-            dv_t = _block_dot("bnhrk,bnhrd->bnhkd", p, d_out)
-            return dq, dk.at[batch, vis.index].add(dk_t), dv.at[batch, vis.index].add(dv_t)
+    def chunk(carry, xs):
+        dk, dv = carry
+        q, own, seg_q, units, d_o, dlt, lse_c = xs
+        dq = jnp.zeros_like(q)
+        for masked, start, count in _loops(units):
+            def body(t, grads, masked=masked, start=start, count=count):
+                dq, dk, dv = grads
+                vis = _visit(static, masked, t, start, count, q, kb, vb, seg_q, seg_kb, units)
+                mask = vis.mask if masked else _row(vis.valid)[..., None]
+                p = jnp.where(mask, jnp.exp(static.cap(vis.logits) - lse_c[..., None]), 0)
+                dp = _block_dot("chrd,chkd->chrk", d_o, vis.v)
+                ds = p * (dp - dlt[..., None]) * static.cap_grad(vis.logits)
+                dq = dq + _block_dot("chrk,chkd->chrd", ds, vis.k)
+                dk = dk.at[vis.index].add(_block_dot("chrk,chrd->chkd", ds, q))
+                dv = dv.at[vis.index].add(_block_dot("chrk,chrd->chkd", p, d_o))
+                return dq, dk, dv
 
-        grads = jax.lax.fori_loop(0, count.max(), body, grads)
-    dq, dk, dv = grads
+            dq, dk, dv = jax.lax.fori_loop(0, count.max(), body, (dq, dk, dv))
 
-    d_own = None
-    if own_kv is not None:
-        s_own, raw, is_cand = _own_logits(static, qb, own_kv, seg_q)
-        p_own = jnp.where(is_cand, jnp.exp(s_own - lse_safe), 0)
-        dp_own = jnp.einsum("bnhgqd,bnhqd->bnhgq", d_out, own_kv[1], precision="highest")
-        ds_own = p_own * (dp_own - delta) * static.cap_grad(raw)
-        dq = dq + ds_own[..., None] * own_kv[0][:, :, :, None]
-        d_own = (jnp.einsum("bnhgq,bnhgqd->bnhqd", ds_own, qb, precision="highest"),
-                 jnp.einsum("bnhgq,bnhgqd->bnhqd", p_own, d_out, precision="highest"))
-    # qb holds q * scale: autodiff of the wrapper applies the scale to dq.
-    return dq, dk, dv, d_own, None, None, None
+        d_own = None
+        if own is not None:
+            s_own, raw, is_cand = _own_logits(static, q, own, seg_q)
+            p_own = jnp.where(is_cand, jnp.exp(s_own - lse_c), 0)
+            dp_own = jnp.einsum("chgqd,chqd->chgq", d_o, own[1], precision="highest")
+            ds_own = p_own * (dp_own - dlt) * static.cap_grad(raw)
+            dq = dq + ds_own[..., None] * own[0][:, :, None]
+            d_own = (jnp.einsum("chgq,chgqd->chqd", ds_own, q, precision="highest"),
+                     jnp.einsum("chgq,chgqd->chqd", p_own, d_o, precision="highest"))
+        return (dk, dv), (dq, d_own)
+
+    xs = _chunks(static, (qu, own_kv, seg_qu, plan, d_out, delta, lse_safe))
+    (dk, dv), (dq, d_own) = jax.lax.scan(chunk, (jnp.zeros_like(kb), jnp.zeros_like(vb)), xs)
+    # qu holds q * scale: autodiff of the wrapper applies the scale to dq.
+    return _unchunk(dq), dk, dv, _unchunk(d_own), None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
