@@ -103,7 +103,8 @@ def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap
                             f"{sq} and k has length {skv}. Pass q, k, v of one sequence.")
     if plan is not None:
         if len(mask_given) > 1:
-            raise fail("RA117", f"plan was given together with {', '.join(mask_given[1:])}; the "
+            others = ", ".join(n for n in mask_given if n != "plan")
+            raise fail("RA117", f"plan was given together with {others}; the "
                                 "plan already holds the mask. Pass only plan=.")
         if plan.shape != (b, sq):
             raise fail("RA117", f"plan was made for (B, S) = {plan.shape}, but q has B={b}, S={sq}. "

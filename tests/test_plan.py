@@ -1,0 +1,120 @@
+"""rankattn.plan: built once per batch, reused by every layer, bit-identical to passing the mask."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rankattn
+from helpers import random_qkv, random_segments
+from rankattn.backends import BlockSizes, Xla
+from tolerances import assert_close_f32
+
+SMALL = BlockSizes(16, 8)
+
+
+def _segments(seed=0, batch=2, seq=53):
+    return jnp.asarray(random_segments(seed, batch, seq, "packed"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_plan_is_bit_identical_to_passing_the_mask(causal):
+    seg = _segments()
+    q, k, v, _ = random_qkv(1, 2, 53, 4, 2, 16)
+    plan = rankattn.plan(segment_ids=seg, causal=causal, block_sizes=SMALL)
+    with_plan = rankattn.attention(q, k, v, plan=plan, return_lse=True)
+    without = rankattn.attention(q, k, v, segment_ids=seg, causal=causal, impl=Xla(SMALL),
+                                 return_lse=True)
+    for a, b in zip(with_plan, without):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_plan_from_bounds_equals_segment_ids():
+    bounds = jnp.array([[0, 30, 30, 41], [5, 20, 25, 53]], jnp.int32)
+    q, k, v, _ = random_qkv(2, 2, 53, 2, 2, 8)
+    plan = rankattn.plan(bounds=bounds, seq_len=53)
+    want = rankattn.attention(q, k, v, bounds=bounds, impl="reference")
+    assert_close_f32(rankattn.attention(q, k, v, plan=plan), want, "out")
+
+
+def test_one_plan_serves_every_layer_and_the_backward_pass():
+    """A 3-layer stack: the plan is built inside jit from traced segment ids, once."""
+    seg = _segments(3)
+    x, _, _, _ = random_qkv(4, 2, 53, 4, 2, 16)
+    weights = [jnp.asarray(np.random.default_rng(i).normal(0, 0.3, (4, 16, 16)), jnp.float32)
+               for i in range(3)]
+
+    def model(x, weights, seg, use_plan):
+        plan = rankattn.plan(segment_ids=seg, block_sizes=SMALL) if use_plan else None
+        for w in weights:
+            q = jnp.einsum("bshd,hde->bshe", x, w)
+            kv = q[:, :, ::2]
+            if use_plan:
+                x = x + rankattn.attention(q, kv, kv, plan=plan)
+            else:
+                x = x + rankattn.attention(q, kv, kv, segment_ids=seg, impl="reference")
+        return (x ** 2).sum()
+
+    loss = jax.jit(jax.value_and_grad(model, argnums=(0, 1)), static_argnums=3)
+    (got, (gx, gw)) = loss(x, weights, seg, True)
+    (want, (wx, ww)) = loss(x, weights, seg, False)
+    assert_close_f32(got, want, "loss")
+    assert_close_f32(gx, wx, "dx")
+    for i, (a, b) in enumerate(zip(gw, ww)):
+        assert_close_f32(a, b, f"dw{i}")
+
+
+def test_jitted_plan_sees_new_segment_values():
+    """Same compiled function, different traced segment ids: no stale plan."""
+    q, k, v, _ = random_qkv(5, 2, 53, 2, 1, 8)
+
+    @jax.jit
+    def run(seg):
+        return rankattn.attention(q, k, v, plan=rankattn.plan(segment_ids=seg, block_sizes=SMALL))
+
+    for seed in (6, 7):
+        seg = _segments(seed)
+        want = rankattn.attention(q, k, v, segment_ids=seg, impl="reference")
+        assert_close_f32(run(seg), want, f"out (segments of seed {seed})")
+
+
+def test_plan_passes_through_jit_boundaries_as_a_pytree():
+    seg = _segments(8)
+    plan = jax.jit(lambda s: rankattn.plan(segment_ids=s, block_sizes=SMALL))(seg)
+    q, k, v, _ = random_qkv(9, 2, 53, 2, 2, 8)
+    got = jax.jit(lambda q, k, v, p: rankattn.attention(q, k, v, plan=p))(q, k, v, plan)
+    assert_close_f32(got, rankattn.attention(q, k, v, segment_ids=seg, impl="reference"), "out")
+
+
+def test_plan_blocks_follow_the_backend_classification():
+    """One session of 32 history + 8 candidates in 16x8 blocks: full, partial and empty lists."""
+    seg = jnp.asarray(np.r_[[1] * 32, [-1] * 8, [0] * 8][None], jnp.int32)
+    plan = rankattn.plan(segment_ids=seg, block_sizes=SMALL)
+    # Query blocks 0-1 are history (all real): key blocks 0-3 are all history -> full.
+    # Query block 2 holds 8 candidates and 8 padding tokens -> history blocks are partial.
+    np.testing.assert_array_equal(np.asarray(plan.blocks.full_count), [[4, 4, 0]])
+    np.testing.assert_array_equal(np.asarray(plan.blocks.count), [[4, 4, 4]])
+    assert set(np.asarray(plan.blocks.kv_index)[0, 2, :4]) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(), "needs segment_ids or bounds"),
+    (dict(bounds=np.array([0, 3, 3, 5])), "needs seq_len"),
+    (dict(segment_ids=np.ones(5, np.int32)), "needs [B, S]"),
+])
+def test_plan_argument_errors(kwargs, fragment):
+    with pytest.raises(rankattn.RankattnError, match="RA1") as err:
+        rankattn.plan(**kwargs)
+    assert fragment in str(err.value)
+
+
+def test_attention_rejects_a_plan_with_a_mask_or_of_another_shape():
+    seg = _segments()
+    plan = rankattn.plan(segment_ids=seg)
+    q, k, v, _ = random_qkv(0, 2, 53, 2, 2, 8)
+    with pytest.raises(rankattn.RankattnValueError, match=r"RA117.*segment_ids"):
+        rankattn.attention(q, k, v, plan=plan, segment_ids=seg)
+    with pytest.raises(rankattn.RankattnValueError, match=r"RA117.*\(2, 53\).*S=40"):
+        rankattn.attention(q[:, :40], k[:, :40], v[:, :40], plan=plan)
