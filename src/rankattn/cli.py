@@ -15,12 +15,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--batch", type=int, default=4, help="rows in the batch (default 4)")
     demo.add_argument("--repeats", type=int, default=5, help="timed runs per implementation")
     explain = sub.add_parser("explain", help="print the docs entry of an error code or message")
-    explain.add_argument("query", nargs="+", help="an error code such as RA103, or a pasted message")
+    explain.add_argument("query", nargs="*", help="an error code such as RA103, or a pasted message")
+    explain.add_argument("--markdown", action="store_true",
+                         help="print every entry as docs/errors.md instead")
     args = parser.parse_args(argv)
 
     if args.command == "explain":
         import rankattn  # noqa: F401  (registers every module's error codes)
 
+        if args.markdown:
+            print(errors.render_markdown(), end="")
+            return 0
         text = errors.explain(" ".join(args.query))
         if text is None:
             print("No rankattn error matches that. Codes: " + ", ".join(sorted(errors.CATALOG)),

@@ -178,7 +178,7 @@ def render_markdown() -> str:
     lines = [
         "# rankattn errors",
         "",
-        "Generated from `src/rankattn/errors.py` by `python -m rankattn.errors > docs/errors.md`;",
+        "Generated from `src/rankattn/errors.py` by `rankattn explain --markdown > docs/errors.md`;",
         "a test fails when this file and the catalog disagree. Every error is a",
         "`rankattn.RankattnError` and also a `ValueError` or `TypeError`. Its message starts with",
         "the code, names the argument and the values seen, and says what to change.",
@@ -192,8 +192,3 @@ def render_markdown() -> str:
                   f"**How to fix it.** {kind.fix}", ""]
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    import rankattn  # noqa: F401  (registers the serving codes too)
-
-    print(render_markdown(), end="")
