@@ -1,0 +1,60 @@
+"""Suite-wide settings: Hypothesis profiles and the backends every per-backend test runs on.
+
+Tolerances live in tests/tolerances.py; shared helpers in tests/helpers.py and
+the float64 oracle in tests/oracle.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The suite is compile-bound (every shape is a new XLA program) and runs tiny
+# tensors, so LLVM's optimisation level buys nothing at run time and halves
+# compile time. It does not change floating-point semantics (no fast-math on
+# CPU). Set before JAX starts its backend; pass your own XLA_FLAGS to override.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from rankattn.backends import BlockSizes, Xla  # noqa: E402
+
+# "ci" (the default) is deterministic and sized so the whole suite runs in a few
+# minutes on two CPU cores: every new shape compiles a fresh XLA program, so the
+# cost is compilation, and the property tests draw from small sets of shapes.
+# "dev" explores more: HYPOTHESIS_PROFILE=dev pytest tests.
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    max_examples=10,
+    print_blob=True,
+    # differing_executors: pytest makes a new instance of a test class per
+    # parametrized call; the backend test classes keep no state on `self`.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.differing_executors],
+)
+settings.register_profile(
+    "dev",
+    parent=settings.get_profile("ci"),
+    derandomize=False,
+    max_examples=60,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Small blocks make short sequences span many blocks, ragged last blocks and
+# "one past a block"; the default blocks are what users get.
+SMALL_BLOCKS = Xla(BlockSizes(16, 8))
+BACKENDS = [
+    pytest.param("reference", id="reference"),
+    pytest.param(SMALL_BLOCKS, id="xla-16x8"),
+    pytest.param("xla", id="xla-default"),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def impl(request):
+    """Every backend (the reference included) for the per-backend named tests."""
+    return request.param

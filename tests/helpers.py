@@ -1,0 +1,319 @@
+"""Shared test helpers: random inputs, segment layouts, a jitted runner and the naive baseline."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+
+import oracle
+import rankattn
+from tolerances import assert_close_f32, assert_low_precision_close
+
+LSE_WEIGHT = 0.1  # loss = sum(out * w) + LSE_WEIGHT * sum(finite(lse) ** 2)
+FIELDS = ("out", "lse", "dq", "dk", "dv")
+LOW_PRECISION = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+# --- Random values. -------------------------------------------------------------
+
+
+def random_qkv(seed: int, batch: int, seq: int, heads_q: int, heads_kv: int, dim: int,
+               dim_v: int | None = None, kv_seq: int | None = None, q_std: float = 1.5):
+    """float32 numpy (q, k, v, w); w is the output weight of the test loss.
+
+    q is a little wider than unit so that logits spread over a few units and a
+    soft cap of 2 changes them noticeably.
+    """
+    rng = np.random.default_rng(seed)
+    kv_seq = seq if kv_seq is None else kv_seq
+    dim_v = dim if dim_v is None else dim_v
+    q = rng.normal(0, q_std, (batch, seq, heads_q, dim)).astype(np.float32)
+    k = rng.normal(0, 1, (batch, kv_seq, heads_kv, dim)).astype(np.float32)
+    v = rng.normal(0, 1, (batch, kv_seq, heads_kv, dim_v)).astype(np.float32)
+    w = rng.normal(0, 1, (batch, seq, heads_q, dim_v)).astype(np.float32)
+    return q, k, v, w
+
+
+# --- Segment layouts. -------------------------------------------------------------
+
+
+def packed_row(rng, seq: int, n_sessions: int) -> np.ndarray:
+    """One row of contiguous runs: [pad] (history, candidates or both, in either order) [pad] ...
+
+    Session ids are distinct but not consecutive; some sessions have no
+    candidates or no history; runs are cut off at ``seq`` and the rest is padding.
+    """
+    ids = rng.choice(np.arange(1, 4 * n_sessions + 1), n_sessions, replace=False)
+    row: list[int] = [0] * int(rng.integers(0, 3))
+    mean = max(2, seq // max(1, n_sessions))
+    for s in ids:
+        hist = [int(s)] * int(rng.integers(0, mean + 1))
+        cand = [-int(s)] * int(rng.integers(0, mean // 2 + 2))
+        runs = [hist, cand] if rng.random() < 0.7 else [cand, hist]
+        if rng.random() < 0.3 and len(hist) > 1:  # history split around the candidates
+            cut = int(rng.integers(1, len(hist)))
+            runs = [hist[:cut], cand, hist[cut:]]
+        for run in runs:
+            row += run
+        row += [0] * int(rng.integers(0, 3))
+    row = (row + [0] * seq)[:seq]
+    return np.array(row, np.int32)
+
+
+def interleaved_row(rng, seq: int, n_sessions: int) -> np.ndarray:
+    """One row where every token independently picks a session, a sign or padding."""
+    ids = rng.choice(np.arange(1, 4 * n_sessions + 1), n_sessions, replace=False)
+    values = np.concatenate([ids, -ids, [0]])
+    p = np.concatenate([np.full(n_sessions, 0.5 / n_sessions), np.full(n_sessions, 0.4 / n_sessions),
+                        [0.1]])
+    return rng.choice(values, seq, p=p).astype(np.int32)
+
+
+def random_segments(seed: int, batch: int, seq: int, layout: str) -> np.ndarray:
+    """[B, S] int32 rows of `packed_row` or `interleaved_row`, 1 to 4 sessions each."""
+    rng = np.random.default_rng(seed)
+    make = packed_row if layout == "packed" else interleaved_row
+    return np.stack([make(rng, seq, int(rng.integers(1, 5))) for _ in range(batch)])
+
+
+def random_bounds_row(rng, seq: int) -> list[int]:
+    """(hist_lo, hist_hi, cand_lo, cand_hi), unaligned, sometimes reversed or empty."""
+    a, b, c, d = sorted(int(x) for x in rng.integers(0, seq + 1, 4))
+    kind = rng.random()
+    if kind < 0.55:
+        return [a, b, c, d]          # history then candidates (possibly a gap)
+    if kind < 0.8:
+        return [c, d, a, b]          # candidates first
+    if kind < 0.9:
+        return [a, a, c, d]          # no history: candidates see only themselves
+    return [b, b, d, d]              # nothing: the whole row is padding
+
+
+# --- Hypothesis strategies for masks (values only: they never change a compiled shape). ----
+
+
+@st.composite
+def segment_row(draw, seq: int):
+    """Contiguous runs (history, candidates, padding; sessions may recur) or fully interleaved."""
+    if draw(st.booleans()):
+        return draw(st.lists(st.integers(-3, 3), min_size=seq, max_size=seq))
+    runs = draw(st.lists(st.tuples(st.integers(-4, 4), st.integers(1, max(1, seq // 2 + 1))),
+                         min_size=1, max_size=10))
+    row = [sid for sid, length in runs for _ in range(length)]
+    return (row + [0] * seq)[:seq]
+
+
+def segment_ids(batch: int, seq: int):
+    return st.lists(segment_row(seq), min_size=batch, max_size=batch).map(
+        lambda rows: tuple(map(tuple, rows)))
+
+
+@st.composite
+def bounds_row(draw, seq: int):
+    """Non-overlapping half-open ranges at any offsets: either order, gaps, empty ranges."""
+    a, b, c, d = sorted(draw(st.lists(st.integers(0, seq), min_size=4, max_size=4)))
+    history, candidates = draw(st.sampled_from([((a, b), (c, d)), ((c, d), (a, b)),
+                                                ((a, a), (c, d)), ((a, b), (c, c))]))
+    return history + candidates
+
+
+def bounds(batch: int, seq: int, broadcast: bool):
+    if broadcast:
+        return bounds_row(seq)
+    return st.lists(bounds_row(seq), min_size=batch, max_size=batch).map(tuple)
+
+
+# --- One test case. ------------------------------------------------------------
+
+
+MASKS = ("none", "segment_ids", "bounds_rows", "bounds_broadcast")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """Shapes, options and mask of one attention call; q, k, v and w come from `seed`."""
+
+    batch: int = 1
+    seq: int = 8
+    heads_q: int = 2
+    heads_kv: int = 1
+    dim: int = 8
+    dim_v: int | None = None
+    kv_seq: int | None = None          # cross-attention length (mask "none", not causal)
+    dtype: str = "float32"
+    mask: str = "none"                 # one of MASKS
+    mask_values: tuple | None = None   # segment ids [B][S] or bounds [4] / [B][4], as tuples
+    causal: bool = False
+    softcap: float | None = None
+    softcap_method: str = "tanh"
+    scale: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        assert self.mask in MASKS, self.mask
+        assert self.mask != "none" or self.mask_values is None, "mask values without a mask"
+
+    def with_mask(self, values) -> Case:
+        values = np.asarray(values).tolist()
+        to_tuple = (lambda x: tuple(map(tuple, x))) if isinstance(values[0], list) else tuple
+        return dataclasses.replace(self, mask_values=to_tuple(values))
+
+    def values(self):
+        return random_qkv(self.seed, self.batch, self.seq, self.heads_q, self.heads_kv, self.dim,
+                          self.dim_v, self.kv_seq)
+
+    def mask_arg(self):
+        """(keyword, int32 numpy array) for rankattn.attention, or (None, None)."""
+        if self.mask == "none":
+            return None, None
+        assert self.mask_values is not None, f"{self} has a mask kind but no values"
+        kw = "segment_ids" if self.mask == "segment_ids" else "bounds"
+        return kw, np.array(self.mask_values, np.int32)
+
+    def segments(self):
+        """The segment ids this case means (numpy [B, S]), or None for no mask."""
+        kw, arr = self.mask_arg()
+        if kw == "bounds":
+            return oracle.bounds_to_segments(arr, self.seq, self.batch)
+        return arr
+
+    def dense_mask(self):
+        """bool [B, Sq, Skv] by the oracle's rule."""
+        seg = self.segments()
+        if seg is None:
+            return oracle.no_mask(self.batch, self.seq, self.kv_seq or self.seq, self.causal)
+        return oracle.mask_dense(seg, self.causal)
+
+    def options(self):
+        return dict(causal=self.causal, scale=self.scale, softcap=self.softcap,
+                    softcap_method=self.softcap_method)
+
+
+def case_id(case: Case) -> str:
+    """A short test id: the fields (but the mask values) that differ from the defaults."""
+    default = Case()
+    return ",".join(f"{f.name}={getattr(case, f.name)}" for f in dataclasses.fields(case)
+                    if f.name != "mask_values" and getattr(case, f.name) != getattr(default, f.name)
+                    ) or "default"
+
+
+# --- Running an implementation. -------------------------------------------------
+
+
+def objective(out, lse, w):
+    finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.sum(out.astype(jnp.float32) * w) + LSE_WEIGHT * jnp.sum(finite ** 2)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "mask_kw", "causal", "scale", "softcap",
+                                             "softcap_method"))
+def _outputs_and_grads(q, k, v, w, mask, *, impl, mask_kw, **options):
+    kwargs = {mask_kw: mask} if mask_kw else {}
+
+    def loss(q, k, v):
+        out, lse = rankattn.attention(q, k, v, **kwargs, **options, return_lse=True, impl=impl)
+        return objective(out, lse, w), (out, lse)
+
+    (_, (out, lse)), (dq, dk, dv) = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "causal", "scale", "softcap",
+                                             "softcap_method", "return_lse"))
+def attention_jit(q, k, v, segment_ids=None, bounds=None, **kwargs):
+    """rankattn.attention under jit (one compile per shape instead of one per eager op)."""
+    return rankattn.attention(q, k, v, segment_ids=segment_ids, bounds=bounds, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "causal", "scale", "softcap",
+                                             "softcap_method"))
+def attention_vjp(q, k, v, d_out, d_lse, segment_ids=None, bounds=None, **kwargs):
+    """(out, lse, dq, dk, dv) for explicit cotangents on out and lse, under jit."""
+    def f(q, k, v):
+        return rankattn.attention(q, k, v, segment_ids=segment_ids, bounds=bounds,
+                                  return_lse=True, **kwargs)
+
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return (out, lse, *vjp((d_out.astype(out.dtype), d_lse)))
+
+
+def run(case: Case, impl, dtype=None) -> dict[str, np.ndarray]:
+    """out, lse and the loss gradients of ``impl`` on ``case`` (inputs cast to ``dtype``).
+
+    The values are made in float32, rounded to the case's dtype, then cast to
+    ``dtype`` (default: the case's dtype), so a float32 run on a bf16 case sees
+    exactly the bf16 values.
+    """
+    q, k, v, w = case.values()
+    case_dtype = np.dtype(jnp.dtype(case.dtype))
+    run_dtype = case_dtype if dtype is None else np.dtype(jnp.dtype(dtype))
+    # Casts in numpy (ml_dtypes), so that no eager XLA op is compiled per shape.
+    q, k, v = (x.astype(case_dtype).astype(run_dtype) for x in (q, k, v))
+    mask_kw, mask = case.mask_arg()
+    res = _outputs_and_grads(q, k, v, w, mask, impl=impl, mask_kw=mask_kw, **case.options())
+    for name, x in res.items():
+        want = np.float32 if name == "lse" else run_dtype
+        assert x.dtype == want, f"{name} has dtype {x.dtype}, expected {want}"
+    return {name: np.asarray(x).astype(np.float32) for name, x in res.items()}
+
+
+# --- The naive low-precision baseline (for the bf16/f16 tolerance rule). ----------
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "softcap_method"))
+def _naive(q, k, v, w, mask, *, scale, softcap, softcap_method):
+    """Dense attention with every step in the inputs' dtype; masks rows with no key to 0."""
+    dt = q.dtype
+    group = q.shape[2] // k.shape[2]
+
+    def attend(q, k, v):
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=dt) * jnp.asarray(scale, dt)
+        if softcap is not None:
+            c = jnp.asarray(softcap, dt)
+            s = c * jnp.tanh(s / c) if softcap_method == "tanh" else s / (1 + jnp.abs(s) / c)
+        m4 = mask[:, None]
+        s = jnp.where(m4, s, jnp.asarray(-jnp.inf, dt))
+        mx = jax.lax.stop_gradient(jnp.max(s, -1, keepdims=True))
+        mx = jnp.where(jnp.isfinite(mx), mx, jnp.zeros((), dt))
+        p = jnp.where(m4, jnp.exp(s - mx), jnp.zeros((), dt))
+        l = p.sum(-1, keepdims=True, dtype=dt)
+        safe = jnp.where(l > 0, l, jnp.ones((), dt))
+        out = jnp.einsum("bhqk,bkhd->bqhd", p / safe, v, preferred_element_type=dt)
+        lse = jnp.where(l > 0, mx + jnp.log(safe), jnp.asarray(-jnp.inf, dt))[..., 0]
+        return objective(out, lse.astype(jnp.float32), w), (out, lse)
+
+    (_, (out, lse)), (dq, dk, dv) = jax.value_and_grad(attend, (0, 1, 2), has_aux=True)(q, k, v)
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+def run_naive(case: Case) -> dict[str, np.ndarray]:
+    q, k, v, w = case.values()
+    dt = np.dtype(LOW_PRECISION[case.dtype])
+    scale = case.scale if case.scale is not None else 1 / np.sqrt(case.dim)
+    res = _naive(q.astype(dt), k.astype(dt), v.astype(dt), w, case.dense_mask(), scale=float(scale),
+                 softcap=case.softcap, softcap_method=case.softcap_method)
+    return {name: np.asarray(x).astype(np.float32) for name, x in res.items()}
+
+
+def check_against_reference(case: Case, impl) -> None:
+    """Forward out, lse and dq, dk, dv of ``impl`` agree with impl='reference' on ``case``."""
+    got = run(case, impl)
+    if case.dtype == "float32":
+        want = run(case, "reference")
+        for name in FIELDS:
+            assert_close_f32(got[name], want[name], name)
+    else:
+        want = run(case, "reference", dtype=jnp.float32)
+        naive = run_naive(case)
+        for name in FIELDS:
+            assert_low_precision_close(got[name], want[name], naive[name], name)
+    # Outputs of queries that see nothing are exactly zero, and so are their gradients.
+    blind = ~case.dense_mask().any(-1)                         # [B, Sq]
+    assert np.all(got["out"][blind] == 0) and np.all(got["dq"][blind] == 0)
+    assert np.all(np.isneginf(got["lse"].transpose(0, 2, 1)[blind]))

@@ -1,0 +1,122 @@
+"""Every backend against impl='reference' (itself checked against the oracle in test_oracle.py).
+
+`BackendTests` holds the comparisons; each subclass names one implementation
+and the configurations it runs. Compiling is what costs (each shape or static
+option is a new XLA program), so the shapes come from a fixed matrix,
+CONFIGS, chosen to cover every axis the spec names at least once:
+sequence lengths 1, 2, odd, one below / at / one past a block (7/8/9 and
+15/16/17 for 16x8 blocks) and ~70, batch 1..3, head dims 8..200, GQA ratios
+1, 2, 4, 5, 8, Dv != D, causal, both soft caps with small caps, scale
+overrides, segment ids, row-wise and broadcast bounds, no mask (and
+cross-attention), float32 and bfloat16, and two sequences past 1000.
+Hypothesis then draws, for each configuration, the *values*: segment-id rows
+(contiguous runs of history / candidates / padding for several sessions, or
+fully interleaved), bounds (unaligned, reversed, empty) and the q, k, v seed;
+values never change the compiled program, so every example after the first is
+cheap, and the block planner sees many masks per shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import SMALL_BLOCKS
+from helpers import Case, bounds, case_id, check_against_reference, segment_ids
+from rankattn.backends import BlockSizes, Xla
+
+C = Case
+SEG, ROWS, BCAST = "segment_ids", "bounds_rows", "bounds_broadcast"
+CONFIGS = [
+    C(batch=2, seq=1, heads_q=2, heads_kv=1, dim=8, mask=SEG),
+    C(batch=3, seq=2, heads_q=4, heads_kv=1, dim=48, dim_v=24, mask=SEG, causal=True, softcap=2.0),
+    C(batch=1, seq=7, heads_q=5, heads_kv=1, dim=80, mask=SEG, softcap=2.0,
+      softcap_method="soft_sign"),
+    C(batch=2, seq=9, heads_q=8, heads_kv=1, dim=8, mask=SEG, causal=True, scale=0.3),
+    C(batch=3, seq=15, heads_q=4, heads_kv=2, dim=96, mask=SEG, softcap=5.0),
+    C(batch=2, seq=17, heads_q=3, heads_kv=3, dim=128, dim_v=24, mask=SEG, causal=True,
+      softcap=2.0, softcap_method="soft_sign"),
+    C(batch=1, seq=33, heads_q=2, heads_kv=1, dim=200, mask=SEG, softcap=2.0),
+    C(batch=2, seq=70, heads_q=4, heads_kv=1, dim=48, mask=SEG, causal=True),
+    C(batch=3, seq=16, heads_q=2, heads_kv=2, dim=80, mask=ROWS, causal=True, softcap=2.0),
+    C(batch=2, seq=23, heads_q=5, heads_kv=1, dim=8, dim_v=24, mask=ROWS),
+    C(batch=2, seq=8, heads_q=4, heads_kv=2, dim=48, mask=BCAST, softcap=2.0,
+      softcap_method="soft_sign"),
+    C(batch=1, seq=70, heads_q=8, heads_kv=1, dim=96, mask=BCAST, causal=True),
+    C(batch=2, seq=5, heads_q=2, heads_kv=1, dim=8, causal=True),
+    C(batch=1, seq=17, kv_seq=9, heads_q=4, heads_kv=2, dim=80, dim_v=24, softcap=2.0),
+    C(batch=1, seq=70, heads_q=1, heads_kv=1, dim=128, softcap=2.0, softcap_method="soft_sign",
+      scale=0.2),
+    C(batch=2, seq=16, heads_q=4, heads_kv=1, dim=48, dtype="bfloat16", mask=SEG, softcap=2.0),
+    C(batch=2, seq=70, heads_q=2, heads_kv=2, dim=96, dtype="bfloat16", mask=SEG, causal=True),
+    C(batch=3, seq=9, heads_q=5, heads_kv=1, dim=80, dim_v=24, dtype="bfloat16", mask=ROWS,
+      softcap=2.0, softcap_method="soft_sign"),
+    C(batch=1, seq=33, heads_q=8, heads_kv=1, dim=8, dtype="bfloat16", causal=True),
+    C(batch=2, seq=33, heads_q=10, heads_kv=2, dim=200, dtype="bfloat16", mask=SEG, softcap=2.0),
+]
+LONG_CONFIGS = [
+    C(batch=1, seq=1100, heads_q=2, heads_kv=1, dim=32, mask=SEG, causal=True, softcap=5.0),
+    C(batch=2, seq=1031, heads_q=2, heads_kv=2, dim=16, dim_v=8, dtype="bfloat16", mask=ROWS),
+]
+
+
+def mask_values(config: Case):
+    """Hypothesis strategy for the mask values of ``config`` (None when it has no mask)."""
+    if config.mask == SEG:
+        return segment_ids(config.batch, config.seq)
+    if config.mask in (ROWS, BCAST):
+        return bounds(config.batch, config.seq, broadcast=config.mask == BCAST)
+    return st.none()
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrize `config` / `long_config` from the test class's lists."""
+    for name in ("config", "long_config"):
+        if name in metafunc.fixturenames:
+            configs = getattr(metafunc.cls, name + "s")
+            metafunc.parametrize(name, configs, ids=[case_id(c) for c in configs])
+
+
+class BackendTests:
+    """Comparisons of `impl` with impl='reference' on `configs` and `long_configs`."""
+
+    impl = None
+    configs = CONFIGS
+    long_configs = LONG_CONFIGS
+
+    @settings(max_examples=5)
+    @given(data=st.data())
+    def test_matches_reference(self, config, data):
+        case = dataclasses.replace(config, mask_values=data.draw(mask_values(config), "mask"),
+                                   seed=data.draw(st.integers(0, 2**16), "seed"))
+        check_against_reference(case, self.impl)
+
+    @settings(max_examples=2)
+    @given(data=st.data())
+    def test_long_sequence_matches_reference(self, long_config, data):
+        case = dataclasses.replace(long_config, mask_values=data.draw(mask_values(long_config)))
+        check_against_reference(case, self.impl)
+
+
+class TestXla(BackendTests):
+    """Small blocks: short sequences already span many blocks and ragged ends."""
+
+    impl = SMALL_BLOCKS
+
+
+class TestXlaDefaultBlocks(BackendTests):
+    """Default 128 blocks: one block for short calls, several for the long ones."""
+
+    impl = Xla(BlockSizes())
+    configs = CONFIGS[5::3]
+
+
+class TestAuto(BackendTests):
+    """impl='auto' end to end (which backend it picks: test_api.py)."""
+
+    impl = "auto"
+    configs = CONFIGS[1::4]
+    long_configs = LONG_CONFIGS[:1]

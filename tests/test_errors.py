@@ -1,0 +1,227 @@
+"""Every error path of rankattn.attention (RA1xx): code, exception types, and a message that names
+the offending values; the generated docs/errors.md; and `rankattn.errors.explain`.
+
+ERROR_CASES is the one table: each row is a call that must fail, the code, the builtin
+exception it must also be (written here, not read from the catalog), and fragments of the
+message. `test_every_core_code_has_a_case` checks the table covers the whole RA1xx catalog.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rankattn
+from rankattn import errors
+from rankattn.backends import BlockSizes
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+
+
+def x(b=2, s=8, h=2, d=8, dtype=np.float32):
+    return np.zeros((b, s, h, d), dtype)
+
+
+def attend(q=None, k=None, v=None, **kwargs):
+    q = x() if q is None else q
+    return rankattn.attention(q, x() if k is None else k, x() if v is None else v, **kwargs)
+
+
+SEG = np.ones((2, 8), np.int32)
+V, T = ValueError, TypeError
+
+# (id, code, builtin type, call, message fragments)
+ERROR_CASES = [
+    ("q-3d", "RA101", T, lambda: attend(q=np.zeros((2, 8, 16), np.float32)), ["q", "(2, 8, 16)", "3-D"]),
+    ("k-5d", "RA101", T, lambda: attend(k=np.zeros((2, 8, 2, 8, 1), np.float32)), ["k", "5-D"]),
+    ("v-list", "RA101", T, lambda: attend(v=[[1.0]]), ["v", "list"]),
+    ("batch", "RA102", V, lambda: attend(k=x(b=3), v=x(b=3)), ["q 2", "k 3", "v 3"]),
+    ("kv-length", "RA102", V, lambda: attend(v=x(s=9)), ["(2, 8, 2, 8)", "(2, 9, 2, 8)"]),
+    ("kv-heads", "RA102", V, lambda: attend(v=x(h=1)), ["(2, 8, 2, 8)", "(2, 8, 1, 8)"]),
+    ("head-dim", "RA102", V, lambda: attend(k=x(d=16)), ["head dim 8", "head dim 16"]),
+    ("gqa-12-8", "RA103", V, lambda: attend(q=x(h=12), k=x(h=8), v=x(h=8)), ["12", "8"]),
+    ("gqa-2-4", "RA103", V, lambda: attend(k=x(h=4), v=x(h=4)), ["2 heads", "has 4"]),
+    ("int-q", "RA104", T, lambda: attend(q=x(dtype=np.int32)), ["q", "int32"]),
+    ("bool-v", "RA104", T, lambda: attend(v=x(dtype=np.bool_)), ["v", "bool"]),
+    ("mixed", "RA104", T, lambda: attend(k=x(dtype=jnp.bfloat16)), ["float32", "bfloat16"]),
+    ("zero-seq", "RA105", V, lambda: attend(q=x(s=0)), ["q", "(2, 0, 2, 8)"]),
+    ("zero-dim", "RA105", V, lambda: attend(v=x(d=0)), ["v", "(2, 8, 2, 0)"]),
+    ("len-seg", "RA106", V, lambda: attend(k=x(s=5), v=x(s=5), segment_ids=SEG),
+     ["segment_ids", "length 8", "length 5"]),
+    ("len-bounds", "RA106", V, lambda: attend(k=x(s=5), v=x(s=5), bounds=(0, 2, 2, 5)), ["bounds"]),
+    ("len-causal", "RA106", V, lambda: attend(k=x(s=5), v=x(s=5), causal=True), ["causal=True"]),
+    ("seg-shape", "RA107", T, lambda: attend(segment_ids=np.ones((2, 9), np.int32)),
+     ["(2, 9)", "(2, 8)"]),
+    ("seg-1d", "RA107", T, lambda: attend(segment_ids=np.ones(8, np.int32)), ["(8,)", "(2, 8)"]),
+    ("seg-float", "RA107", T, lambda: attend(segment_ids=SEG.astype(np.float32)), ["float32"]),
+    ("seg-list", "RA107", T, lambda: attend(segment_ids=[[1] * 8] * 2), ["list"]),
+    ("bounds-shape", "RA108", T, lambda: attend(bounds=np.zeros((3, 4), np.int32)), ["(3, 4)", "(2, 4)"]),
+    ("bounds-5", "RA108", T, lambda: attend(bounds=np.zeros(5, np.int32)), ["(5,)"]),
+    ("bounds-float", "RA108", T, lambda: attend(bounds=np.array([0.0, 2, 2, 8])), ["float64"]),
+    ("bounds-past-end", "RA109", V, lambda: attend(bounds=(0, 4, 4, 9)), ["(0, 4, 4, 9)", "S = 8"]),
+    ("bounds-negative", "RA109", V, lambda: attend(bounds=[[0, 4, 4, 8], [-1, 2, 2, 8]]),
+     ["row 1", "(-1, 2, 2, 8)"]),
+    ("bounds-reversed", "RA109", V, lambda: attend(bounds=(5, 3, 6, 8)), ["(5, 3, 6, 8)"]),
+    ("bounds-overlap", "RA109", V, lambda: attend(bounds=(0, 5, 3, 8)), ["(0, 5, 3, 8)", "overlap"]),
+    ("both-masks", "RA110", V, lambda: attend(segment_ids=SEG, bounds=(0, 2, 2, 8)),
+     ["segment_ids", "bounds"]),
+    ("softcap-0", "RA111", V, lambda: attend(softcap=0.0), ["softcap=0.0"]),
+    ("softcap-neg", "RA111", V, lambda: attend(softcap=-3), ["softcap=-3"]),
+    ("softcap-inf", "RA111", V, lambda: attend(softcap=float("inf")), ["softcap=inf"]),
+    ("softcap-nan", "RA111", V, lambda: attend(softcap=float("nan")), ["softcap=nan"]),
+    ("softcap-method", "RA112", V, lambda: attend(softcap=2.0, softcap_method="tan"),
+     ["'tan'", "'tanh'", "'soft_sign'"]),
+    ("scale-0", "RA113", V, lambda: attend(scale=0.0), ["0.0"]),
+    ("scale-inf", "RA113", V, lambda: attend(scale=float("-inf")), ["-inf"]),
+    ("scale-nan", "RA113", V, lambda: attend(scale=float("nan")), ["nan"]),
+    ("impl-name", "RA114", V, lambda: attend(impl="cuda"), ["'cuda'", "'xla'", "'reference'"]),
+    ("impl-class", "RA114", V, lambda: attend(impl=rankattn.backends.Xla), ["Xla"]),
+    ("causal-int", "RA116", T, lambda: attend(causal=1), ["causal", "int"]),
+    ("causal-array", "RA116", T, lambda: attend(causal=jnp.array(True)), ["causal"]),
+    ("return-lse-str", "RA116", T, lambda: attend(return_lse="yes"), ["return_lse", "str"]),
+    ("block-zero", "RA116", T, lambda: BlockSizes(0, 8), ["block_q", "0"]),
+    ("block-float", "RA116", T, lambda: BlockSizes(16, 8.0), ["block_k", "8.0"]),
+    ("plan-no-mask", "RA117", V, lambda: rankattn.plan(), ["segment_ids or bounds"]),
+    ("plan-bounds-no-len", "RA117", V, lambda: rankattn.plan(bounds=(0, 2, 2, 8)), ["seq_len"]),
+    ("plan-and-mask", "RA117", V, lambda: attend(plan=rankattn.plan(segment_ids=SEG), segment_ids=SEG),
+     ["plan"]),
+    ("plan-and-causal", "RA117", V, lambda: attend(plan=rankattn.plan(segment_ids=SEG), causal=True),
+     ["plan", "causal"]),
+    ("plan-shape", "RA117", V, lambda: attend(plan=rankattn.plan(segment_ids=np.ones((3, 8), np.int32))),
+     ["(3, 8)", "B=2"]),
+]
+
+
+def raise_case(code, builtin, call, fragments):
+    with pytest.raises(rankattn.RankattnError) as info:
+        call()
+    err = info.value
+    assert isinstance(err, builtin), f"{type(err).__mro__} is not a {builtin.__name__}"
+    assert err.code == code, str(err)
+    message = str(err)
+    assert message.startswith(f"[{code}]"), message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+@pytest.mark.parametrize("code, builtin, call, fragments", [c[1:] for c in ERROR_CASES],
+                         ids=[c[0] for c in ERROR_CASES])
+def test_error(code, builtin, call, fragments):
+    raise_case(code, builtin, call, fragments)
+
+
+def test_gqa_message_lists_the_divisors():
+    message = raise_case("RA103", V, lambda: attend(q=x(h=12), k=x(h=8), v=x(h=8)), [])
+    listed = message.split("divides 12:")[1].split("\n")[0]
+    assert [int(n) for n in re.findall(r"\d+", listed)] == [1, 2, 3, 4, 6, 12]
+
+
+def test_impl_that_cannot_run(monkeypatch):
+    import rankattn.backends.reference as reference
+
+    monkeypatch.setattr(reference, "MAX_LOGITS_BYTES", 1000)
+    # B=2 x Hq=2 x 8 x 8 x 4 bytes = 1024 bytes of logits > 1000.
+    raise_case("RA115", V, lambda: attend(impl="reference"), ["impl='reference'", "reference", "xla"])
+    # 'auto' still finds a backend that can run it, and impl='reference' runs smaller calls.
+    assert attend(impl="auto").shape == (2, 8, 2, 8)
+    assert attend(q=x(b=1), k=x(b=1), v=x(b=1), impl="reference").shape == (1, 8, 2, 8)
+
+
+def test_traced_scale_is_rejected():
+    raise_case("RA113", V, lambda: jax.jit(lambda s: attend(scale=s))(0.5), ["scale", "traced"])
+
+
+def test_every_core_code_has_a_case():
+    core = sorted(c for c in errors.CATALOG if c.startswith("RA1"))
+    assert core == [f"RA1{i:02d}" for i in range(1, len(core) + 1)], "codes are not consecutive"
+    covered = {c[1] for c in ERROR_CASES} | {"RA115"}  # RA115: test_impl_that_cannot_run
+    assert covered == set(core)
+
+
+def test_catalog_types_match_the_table():
+    for _, code, builtin, _, _ in ERROR_CASES:
+        assert issubclass(errors.CATALOG[code].kind, builtin), code
+        assert issubclass(errors.CATALOG[code].kind, rankattn.RankattnError), code
+
+
+# --- Known bugs (see the report): these must fail until fixed. ---------------------
+
+
+@pytest.mark.xfail(strict=True, reason="validate._check_static_float catches TypeError but not "
+                   "ValueError: float('abc') escapes as a bare ValueError instead of RA113/RA111")
+@pytest.mark.parametrize("kwargs, code", [({"scale": "abc"}, "RA113"), ({"softcap": "abc"}, "RA111")])
+def test_non_numeric_string_scale_or_softcap(kwargs, code):
+    with pytest.raises(rankattn.RankattnError) as info:
+        attend(**kwargs)
+    assert info.value.code == code
+
+
+@pytest.mark.xfail(strict=True, reason="validate.check_attention_args names mask_given[1:] as the "
+                   "arguments given with plan=, but 'plan' is appended after segment_ids/bounds, so "
+                   "the message says 'plan was given together with plan'")
+@pytest.mark.parametrize("kwargs, name", [({"segment_ids": SEG}, "segment_ids"),
+                                          ({"bounds": (0, 2, 2, 8)}, "bounds")])
+def test_plan_with_a_mask_names_the_mask(kwargs, name):
+    message = raise_case("RA117", V, lambda: attend(plan=rankattn.plan(segment_ids=SEG), **kwargs), [])
+    assert f"together with {name}" in message
+
+
+# --- docs/errors.md and explain. --------------------------------------------------
+
+
+def test_docs_match_the_catalog():
+    assert DOCS.exists(), "generate it: .venv/bin/python -m rankattn.errors > docs/errors.md"
+    assert DOCS.read_text() == errors.render_markdown()
+
+
+def test_docs_have_one_section_per_code():
+    sections = re.findall(r"^## (RA\d{3}): ", DOCS.read_text(), flags=re.M)
+    assert sections == sorted(errors.CATALOG)
+
+
+@pytest.mark.xfail(strict=True, reason="`python -m rankattn.errors` runs errors.py as __main__, whose "
+                   "CATALOG is a second copy that the serving codes (registered into "
+                   "rankattn.errors on `import rankattn`) never reach: RA2xx go missing")
+def test_documented_docs_command_reproduces_the_docs():
+    result = subprocess.run([sys.executable, "-m", "rankattn.errors"], capture_output=True,
+                            text=True, check=True)
+    assert result.stdout == errors.render_markdown()
+
+
+def test_explain_a_code():
+    text = errors.explain("RA103")
+    assert text.startswith("RA103: query heads are not a multiple of kv heads")
+    assert "What it means" in text and "How to fix it" in text
+    assert errors.explain("ra103") == text                    # case-insensitive
+    assert errors.explain("rankattn explain RA103 please") == text
+
+
+@pytest.mark.parametrize("case_id", ["gqa-12-8", "seg-float", "bounds-overlap", "impl-name",
+                                     "causal-int", "plan-shape"])
+def test_explain_a_real_message(case_id):
+    _, code, builtin, call, _ = next(c for c in ERROR_CASES if c[0] == case_id)
+    message = raise_case(code, builtin, call, [])
+    assert errors.explain(message).startswith(f"{code}: {errors.CATALOG[code].title}")
+
+
+def test_explain_nothing():
+    assert errors.explain("RA999") is None
+    assert errors.explain("hello") is None
+    assert errors.explain("") is None
+
+
+@pytest.mark.xfail(strict=True, reason="explain()'s word-overlap fallback (substring matches of "
+                   "any 3+ letter word) picks serving entries for core message bodies")
+@pytest.mark.parametrize("case_id", ["gqa-12-8", "int-q"])
+def test_explain_a_message_without_its_code(case_id):
+    _, code, builtin, call, _ = next(c for c in ERROR_CASES if c[0] == case_id)
+    body = raise_case(code, builtin, call, []).split("\n")[0].split("] ", 1)[1]
+    assert errors.explain(body).startswith(code)
