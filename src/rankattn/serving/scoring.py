@@ -37,15 +37,16 @@ from rankattn.validate import check_attention_args
 
 GQA_MODES = ("per_head", "group", "mean")
 
-# Elements per gathered K/V chunk (and per chunk of logits) in the page loop:
-# large enough that the loop has few steps, small enough to stay in memory.
-_CHUNK_ELEMENTS = 1 << 18
+# Elements per gathered K/V chunk and per chunk of logits in the page loop:
+# large enough that the loop has few steps, small enough to stay in cache.
+_GATHER_ELEMENTS = 1 << 18
+_SCORE_ELEMENTS = 1 << 20
 
 
 # --- How "group" merges the page scores of its query heads. ------------------------------------
 #
-# Each rule maps bounds u [B, T, Hkv, G, M] (-inf on missing pages; `valid` marks
-# real pages) to one score per page [B, T, Hkv, 1, M]. benchmarks/SERVING.md
+# Each rule maps bounds u [B, Hkv, T, G, M] (-inf on missing pages; `valid` marks
+# real pages) to one score per page [B, Hkv, T, 1, M]. benchmarks/SERVING.md
 # measures them on planted keys; DEFAULT_GROUP_RULE is the winner.
 
 
@@ -299,6 +300,10 @@ def _check_self_kv(self_kv, ndim: int, b: int, t: int, hkv: int, d: int, dv: int
 
 
 # --- Selection. --------------------------------------------------------------------------------
+#
+# Inside, queries are head-major, [B, Hkv, T, G, D]: the kv head and the batch are
+# the batch axes of every product, so (T, G) rows form one matrix per kv head and
+# XLA needs no transposes in the page loop.
 
 
 def _user_pages(cache: PagedKVCache, users):
@@ -308,21 +313,34 @@ def _user_pages(cache: PagedKVCache, users):
     return cache.page_table[users], length, jnp.arange(cache.max_pages)[None, :] < npages[:, None]
 
 
+def _head_major(q, hkv: int):
+    """[B, T, Hq, D] -> float [B, Hkv, T, G, D] (query head h = kv head * G + g)."""
+    b, t, hq, d = q.shape
+    q = q.astype(compute_dtype(q.dtype)).reshape(b, t, hkv, hq // hkv, d)
+    return q.transpose(0, 2, 1, 3, 4)
+
+
+def _token_major(x):
+    """[B, Hkv, T, G, ...] -> [B, T, Hkv * G, ...]."""
+    x = jnp.moveaxis(x, 2, 1)
+    return x.reshape(*x.shape[:2], -1, *x.shape[4:])
+
+
 def _bounds(qs, cache: PagedKVCache, table, valid):
-    """Quest bounds [B, T, Hkv, G, M] of scaled queries qs [B, T, Hkv, G, D]; -inf off-history."""
+    """Quest bounds [B, Hkv, T, G, M] of scaled queries qs [B, Hkv, T, G, D]; -inf off-history."""
     idx = jnp.maximum(table, 0)
     # Missing pages hold +-inf (or another user's stats); zero them before the
     # product so no inf * 0 = NaN appears, then mask the result.
     keep = valid[:, :, None, None]
     hi = jnp.where(keep, cache.k_max[idx], 0).astype(qs.dtype)
     lo = jnp.where(keep, cache.k_min[idx], 0).astype(qs.dtype)
-    u = (jnp.einsum("bthgd,bmhd->bthgm", jnp.maximum(qs, 0), hi, precision="highest")
-         + jnp.einsum("bthgd,bmhd->bthgm", jnp.minimum(qs, 0), lo, precision="highest"))
+    u = (jnp.einsum("bhtgd,bmhd->bhtgm", jnp.maximum(qs, 0), hi, precision="highest")
+         + jnp.einsum("bhtgd,bmhd->bhtgm", jnp.minimum(qs, 0), lo, precision="highest"))
     return jnp.where(valid[:, None, None, None, :], u, -jnp.inf)
 
 
 def _select(plan: _Plan, qf, cache: PagedKVCache, table, valid):
-    """Logical pages [B, T, Hkv, G', n] (G' = G for per_head, else 1), best first."""
+    """Logical pages [B, Hkv, T, G', n] (G' = G for per_head, else 1), best first."""
     qs = qf * plan.scale
     if plan.gqa == "mean":
         qs = qs.mean(3, keepdims=True)
@@ -339,21 +357,19 @@ def _select(plan: _Plan, qf, cache: PagedKVCache, table, valid):
 
 @partial(jax.jit, static_argnums=0)
 def _select_public(plan: _Plan, q, cache: PagedKVCache, users):
-    b, t, hq, d = q.shape
     table, _, valid = _user_pages(cache, users)
-    qf = q.astype(compute_dtype(q.dtype)).reshape(b, t, cache.kv_heads, -1, d)
+    qf = _head_major(q, cache.kv_heads)
     pages = _select(plan, qf, cache, table, valid)
-    pages = jnp.broadcast_to(pages, (b, t, cache.kv_heads, hq // cache.kv_heads, pages.shape[-1]))
+    pages = jnp.broadcast_to(pages, qf.shape[:-1] + pages.shape[-1:])
     real = jnp.take_along_axis(valid[:, None, None, None, :], pages, axis=-1)
-    return jnp.where(real, pages, -1).reshape(b, t, hq, -1)
+    return _token_major(jnp.where(real, pages, -1))
 
 
 @partial(jax.jit, static_argnums=0)
 def _bounds_public(plan: _Plan, q, cache: PagedKVCache, users):
-    b, t, hq, d = q.shape
     table, _, valid = _user_pages(cache, users)
-    qs = q.astype(compute_dtype(q.dtype)).reshape(b, t, cache.kv_heads, -1, d) * plan.scale
-    return _bounds(qs, cache, table, valid).reshape(b, t, hq, -1).astype(jnp.float32)
+    qs = _head_major(q, cache.kv_heads) * plan.scale
+    return _token_major(_bounds(qs, cache, table, valid)).astype(jnp.float32)
 
 
 # --- Attention over pages. ---------------------------------------------------------------------
@@ -361,10 +377,9 @@ def _bounds_public(plan: _Plan, q, cache: PagedKVCache, users):
 
 @partial(jax.jit, static_argnums=0)
 def _attend(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
-    b, t, hq, d = q.shape
-    hkv = cache.kv_heads
-    dtype = compute_dtype(jnp.promote_types(q.dtype, cache.k_pages.dtype))
-    qf = q.astype(dtype).reshape(b, t, hkv, hq // hkv, d)
+    b, hkv = q.shape[0], cache.kv_heads
+    qf = _head_major(q.astype(jnp.promote_types(q.dtype, cache.k_pages.dtype)), hkv)
+    dtype = qf.dtype
     table, length, valid = _user_pages(cache, users)
 
     if plan.pages is None or plan.pages >= cache.max_pages:
@@ -373,64 +388,66 @@ def _attend(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     else:
         logical = _select(plan, qf, cache, table, valid)
 
-    rows = qf.shape[:-1]  # [B, T, Hkv, G]
+    rows = qf.shape[:-1]  # [B, Hkv, T, G]
     if k_self is None:
         state = (jnp.full(rows, -jnp.inf, dtype), jnp.zeros(rows, dtype),
                  jnp.zeros(rows + (cache.v_head_dim,), dtype))
     else:
         # The self key starts the online softmax: m = its logit, l = 1, acc = its value.
-        s = jnp.einsum("bthgd,bthd->bthg", qf, k_self.astype(dtype), precision="highest")
+        k_self = jnp.moveaxis(k_self.astype(dtype), 2, 1)         # [B, Hkv, T, D]
+        v_self = jnp.moveaxis(v_self.astype(dtype), 2, 1)
+        s = jnp.einsum("bhtgd,bhtd->bhtg", qf, k_self, precision="highest")
         s = semantics.softcap(s * plan.scale, plan.softcap, plan.softcap_method)
         state = (s, jnp.ones(rows, dtype),
-                 jnp.broadcast_to(v_self.astype(dtype)[:, :, :, None], rows + (cache.v_head_dim,)))
+                 jnp.broadcast_to(v_self[:, :, :, None], rows + (cache.v_head_dim,)))
     m, l, acc = _attend_pages(plan, qf, cache, table, length, logical, state)
     seen = l > 0
     out = acc / jnp.where(seen, l, 1)[..., None]
-    return out.reshape(b, t, hq, -1).astype(q.dtype)
+    return _token_major(out).astype(q.dtype)
 
 
 def _attend_pages(plan: _Plan, qf, cache: PagedKVCache, table, length, logical, state):
-    """Online softmax of qf [B, T, Hkv, G, D] over pages ``logical`` [B, T', Hkv', G', n].
+    """Online softmax of qf [B, Hkv, T, G, D] over pages ``logical`` [B, Hkv', T', G', n].
 
-    T', Hkv', G' are 1 (the page list is shared along that axis) or full size.
+    Hkv', T', G' are 1 (the page list is shared along that axis) or full size.
     Pages are visited ``chunk`` at a time; only those pages are gathered.
     """
     b, n = logical.shape[0], logical.shape[-1]
     p, hkv = cache.page_size, cache.kv_heads
-    gathered = b * logical.shape[1] * hkv * logical.shape[3] * p * max(cache.head_dim,
-                                                                       cache.v_head_dim)
-    scores = b * qf.shape[1] * hkv * qf.shape[3] * p
-    chunk = max(1, min(n, _CHUNK_ELEMENTS // max(gathered, scores)))
+    t_sel, g_sel = logical.shape[2], logical.shape[3]
+    gathered = b * hkv * t_sel * g_sel * p * max(cache.head_dim, cache.v_head_dim)
+    scores = b * hkv * qf.shape[2] * qf.shape[3] * p
+    chunk = max(1, min(n, _GATHER_ELEMENTS // gathered, _SCORE_ELEMENTS // scores))
     steps = -(-n // chunk)
     # Padding entries name page max_pages, which starts at or past every length.
     logical = jnp.pad(logical, [(0, 0)] * 4 + [(0, steps * chunk - n)],
                       constant_values=cache.max_pages)
     batch = jnp.arange(b)[:, None, None, None, None]
-    head = jnp.arange(hkv)[None, None, :, None, None]
+    head = jnp.arange(hkv)[None, :, None, None, None]
     # One row per (page, kv head): the contiguous P * D block a selected page costs.
     k_rows = cache.k_pages.reshape(-1, p * cache.head_dim)
     v_rows = cache.v_pages.reshape(-1, p * cache.v_head_dim)
-    k_sub = "b" + ("t" if logical.shape[1] > 1 else "") + "h" + ("g" if logical.shape[3] > 1 else "")
-    squeeze = tuple(a for a in (1, 3) if logical.shape[a] == 1)
+    k_sub = "bh" + ("t" if t_sel > 1 else "") + ("g" if g_sel > 1 else "")
+    squeeze = tuple(a for a in (2, 3) if logical.shape[a] == 1)
 
     def step(carry, i):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(logical, i * chunk, chunk, axis=4)
         phys = jnp.maximum(table[batch, jnp.minimum(pages, cache.max_pages - 1)], 0)
-        row = (phys * hkv + head).squeeze(squeeze)       # [B, (T), Hkv, (G), c]
+        row = (phys * hkv + head).squeeze(squeeze)       # [B, Hkv, (T), (G), c]
         # Merging (page, slot) into one key axis keeps the products plain batched
         # matmuls; a 2-axis contraction layout costs XLA a transpose of the chunk.
         k = k_rows[row].reshape(*row.shape[:-1], chunk * p, -1).astype(qf.dtype)
         v = v_rows[row].reshape(*row.shape[:-1], chunk * p, -1).astype(qf.dtype)
         pos = (pages[..., None] * p + jnp.arange(p)).reshape(*pages.shape[:-1], chunk * p)
         mask = pos < length[:, None, None, None, None]
-        s = jnp.einsum(f"bthgd,{k_sub}kd->bthgk", qf, k, precision="highest") * plan.scale
+        s = jnp.einsum(f"bhtgd,{k_sub}kd->bhtgk", qf, k, precision="highest") * plan.scale
         s = semantics.softcap(s, plan.softcap, plan.softcap_method)
         m_new = jnp.maximum(m, jnp.where(mask, s, -jnp.inf).max(-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
         e = jnp.where(mask, jnp.exp(s - shift[..., None]), 0)
         alpha = jnp.exp(m - shift)
-        acc = acc * alpha[..., None] + jnp.einsum(f"bthgk,{k_sub}ke->bthge", e, v,
+        acc = acc * alpha[..., None] + jnp.einsum(f"bhtgk,{k_sub}ke->bhtge", e, v,
                                                   precision="highest")
         return (m_new, l * alpha + e.sum(-1), acc), None
 

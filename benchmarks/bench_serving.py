@@ -1,0 +1,396 @@
+"""Serving benchmark: the exact cached path and Quest page selection, measured.
+
+    .venv/bin/python benchmarks/bench_serving.py            # full run, writes benchmarks/SERVING.md
+    .venv/bin/python benchmarks/bench_serving.py --quick    # small shapes, prints only
+
+Times are medians of interleaved runs (rankattn.peers.interleaved_medians: every
+variant runs once per round, so load drift hits all alike), of jitted functions,
+after one compile call. Accuracy is measured on the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rankattn
+from rankattn import peers, serving
+from rankattn.serving.synthetic import planted_history
+
+COMMAND = "cd /work/main && .venv/bin/python benchmarks/bench_serving.py"
+OUT = Path(__file__).with_name("SERVING.md")
+PAGE = 16
+BUDGETS = (512, 1024, 2048, 4096)
+# Quest workloads: 4 users x 12 candidates = 48 planted items; GQA 8 query / 2 kv heads.
+Q_HEADS, KV_HEADS, HEAD_DIM, USERS, CANDIDATES = 8, 2, 64, 4, 12
+# Exact-path workload: the Phoenix-like shape of `rankattn demo`.
+EXACT = dict(users=4, history=1022, q_heads=4, kv_heads=2, head_dim=128)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    def fmt(x):
+        return f"{x:.3g}" if isinstance(x, float) else str(x)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# --- Exact path. -------------------------------------------------------------------------------
+
+
+def exact_path(candidates: tuple[int, ...], repeats: int, history: int) -> tuple[str, dict]:
+    """Cached attend vs recomputing rankattn.attention on [history; candidates]."""
+    u, hq, hkv, d = EXACT["users"], EXACT["q_heads"], EXACT["kv_heads"], EXACT["head_dim"]
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((u, history, hkv, d), np.float32))
+    v = jnp.asarray(rng.standard_normal((u, history, hkv, d), np.float32))
+    q_hist = jnp.asarray(rng.standard_normal((u, history, hq, d), np.float32))
+    cache = serving.cache_from_history(k, v, jnp.full((u,), history), page_size=PAGE)
+    users = jnp.arange(u)
+
+    @jax.jit
+    def recompute(q_hist, k, v, qc, kc, vc):
+        c = qc.shape[1]
+        seg = jnp.concatenate([jnp.ones((u, history), jnp.int32), -jnp.ones((u, c), jnp.int32)], 1)
+        out = rankattn.attention(jnp.concatenate([q_hist, qc], 1), jnp.concatenate([k, kc], 1),
+                                 jnp.concatenate([v, vc], 1), segment_ids=seg)
+        return out[:, history:]
+
+    @jax.jit
+    def cached(cache, qc, kc, vc):
+        return serving.attend(qc, cache, users, (kc, vc))
+
+    fns, diffs = {}, {}
+    for c in candidates:
+        qc = jnp.asarray(rng.standard_normal((u, c, hq, d), np.float32))
+        kc = jnp.asarray(rng.standard_normal((u, c, hkv, d), np.float32))
+        vc = jnp.asarray(rng.standard_normal((u, c, hkv, d), np.float32))
+        diffs[c] = float(jnp.abs(recompute(q_hist, k, v, qc, kc, vc) - cached(cache, qc, kc, vc)).max())
+        fns[("recompute", c)] = partial(recompute, q_hist, k, v, qc, kc, vc)
+        fns[("cached", c)] = partial(cached, cache, qc, kc, vc)
+    t = peers.interleaved_medians(fns, repeats)
+    rows, ratios = [], {}
+    for c in candidates:
+        ratios[c] = t[("recompute", c)] / t[("cached", c)]
+        rows.append([c, t[("recompute", c)] * 1e3, t[("cached", c)] * 1e3, f"{ratios[c]:.2f}x",
+                     f"{diffs[c]:.1e}"])
+    text = table(["candidates", "recompute attention (ms)", "cached attend (ms)", "speed-up",
+                  "max abs diff"], rows)
+    return text, ratios
+
+
+# --- Quest. ------------------------------------------------------------------------------------
+
+
+def workload(history: int, planted: bool, seed: int = 0, head_dim: int = HEAD_DIM):
+    w = planted_history(seed, users=USERS, history=history, candidates=CANDIDATES,
+                        q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=head_dim,
+                        margin=12.0 if planted else None, avoid=PAGE)
+    cache = serving.cache_from_history(jnp.asarray(w.k_hist), jnp.asarray(w.v_hist),
+                                       jnp.full((USERS,), history), page_size=PAGE)
+    return w, cache, jnp.asarray(w.q)
+
+
+def selected(cache, q, budget, gqa, group_rule=serving.DEFAULT_GROUP_RULE) -> np.ndarray:
+    return np.asarray(serving.select_pages(q, cache, jnp.arange(USERS), budget=budget, gqa=gqa,
+                                           group_rule=group_rule))
+
+
+def recall(w, cache, q, budget, gqa, group_rule=serving.DEFAULT_GROUP_RULE) -> int:
+    return int(w.page_hits(selected(cache, q, budget, gqa, group_rule), PAGE).sum())
+
+
+def page_mass(w) -> np.ndarray:
+    """Dense softmax mass of every history page, [U, T, Hq, pages] (float64, rows sum to 1)."""
+    u, s, hkv, d = w.k_hist.shape
+    g = Q_HEADS // hkv
+    out = []
+    for h in range(hkv):  # one kv head at a time keeps the logits at [U, T, G, S]
+        logits = np.einsum("utgd,usd->utgs", w.q[:, :, h * g:(h + 1) * g], w.k_hist[:, :, h])
+        logits = logits.astype(np.float64) / np.sqrt(d)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out.append(p.reshape(*p.shape[:-1], -1, PAGE).sum(-1))
+    return np.concatenate(out, axis=2)
+
+
+def covered(mass: np.ndarray, pages: np.ndarray) -> float:
+    """Mean over query rows of the dense attention mass on the selected pages."""
+    got = np.take_along_axis(mass, np.maximum(pages, 0), axis=-1) * (pages >= 0)
+    return float(got.sum(-1).mean())
+
+
+def group_rules(histories: tuple[int, ...], budgets: tuple[int, ...], seeds: int) -> tuple[str, dict]:
+    """Planted items recovered by each 'group' rule, next to per_head and mean."""
+    variants = [("per_head", None), ("mean", None)] + [("group", r) for r in serving.GROUP_RULES]
+    hits = {v: 0 for v in variants}
+    rows, total = [], 0
+    for history in histories:
+        for seed in range(seeds):
+            w, cache, q = workload(history, True, seed)
+            for budget in budgets:
+                row = [history, seed, budget]
+                for gqa, rule in variants:
+                    n = recall(w, cache, q, budget, gqa, rule or serving.DEFAULT_GROUP_RULE)
+                    hits[(gqa, rule)] += n
+                    row.append(n)
+                rows.append(row)
+                total += USERS * CANDIDATES
+            del w, cache
+    names = [g if r is None else f"group:{r}" for g, r in variants]
+    rows.append(["all", "", "", *[f"{hits[v]}/{total}" for v in variants]])
+    summary = {name: hits[v] / total for name, v in zip(names, variants)}
+    return table(["history", "seed", "budget", *names], rows), summary
+
+
+def quest(history: int, budgets: tuple[int, ...], repeats: int) -> tuple[str, dict]:
+    """Recall, relative error vs dense and speed vs dense attend, per budget and gqa mode."""
+    users = jnp.arange(USERS)
+    results = {}
+    for planted in (True, False):
+        w, cache, q = workload(history, planted, seed=1)
+        mass = page_mass(w)
+        dense = jax.jit(lambda c, q: serving.attend(q, c, users))
+        exact = np.asarray(dense(cache, q))
+        fns = {"dense": partial(dense, cache, q)}
+        for budget in budgets:
+            for gqa in serving.GQA_MODES:
+                f = jax.jit(partial(lambda c, q, b, g: serving.attend(q, c, users, budget=b, gqa=g),
+                                    b=budget, g=gqa))
+                out = np.asarray(f(cache, q))
+                err = float(np.linalg.norm(out - exact) / np.linalg.norm(exact))
+                pages = selected(cache, q, budget, gqa)
+                hit = int(w.page_hits(pages, PAGE).sum()) if planted else None
+                results[(planted, budget, gqa)] = dict(err=err, recall=hit,
+                                                       mass=covered(mass, pages))
+                fns[(budget, gqa)] = partial(f, cache, q)
+        if planted:  # shapes are the same for both data sets: time once
+            times = peers.interleaved_medians(fns, repeats)
+        del w, cache, fns
+    rows = []
+    for budget in budgets:
+        for gqa in serving.GQA_MODES:
+            p, g = results[(True, budget, gqa)], results[(False, budget, gqa)]
+            t = times[(budget, gqa)]
+            rows.append([budget, gqa, f"{p['recall']}/{USERS * CANDIDATES}", f"{p['mass']:.1%}",
+                         p["err"], f"{g['mass']:.1%}", g["err"], t * 1e3,
+                         f"{times['dense'] / t:.1f}x"])
+            results[(True, budget, gqa)]["speedup"] = times["dense"] / t
+    text = (f"Dense attend: {times['dense'] * 1e3:.3g} ms.\n\n"
+            + table(["budget", "gqa", "planted recall", "mass (planted)", "rel. error (planted)",
+                     "mass (Gaussian)", "rel. error (Gaussian)", "time (ms)", "vs dense"], rows))
+    return text, results
+
+
+def decode(history: int, budgets: tuple[int, ...], repeats: int) -> tuple[str, dict]:
+    """One query per user (T = 1, an LLM-style decode step): speed vs dense attend."""
+    w, cache, _ = workload(history, True, seed=2)
+    q = jnp.asarray(w.q[:, :1])
+    users = jnp.arange(USERS)
+    fns = {"dense": partial(jax.jit(lambda c, q: serving.attend(q, c, users)), cache, q)}
+    for budget in budgets:
+        for gqa in serving.GQA_MODES:
+            f = jax.jit(partial(lambda c, q, b, g: serving.attend(q, c, users, budget=b, gqa=g),
+                                b=budget, g=gqa))
+            fns[(budget, gqa)] = partial(f, cache, q)
+    times = peers.interleaved_medians(fns, repeats)
+    rows = [[b, g, times[(b, g)] * 1e3, f"{times['dense'] / times[(b, g)]:.1f}x"]
+            for b in budgets for g in serving.GQA_MODES]
+    speedups = {(b, g): times["dense"] / times[(b, g)] for b in budgets for g in serving.GQA_MODES}
+    text = (f"Dense attend: {times['dense'] * 1e3:.3g} ms.\n\n"
+            + table(["budget", "gqa", "time (ms)", "vs dense"], rows))
+    return text, speedups
+
+
+def head_dim_limit(history: int, budgets: tuple[int, ...]) -> str:
+    """The same planted test at head dim 128, where Quest's bound is looser."""
+    w, cache, q = workload(history, True, seed=0, head_dim=128)
+    rows = [[budget, *[f"{recall(w, cache, q, budget, g)}/{USERS * CANDIDATES}"
+                       for g in serving.GQA_MODES]] for budget in budgets]
+    return table(["budget", *serving.GQA_MODES], rows)
+
+
+# --- Report. -----------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes; print, do not write")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7, quick 3)")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 7)
+    if args.quick:
+        histories, budgets, exact_cands, exact_hist = (2048, 4096), (256, 512), (16, 64), 254
+    else:
+        histories, budgets, exact_cands, exact_hist = (16384, 65536), BUDGETS, (64, 256, 1024), 1022
+    big = histories[-1]
+    start, load0 = time.time(), os.getloadavg()
+
+    sections = {}
+    print("exact path ...", file=sys.stderr)
+    sections["exact"], exact_ratio = exact_path(exact_cands, repeats, exact_hist)
+    print(sections["exact"] + "\n", file=sys.stderr)
+    print("group rules ...", file=sys.stderr)
+    sections["rules"], rule_recall = group_rules(histories, budgets[:2], seeds=2)
+    print(sections["rules"] + "\n", file=sys.stderr)
+    quest_results = {}
+    for history in histories:
+        print(f"quest {history} ...", file=sys.stderr)
+        sections[f"quest{history}"], quest_results[history] = quest(history, budgets, repeats)
+        print(sections[f"quest{history}"] + "\n", file=sys.stderr)
+    print("decode ...", file=sys.stderr)
+    sections["decode"], decode_speed = decode(big, budgets, repeats)
+    print(sections["decode"] + "\n", file=sys.stderr)
+    print("head dim 128 ...", file=sys.stderr)
+    sections["d128"] = head_dim_limit(histories[0], budgets[:2])
+    print(sections["d128"] + "\n", file=sys.stderr)
+    elapsed, load1 = time.time() - start, os.getloadavg()
+
+    report = render(sections, histories, budgets, exact_cands, exact_hist, exact_ratio, rule_recall,
+                    quest_results, decode_speed, elapsed, load0, load1)
+    if args.quick:
+        print(report)
+    else:
+        OUT.write_text(report)
+        print(f"wrote {OUT} ({elapsed:.0f} s)", file=sys.stderr)
+    return 0
+
+
+def render(sections, histories, budgets, exact_cands, exact_hist, exact_ratio, rule_recall,
+           quest_results,
+           decode_speed, elapsed, load0, load1) -> str:
+    small, big = histories[0], histories[-1]
+    mid_cands = exact_cands[len(exact_cands) // 2]
+    b_small, b_big = budgets[0], budgets[min(2, len(budgets) - 1)]
+    items = USERS * CANDIDATES
+
+    def verdict(ok):
+        return "**met**" if ok else "**not met**"
+
+    r16 = {g: quest_results[small][(True, b_small, g)]["recall"] for g in serving.GQA_MODES}
+    s64 = {g: quest_results[big][(True, b_big, g)]["speedup"] for g in serving.GQA_MODES}
+    r64 = {g: quest_results[big][(True, b_big, g)]["recall"] for g in serving.GQA_MODES}
+    d64 = {g: decode_speed[(b_big, g)] for g in serving.GQA_MODES}
+    best_rule = max((k for k in rule_recall if k.startswith("group:")), key=rule_recall.get)
+    default = f"group:{serving.DEFAULT_GROUP_RULE}"
+
+    return f"""# Serving benchmark
+
+Generated by `benchmarks/bench_serving.py`; every number below was measured by
+that run. Reproduce with:
+
+    {COMMAND}
+
+Machine: {platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__}
+({jax.default_backend()}), {datetime.date.today().isoformat()}; the run took {elapsed:.0f} s.
+The machine was shared with other jobs (load average {load0[0]:.1f} at the start,
+{load1[0]:.1f} at the end), so absolute times are noisy; ratios come from
+interleaved runs, which spreads the interference over all variants alike.
+
+## Targets
+
+| target | measured | verdict |
+|---|---|---|
+| exact path >= 5x faster than recomputing `rankattn.attention` at {mid_cands} candidates | {exact_ratio[mid_cands]:.2f}x | {verdict(exact_ratio[mid_cands] >= 5)} |
+| 100% recall at {small // 1024}K history, budget {b_small}, `per_head` | {r16['per_head']}/{items} | {verdict(r16['per_head'] == items)} |
+| 100% recall at {small // 1024}K history, budget {b_small}, `group` | {r16['group']}/{items} | {verdict(r16['group'] == items)} |
+| >= 5x faster than dense `attend` at {big // 1024}K history, budget {b_big}, {CANDIDATES} candidates per user (`group`, the default) | {s64['group']:.1f}x, recall {r64['group']}/{items} | {verdict(s64['group'] >= 5)} |
+| same, `per_head` | {s64['per_head']:.1f}x, recall {r64['per_head']}/{items} | {verdict(s64['per_head'] >= 5)} |
+| same, `mean` | {s64['mean']:.1f}x, recall {r64['mean']}/{items} | {verdict(s64['mean'] >= 5)} |
+| same at one query per user (decode step): `group` / `per_head` / `mean` | {d64['group']:.1f}x / {d64['per_head']:.1f}x / {d64['mean']:.1f}x | {verdict(min(d64.values()) >= 5)} |
+
+## 1. Exact path: cached history vs recomputation
+
+{EXACT['users']} users, each with a cached {exact_hist}-token history
+({EXACT['q_heads']} query heads, {EXACT['kv_heads']} kv heads, head dim {EXACT['head_dim']},
+float32, pages of {PAGE}). "Recompute" runs `rankattn.attention` (default backend) on the
+full [history; candidates] sequence with candidate isolation and keeps the candidate rows;
+"cached" runs `serving.attend(q, cache, users, self_kv=(k_c, v_c))` on the same candidates.
+The last column is the largest difference between the two outputs.
+
+{sections['exact']}
+
+Recomputation does O((S + C)^2) work (less the empty blocks the core skips), the
+cached path O(C * S): the gap shrinks as candidates outnumber the history.
+
+## 2. Choosing the `group` rule
+
+Planted test: each of {USERS} users has a Gaussian history; each of its {CANDIDATES}
+candidates gets one history key `12 * q / |q|` aligned with one random query head
+(12 noise standard deviations above that head's noise logits) and a marked value.
+Query heads have norms spread 4x inside every GQA group ({Q_HEADS} query heads, {KV_HEADS} kv
+heads, head dim {HEAD_DIM}, pages of {PAGE}). A planted item counts as recovered when
+its page is among the pages attended by its head. Rules for merging the {Q_HEADS // KV_HEADS}
+heads' page scores into one page set per kv head:
+
+* `max`: the plain max of the raw bounds (the head with the largest query norm decides);
+* `standardised`: each head's bounds are z-scored over the user's pages, then the max;
+* `gap`: each head's bound minus its best page's bound (logit units), then the max;
+* `share`: each head's bound minus the logsumexp of its bounds (a softmax-share estimate);
+* `rank`: the best rank any head gives the page (a round-robin union of the heads' lists).
+
+{sections['rules']}
+
+Recall over all rows: {', '.join(f'{k} {v:.0%}' for k, v in rule_recall.items())}.
+The best group rule here is `{best_rule}`; the default is `{default}`
+({'the best' if rule_recall[default] >= rule_recall[best_rule] else 'NOT the best: revisit DEFAULT_GROUP_RULE'}).
+`rank` is as accurate but sorts every head's pages (two argsorts), which on XLA:CPU
+costs far more than the selection itself.
+
+## 3. Quest: {small // 1024}K-token histories
+
+{USERS} users x {CANDIDATES} candidates per request, each candidate selecting its own pages
+(per-query selection); sink and recent page 1 each (they count against the budget).
+Recall: planted items whose page the head attends. Mass: the share of the dense
+softmax mass that lies on the attended pages (mean over query rows). Relative error:
+||out - dense|| / ||dense|| over all outputs. Both on the planted data and on plain
+Gaussian data (no planted item). Gaussian attention is diffuse (the mass spreads
+over all pages and the dense output, an average of thousands of noise values, is
+close to 0), the hardest case for any top-k method: there the error exceeds 1 and
+the mass column is the meaningful one. Time: the whole `attend` (scoring, top-k,
+gather, attention) vs dense `attend` on the same cache.
+
+{sections[f'quest{small}']}
+
+## 4. Quest: {big // 1024}K-token histories
+
+{sections[f'quest{big}']}
+
+## 5. Decode step: one query per user, {big // 1024}K history
+
+{sections['decode']}
+
+## 6. Limit: head dim 128 ({small // 1024}K history, planted recall)
+
+{sections['d128']}
+
+Quest's bound is channel-wise: a page of {PAGE} Gaussian keys has a per-channel max of
+about 1.8, while the planted key `12 q / |q|` has per-channel entries of size about
+12 / sqrt(D). At D = 64 (1.5 per channel) the planted page stands out; at D = 128
+(1.06) its bound barely exceeds the noise pages' and selection is no longer reliable
+at small budgets, for every mode. Real keys with outlier channels behave better than
+this isotropic worst case; measure on your model before trusting a budget.
+
+## Where the time goes
+
+Quest's cost per query head is O(pages * D) for the bounds plus O(budget * D) for the
+attention; the dense path is O(history * D). At {big // 1024}K tokens and P={PAGE} that is
+{big // PAGE} page bounds + {b_big} keys against {big} keys: the ideal ratio is about
+{big / (big // PAGE + b_big):.1f}x in arithmetic. `per_head` gathers a separate page set per
+query head (G = {Q_HEADS // KV_HEADS} times the bytes of `group` / `mean`), and on a 2-core CPU
+that gather, plus the top-k, is what separates it from the ideal ratio.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
