@@ -334,9 +334,12 @@ def _bounds(qs, cache: PagedKVCache, table, valid):
     keep = valid[:, :, None, None]
     hi = jnp.where(keep, cache.k_max[idx], 0).astype(qs.dtype)
     lo = jnp.where(keep, cache.k_min[idx], 0).astype(qs.dtype)
-    u = (jnp.einsum("bhtgd,bmhd->bhtgm", jnp.maximum(qs, 0), hi, precision="highest")
-         + jnp.einsum("bhtgd,bmhd->bhtgm", jnp.minimum(qs, 0), lo, precision="highest"))
-    return jnp.where(valid[:, None, None, None, :], u, -jnp.inf)
+    # Pages as the row axis of the product, then the (smaller) result moved: XLA
+    # keeps the page stats d-minor, which measured 1.4-2.4x faster on CPU than
+    # asking for pages last (that transposes every page's D stats).
+    u = (jnp.einsum("bmhd,bhtgd->bhmtg", hi, jnp.maximum(qs, 0), precision="highest")
+         + jnp.einsum("bmhd,bhtgd->bhmtg", lo, jnp.minimum(qs, 0), precision="highest"))
+    return jnp.where(valid[:, None, None, None, :], jnp.moveaxis(u, 2, -1), -jnp.inf)
 
 
 def _select(plan: _Plan, qf, cache: PagedKVCache, table, valid):
