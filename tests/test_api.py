@@ -1,0 +1,138 @@
+"""The public call under JAX transformations and its options, on every backend.
+
+Expected values come from the float64 oracle (tests/oracle.py), never from rankattn.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+import rankattn
+from helpers import Case, check_against_reference, random_qkv
+from rankattn.backends import Reference, Xla
+from tolerances import assert_close_f32
+
+B, S, HQ, HKV, D = 2, 20, 4, 2, 8
+ONE_SESSION = np.ones((B, S), np.int32)
+PACKED = np.array([[0, 2, 2, 2, -2, -2, 5, 5, 5, 5, 5, 5, 5, 5, 5, -5, -5, -5, 0, 0],
+                   [1, 1, -1, 1, 1, -1, -1, -1, 0, 1, 9, 9, -9, 9, -9, 9, 9, 9, 0, -9]], np.int32)
+MOSTLY_PADDING = np.zeros((B, S), np.int32)
+MOSTLY_PADDING[:, 13:16] = [4, -4, 4]
+
+
+def expected(q, k, v, seg, causal=False, **kwargs):
+    """Oracle out [B, S, Hq, Dv] and lse [B, Hq, S] in float64."""
+    mask = oracle.mask_dense(seg, causal)
+    return oracle.attention_loops(q, k, v, mask, **kwargs)
+
+
+def test_jit_reuses_one_program_for_new_segment_ids(impl):
+    """Segment ids are traced: a new layout must not reuse a stale block plan."""
+    q, k, v, _ = random_qkv(1, B, S, HQ, HKV, D)
+    traces = []
+
+    @jax.jit
+    def f(q, k, v, seg):
+        traces.append(None)
+        return rankattn.attention(q, k, v, segment_ids=seg, return_lse=True, impl=impl)
+
+    for seg in (ONE_SESSION, PACKED, MOSTLY_PADDING, ONE_SESSION):
+        out, lse = f(q, k, v, seg)
+        want_out, want_lse = expected(q, k, v, seg)
+        assert_close_f32(out, want_out, "out")
+        assert_close_f32(lse, want_lse, "lse")
+    assert len(traces) == 1, "the jitted function was retraced; the test would not catch staleness"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_jit_with_traced_bounds(impl, causal):
+    q, k, v, _ = random_qkv(2, B, S, HQ, HKV, D)
+    f = jax.jit(lambda q, k, v, b: rankattn.attention(q, k, v, bounds=b, causal=causal,
+                                                      return_lse=True, impl=impl))
+    for bounds in ([[0, 11, 11, 20], [3, 9, 12, 17]], [[14, 20, 1, 6], [0, 0, 0, 0]],
+                   [5, 15, 15, 19]):
+        bounds = np.array(bounds, np.int32)
+        out, lse = f(q, k, v, bounds)
+        want_out, want_lse = expected(q, k, v, oracle.bounds_to_segments(bounds, S, B), causal)
+        assert_close_f32(out, want_out, f"out for bounds {bounds.tolist()}")
+        assert_close_f32(lse, want_lse, f"lse for bounds {bounds.tolist()}")
+
+
+def test_vmap_over_an_extra_leading_axis(impl):
+    n = 3
+    qs, ks, vs, ws = (np.stack(x) for x in zip(*(random_qkv(10 + i, B, S, HQ, HKV, D)
+                                                  for i in range(n))))
+    segs = np.stack([PACKED, MOSTLY_PADDING, ONE_SESSION])
+
+    def loss(q, k, v, seg, w):
+        out = rankattn.attention(q, k, v, segment_ids=seg, causal=True, impl=impl)
+        return jnp.sum(out * w), out
+
+    grad = jax.jit(jax.vmap(jax.grad(loss, (0, 1, 2), has_aux=True)))
+    (dq, dk, dv), out = grad(qs, ks, vs, segs, ws)
+    single = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))
+    for i in range(n):
+        assert_close_f32(out[i], expected(qs[i], ks[i], vs[i], segs[i], causal=True)[0], f"out {i}")
+        (dq1, dk1, dv1), _ = single(qs[i], ks[i], vs[i], segs[i], ws[i])
+        for name, a, e in (("dq", dq[i], dq1), ("dk", dk[i], dk1), ("dv", dv[i], dv1)):
+            assert_close_f32(a, e, f"{name} {i}")
+
+
+def test_return_lse(impl):
+    q, k, v, _ = random_qkv(3, B, S, HQ, HKV, D, dim_v=5)
+    out = rankattn.attention(q, k, v, segment_ids=PACKED, impl=impl)
+    both = rankattn.attention(q, k, v, segment_ids=PACKED, impl=impl, return_lse=True)
+    assert isinstance(out, jax.Array) and out.shape == (B, S, HQ, 5) and out.dtype == jnp.float32
+    assert isinstance(both, tuple) and len(both) == 2
+    assert both[1].shape == (B, HQ, S) and both[1].dtype == jnp.float32
+    np.testing.assert_array_equal(both[0], out)
+    want_out, want_lse = expected(q, k, v, PACKED)
+    assert_close_f32(both[0], want_out, "out")
+    assert_close_f32(both[1], want_lse, "lse")
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.3, -0.4])
+def test_scale_override(impl, scale):
+    q, k, v, _ = random_qkv(4, B, S, HQ, HKV, D)
+    out, lse = jax.jit(lambda q, k, v: rankattn.attention(
+        q, k, v, segment_ids=PACKED, scale=scale, softcap=3.0, return_lse=True, impl=impl))(q, k, v)
+    want_out, want_lse = expected(q, k, v, PACKED, scale=scale, softcap_value=3.0)
+    assert_close_f32(out, want_out, "out")
+    assert_close_f32(lse, want_lse, "lse")
+    default_out, _ = expected(q, k, v, PACKED, softcap_value=3.0)
+    assert np.abs(want_out - default_out).max() > 1e-2, "scale has no effect on this case"
+
+
+def test_float16(impl):
+    """float16 in, float16 out (lse float32), within the low-precision rule of a naive f16 pass."""
+    case = Case(batch=2, seq=24, heads_q=4, heads_kv=2, dim=16, dtype="float16",
+                mask="segment_ids", mask_values=tuple(map(tuple, np.tile(PACKED, (1, 2))[:, :24])),
+                causal=True, softcap=2.0)
+    check_against_reference(case, impl)
+
+
+def test_unmasked_call_runs_eagerly(impl):
+    """No jit anywhere: the eager path validates and runs too (concrete bounds, numpy inputs)."""
+    q, k, v, _ = random_qkv(5, 1, 9, 2, 1, 4)
+    out = rankattn.attention(q, k, v, bounds=(0, 5, 5, 9), impl=impl)
+    want, _ = expected(q, k, v, oracle.bounds_to_segments([0, 5, 5, 9], 9, 1))
+    assert_close_f32(out, want)
+
+
+def test_auto_picks_xla(monkeypatch):
+    calls = []
+    for cls in (Xla, Reference):
+        original = cls.__call__
+        monkeypatch.setattr(cls, "__call__",
+                            lambda self, call, original=original: calls.append(self.name)
+                            or original(self, call))
+    q, k, v, _ = random_qkv(6, 1, 8, 2, 1, 4)
+    rankattn.attention(q, k, v, segment_ids=np.ones((1, 8), np.int32), impl="auto")
+    assert calls == ["xla"]
+    assert rankattn.available_impls()[0] == "xla"
+    rankattn.attention(q, k, v, impl="reference")
+    assert calls == ["xla", "reference"]
