@@ -203,12 +203,19 @@ def decode(history: int, budgets: tuple[int, ...], repeats: int) -> tuple[str, d
             f = jax.jit(partial(lambda c, q, b, g: serving.attend(q, c, users, budget=b, gqa=g),
                                 b=budget, g=gqa))
             fns[(budget, gqa)] = partial(f, cache, q)
+        for gqa in serving.GQA_MODES:  # the selection alone (page scoring + top-k)
+            f = jax.jit(partial(lambda c, q, b, g: serving.select_pages(q, c, users, budget=b,
+                                                                        gqa=g), b=budget, g=gqa))
+            fns[("select", budget, gqa)] = partial(f, cache, q)
     times = peers.interleaved_medians(fns, repeats)
-    rows = [[b, g, times[(b, g)] * 1e3, f"{times['dense'] / times[(b, g)]:.1f}x"]
+    rows = [[b, g, times[(b, g)] * 1e3, times[("select", b, g)] * 1e3,
+             f"{times['dense'] / times[(b, g)]:.1f}x"]
             for b in budgets for g in serving.GQA_MODES]
     speedups = {(b, g): times["dense"] / times[(b, g)] for b in budgets for g in serving.GQA_MODES}
+    speedups.update({("select share", b, g): times[("select", b, g)] / times[(b, g)]
+                     for b in budgets for g in serving.GQA_MODES})
     text = (f"Dense attend: {times['dense'] * 1e3:.3g} ms.\n\n"
-            + table(["budget", "gqa", "time (ms)", "vs dense"], rows))
+            + table(["budget", "gqa", "attend (ms)", "of which selection (ms)", "vs dense"], rows))
     return text, speedups
 
 
@@ -430,12 +437,13 @@ isolated and is the most precise), so it gathers T * budget keys per kv head for
 `group` / `mean`, and G times that for `per_head`. At T = 1 that is {b_big} keys against
 {big} (dense reads {big // b_big}x more bytes): measured decode speed-ups {d64['group']:.1f}x
 (`group`), {d64['mean']:.1f}x (`mean`) and {d64['per_head']:.1f}x (`per_head`, which gathers
-{Q_HEADS // KV_HEADS}x more and scores pages for every query head; its time is about half
-scoring and top-k, half the gather-bound attention). At T = {CANDIDATES} the gathers total
+{Q_HEADS // KV_HEADS}x more and scores pages for every query head; selection, timed alone, is
+{decode_speed[('select share', b_big, 'per_head')]:.0%} of its time, the gather-bound attention the
+rest). At T = {CANDIDATES} the gathers total
 {CANDIDATES * b_big} keys per kv head for `group` ({CANDIDATES * b_big / big:.2f} of the history)
 and {CANDIDATES * b_big * Q_HEADS // KV_HEADS} for `per_head` (more than the history), so on this
-2-core CPU (about 6 GB/s for gathers) the selected-page attention becomes
-bandwidth-bound and the ratio falls to the values in section 6. Ways to close that
+2-core CPU the selected-page attention becomes bound by the memory traffic of its
+gathers, and the ratio falls to the values in section 6. Ways to close that
 gap, not taken here: select once per request instead of per candidate (all T
 candidates share the pages, losing per-query precision), bfloat16 pages (half the
 bytes), or a fused gather-attention kernel on an accelerator.
