@@ -107,6 +107,18 @@ def test_scale_override(impl, scale):
     assert np.abs(want_out - default_out).max() > 1e-2, "scale has no effect on this case"
 
 
+def test_large_logits_are_stable(impl):
+    """Logits in the hundreds: the online softmax must not overflow or lose the winner."""
+    q, k, v, _ = random_qkv(7, B, S, HQ, HKV, D)
+    q, k = q * 12, k * 12
+    out, lse = jax.jit(lambda q, k, v: rankattn.attention(
+        q, k, v, segment_ids=PACKED, causal=True, return_lse=True, impl=impl))(q, k, v)
+    want_out, want_lse = expected(q, k, v, PACKED, causal=True)
+    assert np.abs(want_lse[np.isfinite(want_lse)]).max() > 100
+    assert_close_f32(out, want_out, "out")
+    assert_close_f32(lse, want_lse, "lse")
+
+
 def test_float16(impl):
     """float16 in, float16 out (lse float32), within the low-precision rule of a naive f16 pass."""
     case = Case(batch=2, seq=24, heads_q=4, heads_kv=2, dim=16, dtype="float16",

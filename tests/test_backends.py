@@ -48,6 +48,8 @@ CONFIGS = [
     C(batch=1, seq=70, heads_q=8, heads_kv=1, dim=96, mask=BCAST, causal=True),
     C(batch=2, seq=5, heads_q=2, heads_kv=1, dim=8, causal=True),
     C(batch=1, seq=17, kv_seq=9, heads_q=4, heads_kv=2, dim=80, dim_v=24, softcap=2.0),
+    C(batch=2, seq=1, kv_seq=70, heads_q=4, heads_kv=1, dim=48, dim_v=8),
+    C(batch=3, seq=3, kv_seq=40, heads_q=2, heads_kv=2, dim=8, scale=0.3),
     C(batch=1, seq=70, heads_q=1, heads_kv=1, dim=128, softcap=2.0, softcap_method="soft_sign",
       scale=0.2),
     C(batch=2, seq=16, heads_q=4, heads_kv=1, dim=48, dtype="bfloat16", mask=SEG, softcap=2.0),

@@ -165,6 +165,36 @@ def test_non_numeric_string_scale_or_softcap(kwargs, code):
     assert info.value.code == code
 
 
+def _outcome(call):
+    try:
+        call()
+    except rankattn.RankattnError as e:
+        return e.code
+    return "ok"
+
+
+@pytest.mark.xfail(strict=True, reason="validate._check_static_bool accepts np.bool_ for causal, "
+                   "but api.attention checks return_lse with isinstance(..., bool) and rejects it "
+                   "with the message 'must be a Python bool; got bool'")
+def test_numpy_bools_are_treated_alike():
+    assert _outcome(lambda: attend(causal=np.True_)) == _outcome(lambda: attend(return_lse=np.True_))
+
+
+@pytest.mark.xfail(strict=True, reason="float64 numpy inputs pass the dtype check with x64 off; "
+                   "JAX truncates them and out comes back float32, not q's dtype (spec: out in "
+                   "q.dtype), with only a UserWarning")
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64")
+def test_float64_without_x64_is_rejected_or_honoured():
+    assert not jax.config.jax_enable_x64
+    q = np.zeros((1, 4, 2, 8), np.float64)
+    try:
+        out = rankattn.attention(q, q, q)
+    except rankattn.RankattnError as e:
+        assert e.code == "RA104"
+    else:
+        assert out.dtype == q.dtype
+
+
 # --- docs/errors.md and explain. --------------------------------------------------
 
 
