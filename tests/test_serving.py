@@ -163,30 +163,28 @@ def test_bf16_cache_bounds_cover_stored_keys():
 
 
 def core_candidate_rows(q, k, v, users, lengths, self_kv, **options):
-    """The candidate rows [B, T, Hq, Dv] of rankattn.attention on [history; candidates] per row.
+    """What rankattn.attention gives each candidate row [B, T, Hq, Dv], in one batched call.
 
-    With self_kv: one batched call, row b = user's history, padding (segment 0),
-    then the T candidates (segment -1). Without: candidates see the history only,
-    which the core spells as cross-attention on the unpadded history of each user.
+    Row b holds user users[b]'s history (segment 1), padded with segment 0 to S.
+    With self_kv the T candidates follow as segment -1 (each sees the history and
+    itself). Without, a candidate sees the history only, which is exactly what a
+    history query sees: the queries take the first T history positions (T <= every
+    non-empty length), and on an empty history they sit on padding and see nothing.
     """
     b, t = q.shape[:2]
-    if self_kv is None:
-        out = np.zeros(q.shape[:3] + (v.shape[-1],), np.float32)
-        for user in set(users.tolist()):
-            rows = np.flatnonzero(users == user)
-            n = lengths[user]
-            if n:
-                out[rows] = rankattn.attention(q[rows], np.repeat(k[user:user + 1, :n], len(rows), 0),
-                                               np.repeat(v[user:user + 1, :n], len(rows), 0),
-                                               **options)
-        return out
     s = k.shape[1]
-    seg = np.zeros((b, s + t), np.int32)
-    seg[:, s:] = -1
-    seg[:, :s] = np.arange(s) < lengths[users][:, None]
+    seg = (np.arange(s) < lengths[users][:, None]).astype(np.int32)
+    kk, vv = k[users], v[users]
+    if self_kv is None:
+        assert t <= min(n for n in lengths if n), "queries must fit on history positions"
+        qq = np.zeros((b, s) + q.shape[2:], np.float32)
+        qq[:, :t] = q
+        out = rankattn.attention(qq, kk, vv, segment_ids=jnp.asarray(seg), **options)
+        return np.asarray(out[:, :t])
+    seg = np.concatenate([seg, -np.ones((b, t), np.int32)], axis=1)
     qq = np.concatenate([np.zeros((b, s) + q.shape[2:], np.float32), q], axis=1)
-    kk = np.concatenate([k[users], self_kv[0]], axis=1)
-    vv = np.concatenate([v[users], self_kv[1]], axis=1)
+    kk = np.concatenate([kk, self_kv[0]], axis=1)
+    vv = np.concatenate([vv, self_kv[1]], axis=1)
     out = rankattn.attention(qq, kk, vv, segment_ids=jnp.asarray(seg), **options)
     return np.asarray(out[:, s:])
 
