@@ -14,10 +14,10 @@ pages are two matrix products. With a budget, each query keeps ``budget // P``
 pages: the ``sink_pages`` first and ``recent_pages`` last pages always, the rest
 by score, and attends to those pages only.
 
-Selection is *per query row*: each candidate picks its own pages (candidates
-of one request never share a page set, so isolation holds for the selection
-too and one candidate's presence never changes another's score). The page axis
-is padded to a static ``budget // P`` so shapes never depend on lengths.
+Selection is *per query row*: each candidate's pages depend on its own query
+only, so isolation holds for the selection too (one candidate's presence never
+changes another's pages or score). The page axis is a static ``budget // P``
+(top-k) so shapes never depend on lengths.
 """
 
 from __future__ import annotations
