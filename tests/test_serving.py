@@ -321,6 +321,20 @@ def test_selected_pages_are_what_attend_reads(gqa):
                 np.testing.assert_allclose(out[b, t, h], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("gqa", serving.GQA_MODES)
+def test_quest_keeps_candidates_isolated(gqa):
+    """Selection is per query row: a candidate scores the same alone or among others."""
+    cache, _, _ = random_cache(6)
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.normal(size=(3, 4, 4, 8)), jnp.float32)
+    ks = jnp.asarray(rng.normal(size=(3, 4, 2, 8)), jnp.float32)
+    users = jnp.array([0, 1, 0])
+    together = serving.attend(q, cache, users, (ks, ks), budget=32, gqa=gqa)
+    for t in range(4):
+        alone = serving.attend(q[:, t], cache, users, (ks[:, t], ks[:, t]), budget=32, gqa=gqa)
+        assert_close_f32(together[:, t], alone, f"candidate {t}")
+
+
 @given(seed=st.integers(0, 2**31 - 1), page_size=st.sampled_from([1, 4, 16]),
        scale=st.floats(-3, 3).filter(lambda x: abs(x) > 1e-3),
        key_offset=st.floats(-4, 4), key_scale=st.floats(0.01, 10))
