@@ -124,7 +124,7 @@ def cache_from_history(k_hist, v_hist, lengths, page_size: int = 16, *,
 
     Args:
       k_hist: [U, S, Hkv, D] keys; float dtype (the cache keeps it).
-      v_hist: [U, S, Hkv, Dv] values, same dtype.
+      v_hist: [U, S, Hkv, Dv] values (stored in k_hist's dtype).
       lengths: int [U]; positions >= lengths[u] of row u are not history.
       page_size: P, tokens per page.
       num_pages: physical pages (default U * max_pages, room for every row to
@@ -140,12 +140,11 @@ def cache_from_history(k_hist, v_hist, lengths, page_size: int = 16, *,
         if not hasattr(x, "shape") or len(x.shape) != 4 or 0 in x.shape:
             raise fail("RA212", f"{name} must be a non-empty 4-D array [U, S, Hkv, D]; got "
                                 f"{_describe(x)}.")
+        check_float(name, x)
     (u, s, hkv, d), (uv, sv, hv, dv) = k_hist.shape, v_hist.shape
     if (u, s, hkv) != (uv, sv, hv):
         raise fail("RA212", f"k_hist is {tuple(k_hist.shape)} and v_hist is {tuple(v_hist.shape)}; "
                             "they must agree on users, length and kv heads (axes 0-2).")
-    for x in (k_hist, v_hist):
-        check_float("k_hist" if x is k_hist else "v_hist", x)
     if not hasattr(lengths, "shape"):
         lengths = np.asarray(lengths)
     if tuple(lengths.shape) != (u,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
