@@ -3,9 +3,11 @@
     .venv/bin/python benchmarks/bench_serving.py            # full run, writes benchmarks/SERVING.md
     .venv/bin/python benchmarks/bench_serving.py --quick    # small shapes, prints only
 
-Times are medians of interleaved runs (rankattn.peers.interleaved_medians: every
-variant runs once per round, so load drift hits all alike), of jitted functions,
-after one compile call. Accuracy is measured on the same inputs.
+Times are medians of interleaved runs of jitted functions, after one compile call:
+every variant runs once per round, so load drift hits all alike. Speed-ups are
+the median over rounds of the per-round ratio (the two calls of a round ran
+under the same load), which on a shared machine is steadier than a ratio of
+medians. Accuracy is measured on the same inputs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rankattn
-from rankattn import peers, serving
+from rankattn import serving
 from rankattn.serving.synthetic import planted_history
 
 COMMAND = "cd /work/main && .venv/bin/python benchmarks/bench_serving.py"
@@ -35,6 +37,27 @@ BUDGETS = (512, 1024, 2048, 4096)
 Q_HEADS, KV_HEADS, HEAD_DIM, USERS, CANDIDATES = 8, 2, 64, 4, 12
 # Exact-path workload: the Phoenix-like shape of `rankattn demo`.
 EXACT = dict(users=4, history=1022, q_heads=4, kv_heads=2, head_dim=128)
+
+
+class Timings:
+    """Interleaved timing rounds of zero-argument functions (seconds, per round)."""
+
+    def __init__(self, fns: dict, repeats: int):
+        for fn in fns.values():                  # compile outside the timed rounds
+            jax.block_until_ready(fn())
+        self.samples = {name: [] for name in fns}
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                jax.block_until_ready(fn())
+                self.samples[name].append(time.perf_counter() - start)
+
+    def ms(self, name) -> float:
+        return float(np.median(self.samples[name])) * 1e3
+
+    def ratio(self, slow, fast) -> float:
+        """Median over rounds of time(slow) / time(fast)."""
+        return float(np.median(np.divide(self.samples[slow], self.samples[fast])))
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -78,11 +101,11 @@ def exact_path(candidates: tuple[int, ...], repeats: int, history: int) -> tuple
         diffs[c] = float(jnp.abs(recompute(q_hist, k, v, qc, kc, vc) - cached(cache, qc, kc, vc)).max())
         fns[("recompute", c)] = partial(recompute, q_hist, k, v, qc, kc, vc)
         fns[("cached", c)] = partial(cached, cache, qc, kc, vc)
-    t = peers.interleaved_medians(fns, repeats)
+    t = Timings(fns, repeats)
     rows, ratios = [], {}
     for c in candidates:
-        ratios[c] = t[("recompute", c)] / t[("cached", c)]
-        rows.append([c, t[("recompute", c)] * 1e3, t[("cached", c)] * 1e3, f"{ratios[c]:.2f}x",
+        ratios[c] = t.ratio(("recompute", c), ("cached", c))
+        rows.append([c, t.ms(("recompute", c)), t.ms(("cached", c)), f"{ratios[c]:.2f}x",
                      f"{diffs[c]:.1e}"])
     text = table(["candidates", "recompute attention (ms)", "cached attend (ms)", "speed-up",
                   "max abs diff"], rows)
@@ -175,18 +198,18 @@ def quest(history: int, budgets: tuple[int, ...], repeats: int) -> tuple[str, di
                                                        mass=covered(mass, pages))
                 fns[(budget, gqa)] = partial(f, cache, q)
         if planted:  # shapes are the same for both data sets: time once
-            times = peers.interleaved_medians(fns, repeats)
+            times = Timings(fns, repeats)
         del w, cache, fns
     rows = []
     for budget in budgets:
         for gqa in serving.GQA_MODES:
             p, g = results[(True, budget, gqa)], results[(False, budget, gqa)]
-            t = times[(budget, gqa)]
+            speedup = times.ratio("dense", (budget, gqa))
             rows.append([budget, gqa, f"{p['recall']}/{USERS * CANDIDATES}", f"{p['mass']:.1%}",
-                         p["err"], f"{g['mass']:.1%}", g["err"], t * 1e3,
-                         f"{times['dense'] / t:.1f}x"])
-            results[(True, budget, gqa)]["speedup"] = times["dense"] / t
-    text = (f"Dense attend: {times['dense'] * 1e3:.3g} ms.\n\n"
+                         p["err"], f"{g['mass']:.1%}", g["err"], times.ms((budget, gqa)),
+                         f"{speedup:.1f}x"])
+            results[(True, budget, gqa)]["speedup"] = speedup
+    text = (f"Dense attend: {times.ms('dense'):.3g} ms.\n\n"
             + table(["budget", "gqa", "planted recall", "mass (planted)", "rel. error (planted)",
                      "mass (Gaussian)", "rel. error (Gaussian)", "time (ms)", "vs dense"], rows))
     return text, results
@@ -207,14 +230,13 @@ def decode(history: int, budgets: tuple[int, ...], repeats: int) -> tuple[str, d
             f = jax.jit(partial(lambda c, q, b, g: serving.select_pages(q, c, users, budget=b,
                                                                         gqa=g), b=budget, g=gqa))
             fns[("select", budget, gqa)] = partial(f, cache, q)
-    times = peers.interleaved_medians(fns, repeats)
-    rows = [[b, g, times[(b, g)] * 1e3, times[("select", b, g)] * 1e3,
-             f"{times['dense'] / times[(b, g)]:.1f}x"]
-            for b in budgets for g in serving.GQA_MODES]
-    speedups = {(b, g): times["dense"] / times[(b, g)] for b in budgets for g in serving.GQA_MODES}
-    speedups.update({("select share", b, g): times[("select", b, g)] / times[(b, g)]
+    times = Timings(fns, repeats)
+    speedups = {(b, g): times.ratio("dense", (b, g)) for b in budgets for g in serving.GQA_MODES}
+    speedups.update({("select share", b, g): times.ratio(("select", b, g), (b, g))
                      for b in budgets for g in serving.GQA_MODES})
-    text = (f"Dense attend: {times['dense'] * 1e3:.3g} ms.\n\n"
+    rows = [[b, g, times.ms((b, g)), times.ms(("select", b, g)), f"{speedups[(b, g)]:.1f}x"]
+            for b in budgets for g in serving.GQA_MODES]
+    text = (f"Dense attend: {times.ms('dense'):.3g} ms.\n\n"
             + table(["budget", "gqa", "attend (ms)", "of which selection (ms)", "vs dense"], rows))
     return text, speedups
 
@@ -232,10 +254,10 @@ def candidates_sweep(history: int, budget: int, counts: tuple[int, ...],
             f = jax.jit(partial(lambda c, q, g: serving.attend(q, c, users, budget=budget, gqa=g),
                                 g=gqa))
             fns[gqa] = partial(f, cache, q)
-        times = peers.interleaved_medians(fns, repeats)
-        speed[t] = {g: times["dense"] / times[g] for g in serving.GQA_MODES}
-        rows.append([t, times["dense"] * 1e3,
-                     *[f"{times[g] * 1e3:.3g} ({speed[t][g]:.1f}x)" for g in serving.GQA_MODES]])
+        times = Timings(fns, repeats)
+        speed[t] = {g: times.ratio("dense", g) for g in serving.GQA_MODES}
+        rows.append([t, times.ms("dense"),
+                     *[f"{times.ms(g):.3g} ({speed[t][g]:.1f}x)" for g in serving.GQA_MODES]])
     return table(["candidates per user", "dense (ms)",
                   *[f"{g} (ms, vs dense)" for g in serving.GQA_MODES]], rows), speed
 
@@ -254,9 +276,9 @@ def head_dim_limit(history: int, budgets: tuple[int, ...]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes; print, do not write")
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7, quick 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 11, quick 3)")
     args = parser.parse_args(argv)
-    repeats = args.repeats or (3 if args.quick else 7)
+    repeats = args.repeats or (3 if args.quick else 11)
     if args.quick:
         histories, budgets, exact_cands, exact_hist = (2048, 4096), (256, 512), (16, 64), 254
     else:
@@ -326,8 +348,9 @@ that run. Reproduce with:
 Machine: {platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__}
 ({jax.default_backend()}), {datetime.date.today().isoformat()}; the run took {elapsed:.0f} s.
 The machine was shared with other jobs (load average {load0[0]:.1f} at the start,
-{load1[0]:.1f} at the end), so absolute times are noisy; ratios come from
-interleaved runs, which spreads the interference over all variants alike.
+{load1[0]:.1f} at the end), so absolute times are noisy. Times are medians over
+interleaved rounds; speed-ups are medians of the per-round ratios (both calls of
+a round ran under the same load).
 
 ## Targets
 
