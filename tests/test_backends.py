@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,14 +88,15 @@ class BackendTests:
     configs = CONFIGS
     long_configs = LONG_CONFIGS
 
-    @settings(max_examples=5)
+    # Per configuration; the profile's count (conftest.py) scales all of them.
+    @settings(max_examples=settings.default.max_examples // 2)
     @given(data=st.data())
     def test_matches_reference(self, config, data):
         case = dataclasses.replace(config, mask_values=data.draw(mask_values(config), "mask"),
                                    seed=data.draw(st.integers(0, 2**16), "seed"))
         check_against_reference(case, self.impl)
 
-    @settings(max_examples=2)
+    @settings(max_examples=max(1, settings.default.max_examples // 3))
     @given(data=st.data())
     def test_long_sequence_matches_reference(self, long_config, data):
         case = dataclasses.replace(long_config, mask_values=data.draw(mask_values(long_config)))
