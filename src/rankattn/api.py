@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rankattn.backends import BACKENDS, Backend
 from rankattn.errors import fail
-from rankattn.validate import AttentionCall, check_attention_args
+from rankattn.validate import AttentionCall, check_attention_args, check_static_bool
 
 
 def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=None, softcap=None,
@@ -54,8 +54,7 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
       rankattn.RankattnError (a ValueError or TypeError) naming the argument,
       the values seen and the fix; see docs/errors.md.
     """
-    if not isinstance(return_lse, bool):
-        raise fail("RA116", f"return_lse must be a Python bool; got {type(return_lse).__name__}.")
+    return_lse = check_static_bool("return_lse", return_lse)
     call = check_attention_args(q, k, v, segment_ids=segment_ids, bounds=bounds, causal=causal,
                                 scale=scale, softcap=softcap, softcap_method=softcap_method,
                                 plan=plan)

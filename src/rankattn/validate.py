@@ -59,7 +59,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_static_bool(name: str, value) -> bool:
+def check_static_bool(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise fail("RA116", f"{name} must be a Python bool; got {type(value).__name__} {value!r}.")
     return bool(value)
@@ -70,13 +70,18 @@ def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap
     _check_tensor("q", q, "[B, Sq, Hq, D]")
     _check_tensor("k", k, "[B, Skv, Hkv, D]")
     _check_tensor("v", v, "[B, Skv, Hkv, Dv]")
-    causal = _check_static_bool("causal", causal)
+    causal = check_static_bool("causal", causal)
 
     dtypes = {str(x.dtype) for x in (q, k, v)}
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not any(x.dtype == d for d in FLOAT_DTYPES):
             raise fail("RA104", f"{name} has dtype {x.dtype}; attention inputs must be float32, "
                                 f"bfloat16 or float16. Cast with {name}.astype(jnp.float32).")
+        if x.dtype == jnp.float64 and not jax.config.jax_enable_x64:
+            # JAX would silently compute in float32 and return float32.
+            raise fail("RA104", f"{name} is float64 but JAX's x64 mode is off, so it would be "
+                                f"truncated to float32. Cast with {name}.astype(np.float32), or "
+                                "enable x64 with jax.config.update('jax_enable_x64', True).")
     if len(dtypes) > 1:
         raise fail("RA104", f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, "
                             f"v {v.dtype}. Cast them to one, e.g. .astype(jnp.bfloat16).")
@@ -134,7 +139,7 @@ def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap
 
 def check_mask_args(segment_ids, bounds, causal, batch: int, seq_len: int):
     """(canonical int32 segment ids [B, S] or None, causal) from either spelling of the mask."""
-    causal = _check_static_bool("causal", causal)
+    causal = check_static_bool("causal", causal)
     if segment_ids is not None and bounds is not None:
         raise fail("RA110", "segment_ids and bounds were both given; pass only one of them.")
     if segment_ids is not None:
@@ -147,9 +152,9 @@ def check_mask_args(segment_ids, bounds, causal, batch: int, seq_len: int):
 def _check_static_float(name: str, value, code: str) -> float:
     try:
         return float(value)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-        raise fail(code, f"{name} must be a Python float; got {type(value).__name__}. It selects "
-                         "the compiled program, so it cannot be a traced array.") from e
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
+        raise fail(code, f"{name} must be a Python float; got {type(value).__name__} {value!r}. "
+                         "It selects the compiled program, so it cannot be a traced array.") from e
 
 
 def _check_segment_ids(segment_ids, batch: int, seq_len: int):
