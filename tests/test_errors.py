@@ -153,11 +153,9 @@ def test_catalog_types_match_the_table():
         assert issubclass(errors.CATALOG[code].kind, rankattn.RankattnError), code
 
 
-# --- Known bugs (see the report): these must fail until fixed. ---------------------
+# --- Regressions: bugs the first test pass found in the argument checks. ------------
 
 
-@pytest.mark.xfail(strict=True, reason="validate._check_static_float catches TypeError but not "
-                   "ValueError: float('abc') escapes as a bare ValueError instead of RA113/RA111")
 @pytest.mark.parametrize("kwargs, code", [({"scale": "abc"}, "RA113"), ({"softcap": "abc"}, "RA111")])
 def test_non_numeric_string_scale_or_softcap(kwargs, code):
     with pytest.raises(rankattn.RankattnError) as info:
@@ -173,26 +171,17 @@ def _outcome(call):
     return "ok"
 
 
-@pytest.mark.xfail(strict=True, reason="validate._check_static_bool accepts np.bool_ for causal, "
-                   "but api.attention checks return_lse with isinstance(..., bool) and rejects it "
-                   "with the message 'must be a Python bool; got bool'")
 def test_numpy_bools_are_treated_alike():
     assert _outcome(lambda: attend(causal=np.True_)) == _outcome(lambda: attend(return_lse=np.True_))
 
 
-@pytest.mark.xfail(strict=True, reason="float64 numpy inputs pass the dtype check with x64 off; "
-                   "JAX truncates them and out comes back float32, not q's dtype (spec: out in "
-                   "q.dtype), with only a UserWarning")
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64")
-def test_float64_without_x64_is_rejected_or_honoured():
+def test_float64_without_x64_is_rejected():
+    """JAX would silently truncate to float32 and return float32."""
     assert not jax.config.jax_enable_x64
     q = np.zeros((1, 4, 2, 8), np.float64)
-    try:
-        out = rankattn.attention(q, q, q)
-    except rankattn.RankattnError as e:
-        assert e.code == "RA104"
-    else:
-        assert out.dtype == q.dtype
+    with pytest.raises(rankattn.RankattnTypeError, match=r"RA104.*x64"):
+        rankattn.attention(q, q, q)
 
 
 # --- docs/errors.md and explain. --------------------------------------------------
@@ -241,8 +230,6 @@ def test_explain_nothing():
     assert errors.explain("") is None
 
 
-@pytest.mark.xfail(strict=True, reason="explain()'s word-overlap fallback (substring matches of "
-                   "any 3+ letter word) picks serving entries for core message bodies")
 @pytest.mark.parametrize("case_id", ["gqa-12-8", "int-q"])
 def test_explain_a_message_without_its_code(case_id):
     _, code, builtin, call, _ = next(c for c in ERROR_CASES if c[0] == case_id)
