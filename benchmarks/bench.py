@@ -200,6 +200,35 @@ def print_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+DENSE_MASK_PEERS = ("dense reference", "jax.nn.dpa (xla, dense mask)", "torch sdpa (dense mask)")
+
+
+def targets(rows: list[dict]) -> str:
+    """The performance issue's targets, met or not, from this run's rows."""
+    lines = []
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        mine = {r["impl"]: r for r in rows if r["workload"] == name}
+        others = {k: r["ratio"] for k, r in mine.items() if k != "rankattn"}
+        if not others:
+            lines.append(f"- {name}: no peer ran (dense peers would need over "
+                         f"{DENSE_LIMIT_BYTES >> 30} GiB)")
+            continue
+        best = min(others, key=others.get)
+        need = 1.5 if "fwdbwd" in name else 1.0
+        line = f"- {name}: {others[best]:.2f}x the best peer ({best}); target >= {need}"
+        line += " MET" if others[best] >= need else " MISSED"
+        dense = {k: v for k, v in others.items() if k in DENSE_MASK_PEERS}
+        if name.startswith("packed") and dense:
+            best_dense = min(dense.values())
+            line += (f"; {best_dense:.2f}x the best dense-mask peer, target >= 2 "
+                     f"{'MET' if best_dense >= 2 else 'MISSED'}")
+        if name == "nano-fwd":
+            frac = mine["rankattn"]["mm"]
+            line += f"; {frac:.0%} of the matmul rate, target >= 60% {'MET' if frac >= 0.6 else 'MISSED'}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def plot(path: str, repeats: int):
     import matplotlib
 
@@ -261,6 +290,7 @@ def main():
                   f"(a dense [S, S] float32 mask-sized tensor per head would be "
                   f"{by_name[name].seq_len ** 2 * 4 / 2 ** 30:.1f} GiB)")
     print("\nAll workloads:\n" + print_rows(all_rows))
+    print("\nTargets (ratio = best peer time / rankattn time):\n" + targets(all_rows))
     if not args.quick and not args.only:
         plot(args.plot, repeats)
         print(f"wrote {args.plot}")
