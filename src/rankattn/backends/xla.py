@@ -259,7 +259,8 @@ def _row(x):
 
 def _own_logits(static: _Static, q, own_kv, seg_q):
     """Each candidate's logit on its own key: (capped, raw) [C, Hkv, G, bq], and the mask."""
-    raw = jnp.einsum("chgqd,chqd->chgq", q, own_kv[0], precision="highest")
+    # Elementwise, not einsum: as a dot, XLA transposes q to batch over (h, q).
+    raw = (q * own_kv[0][:, :, None]).sum(-1)
     is_cand = (seg_q < 0)[:, None, None, :]
     return static.cap(raw), raw, is_cand
 
@@ -352,11 +353,10 @@ def _flash_bwd(static, residuals, cotangents):
         if own is not None:
             s_own, raw, is_cand = _own_logits(static, q, own, seg_q)
             p_own = jnp.where(is_cand, jnp.exp(s_own - lse_c), 0)
-            dp_own = jnp.einsum("chgqd,chqd->chgq", d_o, own[1], precision="highest")
+            dp_own = (d_o * own[1][:, :, None]).sum(-1)
             ds_own = p_own * (dp_own - dlt) * static.cap_grad(raw)
             dq = dq + ds_own[..., None] * own[0][:, :, None]
-            d_own = (jnp.einsum("chgq,chgqd->chqd", ds_own, q, precision="highest"),
-                     jnp.einsum("chgq,chgqd->chqd", p_own, d_o, precision="highest"))
+            d_own = ((ds_own[..., None] * q).sum(2), (p_own[..., None] * d_o).sum(2))
         return (dk, dv), (dq, d_own)
 
     xs = _chunks(static, (qu, own_kv, seg_qu, plan, d_out, delta, lse_safe))
