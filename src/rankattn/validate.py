@@ -37,7 +37,7 @@ class AttentionCall:
     plan: Any = None  # rankattn.plan.Plan whose segment_ids and causal are the two fields above
 
 
-def _concrete(x) -> np.ndarray | None:
+def concrete(x) -> np.ndarray | None:
     """x as numpy if its values are known now, else None (traced under jit/vmap)."""
     try:
         return np.asarray(x)
@@ -118,23 +118,28 @@ def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap
     else:
         segment_ids, causal = check_mask_args(segment_ids, bounds, causal, b, sq)
 
+    scale, softcap = check_logit_options(scale, softcap, softcap_method, d)
+    return AttentionCall(q=q, k=k, v=v, segment_ids=segment_ids, causal=causal, scale=scale,
+                         softcap=softcap, softcap_method=softcap_method, plan=plan)
+
+
+def check_logit_options(scale, softcap, softcap_method, head_dim: int):
+    """(scale, softcap) as Python floats, checked; scale None means 1 / sqrt(head_dim)."""
     if scale is None:
-        scale = 1.0 / math.sqrt(d)
+        scale = 1.0 / math.sqrt(head_dim)
     scale = _check_static_float("scale", scale, "RA113")
     if not math.isfinite(scale) or scale == 0:
-        raise fail("RA113", f"scale must be finite and non-zero; got {scale}. Pass scale=None for 1/sqrt({d}).")
-
+        raise fail("RA113", f"scale must be finite and non-zero; got {scale}. Pass scale=None for "
+                            f"1/sqrt({head_dim}).")
     if softcap_method not in semantics.SOFTCAP_METHODS:
         raise fail("RA112", f"softcap_method={softcap_method!r}; use one of "
                             f"{', '.join(map(repr, semantics.SOFTCAP_METHODS))}.")
     if softcap is not None:
         softcap = _check_static_float("softcap", softcap, "RA111")
         if not (math.isfinite(softcap) and softcap > 0):
-            raise fail("RA111", f"softcap={softcap}; it must be a positive finite float such as 30.0, "
-                                "or None for no cap.")
-
-    return AttentionCall(q=q, k=k, v=v, segment_ids=segment_ids, causal=causal, scale=scale,
-                         softcap=softcap, softcap_method=softcap_method, plan=plan)
+            raise fail("RA111", f"softcap={softcap}; it must be a positive finite float such as "
+                                "30.0, or None for no cap.")
+    return scale, softcap
 
 
 def check_mask_args(segment_ids, bounds, causal, batch: int, seq_len: int):
@@ -180,7 +185,7 @@ def _check_bounds(bounds, batch: int, seq_len: int):
     elif tuple(bounds.shape) != (batch, 4):
         raise fail("RA108", f"bounds has shape {tuple(bounds.shape)}; it must be (4,) for the whole "
                             f"batch or ({batch}, 4), one (hist_lo, hist_hi, cand_lo, cand_hi) per row.")
-    values = _concrete(bounds)
+    values = concrete(bounds)
     if values is not None:
         for row, (hl, hh, cl, ch) in enumerate(values.tolist()):
             problem = None

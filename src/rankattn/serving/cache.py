@@ -32,7 +32,7 @@ import numpy as np
 
 from rankattn.backends.base import compute_dtype
 from rankattn.errors import fail
-from rankattn.validate import _concrete
+from rankattn.validate import concrete
 
 
 class PagedKVCache(NamedTuple):
@@ -150,7 +150,7 @@ def cache_from_history(k_hist, v_hist, lengths, page_size: int = 16, *,
     if tuple(lengths.shape) != (u,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise fail("RA212", f"lengths must be an int array of shape ({u},), one per history row; "
                             f"got {_describe(lengths)}.")
-    values = _concrete(lengths)
+    values = concrete(lengths)
     if values is not None and ((values < 0) | (values > s)).any():
         raise fail("RA212", f"lengths {values.tolist()[:8]} must lie in [0, S={s}].")
     for name, value in (("page_size", page_size), ("max_pages", max_pages)):
@@ -253,7 +253,7 @@ def check_users(users, cache: PagedKVCache, where: str):
     if users.ndim != 1 or users.shape[0] == 0 or not jnp.issubdtype(users.dtype, jnp.integer):
         raise fail("RA206", f"{where}: users must be a non-empty int array [B]; got "
                             f"{_describe(users)}.")
-    values = _concrete(users)
+    values = concrete(users)
     if values is not None:
         bad = values[(values < 0) | (values >= cache.num_users)]
         if bad.size:
@@ -270,7 +270,7 @@ def check_float(name: str, x) -> None:
 
 def _check_append_values(cache: PagedKVCache, users, counts, t: int) -> None:
     """The checks that need values; skipped under jit (the overflow flag covers capacity)."""
-    u, c = _concrete(users), _concrete(counts)
+    u, c = concrete(users), concrete(counts)
     if u is None or c is None:
         return
     if len(set(u.tolist())) != len(u):
@@ -278,7 +278,7 @@ def _check_append_values(cache: PagedKVCache, users, counts, t: int) -> None:
                             "(concatenate its tokens along T).")
     if ((c < 0) | (c > t)).any():
         raise fail("RA211", f"counts {c.tolist()} must lie in [0, T={t}].")
-    lengths, free = _concrete(cache.lengths), _concrete(cache.free)
+    lengths, free = concrete(cache.lengths), concrete(cache.free)
     if lengths is None or free is None:
         return
     p = cache.page_size

@@ -33,7 +33,7 @@ from rankattn.backends.base import compute_dtype
 from rankattn.errors import fail
 from rankattn.serving.cache import (PagedKVCache, _describe, _positive_int, check_cache,
                                     check_float, check_users)
-from rankattn.validate import check_attention_args
+from rankattn.validate import check_logit_options
 
 GQA_MODES = ("per_head", "group", "mean")
 
@@ -252,11 +252,8 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_p
         self4 = _check_self_kv(self_kv, len(shape), b, t, hkv, d, dv)
 
     # Scale and soft cap mean exactly what they mean in rankattn.attention, so the
-    # core's own checks (codes RA111-RA113) judge them, on shape-only stand-ins.
-    stand_in = jax.ShapeDtypeStruct((1, 1, 1, d), jnp.float32)
-    call = check_attention_args(stand_in, stand_in, stand_in, segment_ids=None, bounds=None,
-                                causal=False, scale=scale, softcap=softcap,
-                                softcap_method=softcap_method)
+    # core's own checks (codes RA111-RA113) judge them.
+    scale, softcap = check_logit_options(scale, softcap, softcap_method, d)
 
     for name, value in (("sink_pages", sink_pages), ("recent_pages", recent_pages)):
         if not (_positive_int(value) or (value == 0 and not isinstance(value, bool))):
@@ -278,8 +275,8 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_p
         raise fail("RA209", f"group_rule={group_rule!r}; use one of "
                             f"{', '.join(map(repr, GROUP_RULES))}.")
     plan = _Plan(pages=pages, gqa=gqa, group_rule=group_rule, sink_pages=int(sink_pages),
-                 recent_pages=int(recent_pages), scale=call.scale, softcap=call.softcap,
-                 softcap_method=call.softcap_method)
+                 recent_pages=int(recent_pages), scale=scale, softcap=softcap,
+                 softcap_method=softcap_method)
     return _Query(q4, self4, has_t=len(shape) == 4, flat=len(shape) == 2), users, plan
 
 
