@@ -110,7 +110,7 @@ class TestXla(BackendTests):
 
 
 class TestXlaDefaultBlocks(BackendTests):
-    """Default 128 blocks: one block for short calls, several for the long ones."""
+    """Default blocks (128 x 512): one block for short calls, several for the long ones."""
 
     impl = Xla(BlockSizes())
     configs = CONFIGS[5::3]

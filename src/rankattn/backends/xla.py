@@ -42,7 +42,7 @@ class BlockSizes:
     """Query and key block lengths of the blocked backend."""
 
     block_q: int = 128
-    block_k: int = 128
+    block_k: int = 512  # see STEP_LOGITS_BYTES for the measurements behind both
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -87,10 +87,14 @@ def self_attention_plan(segment_ids, block_sizes: BlockSizes, causal: bool):
 
 
 # Query blocks are processed a few at a time: XLA materialises each step's
-# logits for every query block it handles at once, and keeping that slab near
-# this size keeps it in cache (measured on a 2-core AMD EPYC: B=8 rows at once
-# ran 1.6x slower per row than one row at a time).
-STEP_LOGITS_BYTES = 1 << 20
+# logits for every query block it handles at once, so the slab should stay
+# near cache size, yet be large enough for both cores to share each step.
+# Measured on the 2-core AMD EPYC development machine (nano-fwd of
+# benchmarks/bench.py, median ms; query x key block, slab MiB): 128x128 1 MiB
+# 237, 128x256 2 MiB 197, 128x512 4 MiB 148, 128x512 16 MiB 225, 128x1024 4 MiB
+# 155, 256x128 2 MiB 444; packed-fwd and long-history-fwd agree (128x512 4 MiB
+# 134 ms vs 215 ms at 128x128 1 MiB; 9.2 s vs 13.0 s).
+STEP_LOGITS_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
