@@ -80,6 +80,7 @@ WORKLOADS = [
     Workload("nano-fwd-bf16", 8, NANO, 4, 2, 128, dtype="bfloat16"),
     Workload("packed-fwd-bf16", 1, PACKED, 4, 2, 128, dtype="bfloat16"),
 ]
+FAILURES: list[str] = []  # peers that could not run, printed with the results
 # Dense-mask peers are skipped where their S x S tensors would not fit comfortably.
 DENSE_LIMIT_BYTES = 6 << 30
 
@@ -122,7 +123,7 @@ def torch_inputs(w: Workload):
     dtype = getattr(torch, w.dtype)
 
     def t(x, grad=False):  # [B, S, H, D] -> [B, H, S, D]
-        return torch.from_numpy(x).to(dtype).transpose(1, 2).contiguous().requires_grad_(grad)
+        return torch.from_numpy(x.copy()).to(dtype).transpose(1, 2).contiguous().requires_grad_(grad)
 
     return (t(q, w.backward), t(k, w.backward), t(v, w.backward),
             torch.from_numpy(np.asarray(seg)), t(d_out))
@@ -179,6 +180,14 @@ def run_workload(w: Workload, repeats: int, rate: float) -> list[dict]:
             fns["torch sdpa (dense mask)"] = torch_sdpa(w)
     if torch is not None and not w.backward:  # block-sparse, so no dense-size limit
         fns["torch flex (compiled)"] = torch_flex(w)
+    for name in [n for n in fns if n.startswith("torch")]:
+        try:  # a peer that fails to compile is reported, not fatal
+            fns[name]()
+        except Exception as e:  # noqa: BLE001
+            del fns[name]
+            FAILURES.append(f"{w.name}: {name} failed: {type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0][:160]}")
+            print(FAILURES[-1], flush=True)
     # Long workloads take tens of seconds a run: 3 interleaved runs bound their noise well enough.
     times = peers.interleaved_medians(fns, min(repeats, 3) if w.seq_len > 16384 else repeats)
     flops = 4 * w.head_dim * w.visible_pairs * w.batch * w.q_heads * (3.5 if w.backward else 1)
@@ -291,6 +300,8 @@ def main():
                   f"{by_name[name].seq_len ** 2 * 4 / 2 ** 30:.1f} GiB)")
     print("\nAll workloads:\n" + print_rows(all_rows))
     print("\nTargets (ratio = best peer time / rankattn time):\n" + targets(all_rows))
+    if FAILURES:
+        print("\nPeers that failed:\n" + "\n".join(f"- {f}" for f in FAILURES))
     if not args.quick and not args.only:
         plot(args.plot, repeats)
         print(f"wrote {args.plot}")

@@ -29,7 +29,7 @@ import rankattn
 from rankattn import serving
 from rankattn.serving.synthetic import planted_history
 
-COMMAND = "cd /work/main && .venv/bin/python benchmarks/bench_serving.py"
+COMMAND = ".venv/bin/python benchmarks/bench_serving.py  # from the repository root"
 OUT = Path(__file__).with_name("SERVING.md")
 PAGE = 16
 BUDGETS = (512, 1024, 2048, 4096)
