@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import resource
 import subprocess
 import sys
@@ -33,6 +34,11 @@ import numpy as np
 
 import rankattn
 from rankattn import peers
+
+# PyTorch's OpenMP threads spin after each call and steal the cores from whatever
+# runs next: measured here, rankattn ran 1.5x slower right after a torch peer
+# (nano-fwd 233 ms vs 157 ms), and torch itself ran no slower with passive waits.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 try:
     import torch
