@@ -35,11 +35,6 @@ import numpy as np
 import rankattn
 from rankattn import peers
 
-# PyTorch's OpenMP threads spin after each call and steal the cores from whatever
-# runs next: measured here, rankattn ran 1.5x slower right after a torch peer
-# (nano-fwd 233 ms vs 157 ms), and torch itself ran no slower with passive waits.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 try:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -263,6 +258,7 @@ def plot(path: str, repeats: int):
         ax.plot(histories[:len(ms)], ms, marker="o", label=name, lw=2.5 if name == "rankattn" else 1.2)
     ax.set(xscale="log", yscale="log", xlabel="history length (+128 candidates), B=2, 4/2 heads, D=128",
            ylabel="forward time, median ms", title="Candidate-isolation attention on this CPU")
+    ax.minorticks_off()
     ax.set_xticks(histories, [str(h) for h in histories])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -270,12 +266,24 @@ def plot(path: str, repeats: int):
     fig.savefig(path, dpi=110)
 
 
+# glibc hands freed heap memory back to the OS; then whichever implementation
+# runs after a peer that freed hundreds of MiB page-faults its buffers in anew.
+# Measured here (nano-fwd, interleaved with the dense peers): rankattn 214 ms
+# with the default, 152 ms with trimming off; the peers ran the same or faster
+# (torch SDPA 174 -> 164 ms, reference 301 -> 294 ms). So the benchmark runs
+# with trimming off, for every implementation alike.
+MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(64 << 30), "MALLOC_TOP_PAD_": str(1 << 30)}
+
+
 def main():
+    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # glibc reads these at start
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="workload names")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="3 repeats, no plot")
     parser.add_argument("--plot", default="benchmarks/time_vs_history.png")
+    parser.add_argument("--plot-only", action="store_true", help="only the time-vs-history plot")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     by_name = {w.name: w for w in WORKLOADS}
@@ -287,6 +295,10 @@ def main():
         return
 
     repeats = 3 if args.quick else args.repeats
+    if args.plot_only:
+        plot(args.plot, repeats)
+        print(f"wrote {args.plot}")
+        return
     print(f"jax {jax.__version__} on {jax.default_backend()}, torch "
           f"{torch.__version__ if torch else 'not installed'}, {repeats} interleaved repeats")
     rate = matmul_rate(repeats)
