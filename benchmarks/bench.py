@@ -36,6 +36,8 @@ import rankattn
 from rankattn import peers
 
 try:
+    if "--no-torch" in sys.argv:  # not even imported: its thread pools stay out of the process
+        raise ImportError
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # the torch peers are optional
@@ -164,8 +166,9 @@ def matmul_rate(repeats: int) -> float:
 
 def peak_rss_gib(name: str) -> float:
     """Peak RSS of a fresh process that runs only rankattn on one workload (inputs included)."""
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}  # glibc's default heap
     out = subprocess.run([sys.executable, __file__, "--rss-child", name], check=True,
-                         capture_output=True, text=True).stdout
+                         capture_output=True, text=True, env=env).stdout
     return float(out.strip().splitlines()[-1])
 
 
@@ -276,13 +279,14 @@ MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(64 << 30), "MALLOC_TOP_PAD_": str(1 
 
 
 def main():
-    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # glibc reads these at start
+    if "--rss-child" not in sys.argv and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="workload names")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="3 repeats, no plot")
     parser.add_argument("--plot", default="benchmarks/time_vs_history.png")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers")
     parser.add_argument("--plot-only", action="store_true", help="only the time-vs-history plot")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -272,12 +272,17 @@ def random_cache(seed, *, users=3, s=200, hkv=2, d=8, p=8, lengths=(200, 37, 8))
                                       page_size=p), k, v
 
 
+def random_request(seed):
+    """Queries [3, 4, 4, 8] (3 rows of 4 candidates, 4 q heads) and self keys [3, 4, 2, 8]."""
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.normal(size=(3, 4, 4, 8)), jnp.float32),
+            jnp.asarray(rng.normal(size=(3, 4, 2, 8)), jnp.float32))
+
+
 @pytest.mark.parametrize("gqa", serving.GQA_MODES)
 def test_budget_covering_the_history_is_dense(gqa):
     cache, _, _ = random_cache(1)
-    rng = np.random.default_rng(2)
-    q = jnp.asarray(rng.normal(size=(3, 4, 4, 8)), jnp.float32)
-    ks = jnp.asarray(rng.normal(size=(3, 4, 2, 8)), jnp.float32)
+    q, ks = random_request(2)
     users = jnp.array([0, 1, 2])
     exact = serving.attend(q, cache, users, (ks, ks), softcap=4.0)
     # 200 tokens = 25 pages: a budget of 25 pages or more never selects (static dense path).
@@ -325,9 +330,7 @@ def test_selected_pages_are_what_attend_reads(gqa):
 def test_quest_keeps_candidates_isolated(gqa):
     """Selection is per query row: a candidate scores the same alone or among others."""
     cache, _, _ = random_cache(6)
-    rng = np.random.default_rng(7)
-    q = jnp.asarray(rng.normal(size=(3, 4, 4, 8)), jnp.float32)
-    ks = jnp.asarray(rng.normal(size=(3, 4, 2, 8)), jnp.float32)
+    q, ks = random_request(7)
     users = jnp.array([0, 1, 0])
     together = serving.attend(q, cache, users, (ks, ks), budget=32, gqa=gqa)
     for t in range(4):
