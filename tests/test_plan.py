@@ -99,6 +99,28 @@ def test_plan_blocks_follow_the_backend_classification():
     assert set(np.asarray(plan.blocks.kv_index)[0, 2, :4]) == {0, 1, 2, 3}
 
 
+def test_ragged_last_query_block_is_full_despite_internal_padding():
+    """The backend pads 44 queries to 48; those 4 rows are discarded, so block 2 stays full.
+
+    (A user's own padding, segment id 0, is different: its rows must output 0,
+    so it makes a block partial, as the test above shows.)
+    """
+    seg = jnp.asarray(np.r_[[1] * 32, [-1] * 12][None], jnp.int32)
+    plan = rankattn.plan(segment_ids=seg, block_sizes=SMALL)
+    np.testing.assert_array_equal(np.asarray(plan.blocks.full_count), [[4, 4, 4]])
+    np.testing.assert_array_equal(np.asarray(plan.blocks.count), [[4, 4, 4]])
+    q, k, v, _ = random_qkv(10, 1, 44, 2, 1, 8)
+    want = rankattn.attention(q, k, v, segment_ids=seg, impl="reference", return_lse=True)
+    got = rankattn.attention(q, k, v, plan=plan, return_lse=True)
+    for name, a, b in zip(("out", "lse"), got, want):
+        assert_close_f32(a, b, name)
+    grads = [jax.grad(lambda q, k, v, kw=kw: (rankattn.attention(q, k, v, **kw) ** 2).sum(),
+                      argnums=(0, 1, 2))(q, k, v)
+             for kw in (dict(plan=plan), dict(segment_ids=seg, impl="reference"))]
+    for name, a, b in zip(("dq", "dk", "dv"), *grads):
+        assert_close_f32(a, b, name)
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(), "needs segment_ids or bounds"),
     (dict(bounds=np.array([0, 3, 3, 5])), "needs seq_len"),

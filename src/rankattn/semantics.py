@@ -99,31 +99,41 @@ def softcap_grad(s, cap: float | None, method: str):
 # mask. A property test checks both.
 
 
-def block_stats(seg, block: int):
-    """Per-block summaries of segment ids [B, S] (S a multiple of ``block``)."""
+def block_stats(seg, block: int, length: int | None = None):
+    """Per-block summaries of segment ids [B, S] (S a multiple of ``block``).
+
+    Positions from ``length`` on are padding whose results are discarded: they
+    count as padding for what the block contains, but as anything at all for
+    the "all" verdicts, so a ragged last query block can still be full.
+    """
     b, s = seg.shape
     blocks = seg.reshape(b, s // block, block)
     session = jnp.abs(blocks)
     real = blocks != 0
+    dont_care = (jnp.arange(s) >= (s if length is None else length)).reshape(s // block, block)
     big = jnp.iinfo(jnp.int32).max
     return dict(
-        all_real=real.all(-1),
+        all_real=(real | dont_care).all(-1),
         lo=jnp.where(real, session, big).min(-1),
         hi=jnp.where(real, session, 0).max(-1),
         hist_lo=jnp.where(blocks > 0, blocks, big).min(-1),
         hist_hi=jnp.where(blocks > 0, blocks, 0).max(-1),
         all_hist=(blocks > 0).all(-1),
         any_cand=(blocks < 0).any(-1),
-        all_cand=(blocks < 0).all(-1),
+        all_cand=((blocks < 0) | dont_care).all(-1),
     )
 
 
-def history_block_visibility(seg_q, seg_k, block_q: int, block_k: int, causal: bool):
+def history_block_visibility(seg_q, seg_k, block_q: int, block_k: int, causal: bool,
+                             q_len: int | None = None):
     """(nonempty, full), each bool [B, nQ, nK], of the history part of the mask.
 
-    seg_q [B, Sq] and seg_k [B, Skv] are padded to multiples of their block sizes.
+    seg_q [B, Sq] and seg_k [B, Skv] are padded to multiples of their block
+    sizes. Queries from ``q_len`` on are the caller's own padding, whose rows it
+    discards: "full" may then count them as seeing every key (their outputs
+    and, with zero cotangents, their gradient contributions are never used).
     """
-    q = {n: x[:, :, None] for n, x in block_stats(seg_q, block_q).items()}
+    q = {n: x[:, :, None] for n, x in block_stats(seg_q, block_q, q_len).items()}
     k = {n: x[:, None, :] for n, x in block_stats(seg_k, block_k).items()}
     n_q, n_k = seg_q.shape[1] // block_q, seg_k.shape[1] // block_k
     q_first = (jnp.arange(n_q) * block_q)[None, :, None]

@@ -68,10 +68,10 @@ class BlockPlan(NamedTuple):
     count: jax.Array       # [B, nQ]: leading entries of kv_index that are visited at all
 
 
-def make_block_plan(seg_q, seg_k, sizes: BlockSizes, causal: bool) -> BlockPlan:
-    """The plan for query / key segment ids [B, Sq], [B, Skv], padded to their block sizes."""
+def make_block_plan(seg_q, seg_k, sizes: BlockSizes, causal: bool, q_len: int) -> BlockPlan:
+    """The plan for query / key segment ids padded to their block sizes; q_len real queries."""
     nonempty, full = semantics.history_block_visibility(seg_q, seg_k, sizes.block_q,
-                                                        sizes.block_k, causal)
+                                                        sizes.block_k, causal, q_len)
     rank = jnp.where(full, 0, jnp.where(nonempty, 1, 2))
     order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
     return BlockPlan(kv_index=order, full_count=full.sum(-1, dtype=jnp.int32),
@@ -83,7 +83,7 @@ def self_attention_plan(segment_ids, block_sizes: BlockSizes, causal: bool):
     sizes = block_sizes.for_lengths(segment_ids.shape[1], segment_ids.shape[1])
     seg = segment_ids.astype(jnp.int32)
     return sizes, make_block_plan(_pad(seg, sizes.block_q), _pad(seg, sizes.block_k), sizes,
-                                  causal)
+                                  causal, segment_ids.shape[1])
 
 
 # Query blocks are processed a few at a time: XLA materialises each step's
@@ -145,7 +145,7 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
         seg_q = seg_k = segment_ids.astype(jnp.int32)
     seg_q, seg_k = _pad(seg_q, bq), _pad(seg_k, bk)
     if block_plan is None:
-        block_plan = make_block_plan(seg_q, seg_k, sizes, causal)
+        block_plan = make_block_plan(seg_q, seg_k, sizes, causal, sq)
 
     n_q, n_k = seg_q.shape[1] // bq, seg_k.shape[1] // bk
     unit_bytes = hq * bq * bk * 4
