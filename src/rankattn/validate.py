@@ -34,7 +34,7 @@ class AttentionCall:
     scale: float
     softcap: float | None
     softcap_method: str
-    plan: Any = None  # rankattn.plan.Plan whose segment_ids and causal are the two fields above
+    plan: Any = None  # rankattn.planning.Plan; its segment_ids and causal fill the two fields above
 
 
 def concrete(x) -> np.ndarray | None:
