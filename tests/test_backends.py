@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from conftest import SMALL_BLOCKS
 from helpers import Case, bounds, case_id, check_against_reference, segment_ids
-from rankattn.backends import BlockSizes, Xla
+from rankattn.backends import Xla
 
 C = Case
 SEG, ROWS, BCAST = "segment_ids", "bounds_rows", "bounds_broadcast"
@@ -112,7 +112,7 @@ class TestXla(BackendTests):
 class TestXlaDefaultBlocks(BackendTests):
     """Default blocks (128 x 512): one block for short calls, several for the long ones."""
 
-    impl = Xla(BlockSizes())
+    impl = Xla()
     configs = CONFIGS[5::3]
 
 

@@ -13,6 +13,7 @@ from rankattn.backends import BlockSizes, Xla
 from tolerances import assert_close_f32
 
 SMALL = BlockSizes(16, 8)
+SMALL_XLA = Xla(SMALL)
 
 
 def _segments(seed=0, batch=2, seq=53):
@@ -23,9 +24,9 @@ def _segments(seed=0, batch=2, seq=53):
 def test_plan_is_bit_identical_to_passing_the_mask(causal):
     seg = _segments()
     q, k, v, _ = random_qkv(1, 2, 53, 4, 2, 16)
-    plan = rankattn.plan(segment_ids=seg, causal=causal, block_sizes=SMALL)
-    with_plan = rankattn.attention(q, k, v, plan=plan, return_lse=True)
-    without = rankattn.attention(q, k, v, segment_ids=seg, causal=causal, impl=Xla(SMALL),
+    plan = rankattn.plan(segment_ids=seg, causal=causal, impls=[SMALL_XLA])
+    with_plan = rankattn.attention(q, k, v, plan=plan, return_lse=True, impl=SMALL_XLA)
+    without = rankattn.attention(q, k, v, segment_ids=seg, causal=causal, impl=SMALL_XLA,
                                  return_lse=True)
     for a, b in zip(with_plan, without):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -47,12 +48,12 @@ def test_one_plan_serves_every_layer_and_the_backward_pass():
                for i in range(3)]
 
     def model(x, weights, seg, use_plan):
-        plan = rankattn.plan(segment_ids=seg, block_sizes=SMALL) if use_plan else None
+        plan = rankattn.plan(segment_ids=seg, impls=[SMALL_XLA]) if use_plan else None
         for w in weights:
             q = jnp.einsum("bshd,hde->bshe", x, w)
             kv = q[:, :, ::2]
             if use_plan:
-                x = x + rankattn.attention(q, kv, kv, plan=plan)
+                x = x + rankattn.attention(q, kv, kv, plan=plan, impl=SMALL_XLA)
             else:
                 x = x + rankattn.attention(q, kv, kv, segment_ids=seg, impl="reference")
         return (x ** 2).sum()
@@ -72,7 +73,8 @@ def test_jitted_plan_sees_new_segment_values():
 
     @jax.jit
     def run(seg):
-        return rankattn.attention(q, k, v, plan=rankattn.plan(segment_ids=seg, block_sizes=SMALL))
+        return rankattn.attention(q, k, v, plan=rankattn.plan(segment_ids=seg, impls=[SMALL_XLA]),
+                                  impl=SMALL_XLA)
 
     for seed in (6, 7):
         seg = _segments(seed)
@@ -82,21 +84,21 @@ def test_jitted_plan_sees_new_segment_values():
 
 def test_plan_passes_through_jit_boundaries_as_a_pytree():
     seg = _segments(8)
-    plan = jax.jit(lambda s: rankattn.plan(segment_ids=s, block_sizes=SMALL))(seg)
+    plan = jax.jit(lambda s: rankattn.plan(segment_ids=s, impls=[SMALL_XLA]))(seg)
     q, k, v, _ = random_qkv(9, 2, 53, 2, 2, 8)
-    got = jax.jit(lambda q, k, v, p: rankattn.attention(q, k, v, plan=p))(q, k, v, plan)
+    got = jax.jit(lambda q, k, v, p: rankattn.attention(q, k, v, plan=p, impl=SMALL_XLA))(q, k, v, plan)
     assert_close_f32(got, rankattn.attention(q, k, v, segment_ids=seg, impl="reference"), "out")
 
 
 def test_plan_blocks_follow_the_backend_classification():
     """One session of 32 history + 8 candidates in 16x8 blocks: full, partial and empty lists."""
     seg = jnp.asarray(np.r_[[1] * 32, [-1] * 8, [0] * 8][None], jnp.int32)
-    plan = rankattn.plan(segment_ids=seg, block_sizes=SMALL)
+    plan = rankattn.plan(segment_ids=seg, impls=[SMALL_XLA])
     # Query blocks 0-1 are history (all real): key blocks 0-3 are all history -> full.
     # Query block 2 holds 8 candidates and 8 padding tokens -> history blocks are partial.
-    np.testing.assert_array_equal(np.asarray(plan.blocks.full_count), [[4, 4, 0]])
-    np.testing.assert_array_equal(np.asarray(plan.blocks.count), [[4, 4, 4]])
-    assert set(np.asarray(plan.blocks.kv_index)[0, 2, :4]) == {0, 1, 2, 3}
+    np.testing.assert_array_equal(np.asarray(plan.block_plans[0].full_count), [[4, 4, 0]])
+    np.testing.assert_array_equal(np.asarray(plan.block_plans[0].count), [[4, 4, 4]])
+    assert set(np.asarray(plan.block_plans[0].kv_index)[0, 2, :4]) == {0, 1, 2, 3}
 
 
 def test_ragged_last_query_block_is_full_despite_internal_padding():
@@ -106,12 +108,12 @@ def test_ragged_last_query_block_is_full_despite_internal_padding():
     so it makes a block partial, as the test above shows.)
     """
     seg = jnp.asarray(np.r_[[1] * 32, [-1] * 12][None], jnp.int32)
-    plan = rankattn.plan(segment_ids=seg, block_sizes=SMALL)
-    np.testing.assert_array_equal(np.asarray(plan.blocks.full_count), [[4, 4, 4]])
-    np.testing.assert_array_equal(np.asarray(plan.blocks.count), [[4, 4, 4]])
+    plan = rankattn.plan(segment_ids=seg, impls=[SMALL_XLA])
+    np.testing.assert_array_equal(np.asarray(plan.block_plans[0].full_count), [[4, 4, 4]])
+    np.testing.assert_array_equal(np.asarray(plan.block_plans[0].count), [[4, 4, 4]])
     q, k, v, _ = random_qkv(10, 1, 44, 2, 1, 8)
     want = rankattn.attention(q, k, v, segment_ids=seg, impl="reference", return_lse=True)
-    got = rankattn.attention(q, k, v, plan=plan, return_lse=True)
+    got = rankattn.attention(q, k, v, plan=plan, return_lse=True, impl=SMALL_XLA)
     for name, a, b in zip(("out", "lse"), got, want):
         assert_close_f32(a, b, name)
     grads = [jax.grad(lambda q, k, v, kw=kw: (rankattn.attention(q, k, v, **kw) ** 2).sum(),

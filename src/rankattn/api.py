@@ -37,8 +37,10 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
         by every layer (then segment_ids, bounds and causal are not given).
         Results are bit-identical to passing the mask itself.
       impl: 'auto' (the first of rankattn.available_impls() that can run the
-        call), a backend name ('xla', 'reference'), or a Backend instance such
-        as rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64)).
+        call: 'pallas_triton' on a GPU, then 'xla', then 'reference'), a backend
+        name, or a Backend instance such as
+        rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64)) or
+        rankattn.backends.PallasTriton(interpret=True).
 
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, and with return_lse also
@@ -46,8 +48,9 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
       lse = -inf and zero gradients (never NaN).
 
     Mask arrays may be traced (under jit the plan is rebuilt from the new
-    values on device). The math runs in float32 (float64 for float64 inputs),
-    whatever the input dtype. Gradients flow to q, k, v, including through a
+    values on device). Softmax, scale and accumulators run in float32
+    (float64 for float64 inputs); bf16 / f16 operands feed the matmuls as
+    they are on GPU / TPU (tensor cores), and are up-cast on CPU. Gradients flow to q, k, v, including through a
     cotangent on lse (write z-loss as z / 2 * lse**2 in your loss).
 
     Raises:
@@ -63,22 +66,36 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
 
 
 def available_impls() -> list[str]:
-    """Backend names, in the order impl='auto' tries them."""
-    return list(BACKENDS)
+    """Names of the backends that can run on this machine, in the order impl='auto' tries them."""
+    return [name for name, backend in BACKENDS.items() if not backend.platform_reasons()]
+
+
+def resolve_impls(impl, argument: str = "impl") -> list[Backend]:
+    """The backends ``impl`` names: 'auto', a name, a Backend instance, or a list of those.
+
+    'auto' gives every backend that can run on this machine. A name whose
+    backend cannot run here raises RA115 with the reasons; an instance is
+    taken as it is (it may be lowered for another platform).
+    """
+    if isinstance(impl, (list, tuple)):
+        return [b for item in impl for b in resolve_impls(item, argument)]
+    if isinstance(impl, Backend):
+        return [impl]
+    if impl == "auto":
+        return [b for b in BACKENDS.values() if not b.platform_reasons()]
+    if isinstance(impl, str) and impl in BACKENDS:
+        why = BACKENDS[impl].platform_reasons()
+        if why:
+            raise fail("RA115", f"{argument}={impl!r} cannot run on this machine:\n    - "
+                                + "\n    - ".join(why))
+        return [BACKENDS[impl]]
+    raise fail("RA114", f"{argument}={impl!r} is not a backend; use 'auto' or one of "
+                        f"{', '.join(map(repr, BACKENDS))}.")
 
 
 def _select(impl, call: AttentionCall) -> Backend:
-    if isinstance(impl, Backend):
-        candidates = [impl]
-    elif impl == "auto":
-        candidates = list(BACKENDS.values())
-    elif isinstance(impl, str) and impl in BACKENDS:
-        candidates = [BACKENDS[impl]]
-    else:
-        raise fail("RA114", f"impl={impl!r} is not a backend; use 'auto' or one of "
-                            f"{', '.join(map(repr, BACKENDS))}.")
     reasons = []
-    for backend in candidates:
+    for backend in resolve_impls(impl):
         why = backend.not_supported_reasons(call)
         if not why:
             return backend

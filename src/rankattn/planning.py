@@ -5,6 +5,13 @@ must visit, and which of those need no mask, depends only on the segment ids,
 so a model builds it once per batch and passes it to every attention layer
 (and the backward pass reuses it). It is a pytree, so it can be built inside
 ``jax.jit`` from traced segment ids and passed between jitted functions.
+
+Blocked backends differ in the block sizes they read (``xla`` uses 128 x 512
+on CPU, ``pallas_triton`` 64 x 64 tiles), so a plan keeps one
+:class:`rankattn.blocks.BlockPlan` per block-size pair, each with the lists per
+query block (forward, dq) and per key block (dk / dv). A backend asks the plan
+for its pair; a plan made for other backends still gives exact results, the
+backend then derives its lists from the plan's segment ids on every call.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from rankattn.backends.xla import BlockPlan, BlockSizes, self_attention_plan
+from rankattn.blocks import BlockPlan, BlockSizes, make_block_plan, pad_axis1
 from rankattn.errors import fail
 from rankattn.validate import check_mask_args
 
@@ -25,18 +32,31 @@ class Plan:
     """A prepared mask: pass it as ``rankattn.attention(q, k, v, plan=plan)``."""
 
     segment_ids: jax.Array  # int32 [B, S], canonical (bounds already converted)
-    blocks: BlockPlan       # the blocked backend's visit lists
+    block_plans: tuple[BlockPlan, ...]  # one per entry of block_sizes
     causal: bool = dataclasses.field(metadata=dict(static=True))
-    block_sizes: BlockSizes = dataclasses.field(metadata=dict(static=True))
+    block_sizes: tuple[BlockSizes, ...] = dataclasses.field(metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
         """(B, S) of the queries and keys this plan is for."""
         return tuple(self.segment_ids.shape)
 
+    def block_plan(self, sizes: BlockSizes) -> BlockPlan:
+        """The visit lists for ``sizes``: prepared ones if the plan has them, else made now."""
+        if sizes in self.block_sizes:
+            return self.block_plans[self.block_sizes.index(sizes)]
+        return self_attention_block_plan(self.segment_ids, sizes, self.causal)
+
+
+def self_attention_block_plan(segment_ids, sizes: BlockSizes, causal: bool) -> BlockPlan:
+    """The block plan of self-attention over segment ids [B, S] at ``sizes``."""
+    return make_block_plan(pad_axis1(segment_ids, sizes.block_q),
+                           pad_axis1(segment_ids, sizes.block_k), sizes, causal,
+                           segment_ids.shape[1])
+
 
 def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: bool = False,
-         block_sizes: BlockSizes = BlockSizes()) -> Plan:
+         impls=None) -> Plan:
     """Prepare the mask of a batch once, for every layer that attends over it.
 
     Args:
@@ -46,12 +66,17 @@ def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: b
         broadcasts over no other batch size: pass [B, 4] for B rows).
       seq_len: the sequence length S, with bounds.
       causal: as in :func:`rankattn.attention`.
-      block_sizes: block sizes of the blocked backend (clamped to S).
+      impls: the backends (names or instances, e.g.
+        ``[rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64))]``)
+        whose block lists to prepare. Default: those ``impl='auto'`` can use
+        on this machine (``rankattn.available_impls()``).
 
     Returns:
       A :class:`Plan`; ``attention(q, k, v, plan=plan)`` gives bit-identical
       results to ``attention(q, k, v, segment_ids=..., causal=...)``.
     """
+    from rankattn.api import resolve_impls  # the dispatcher imports this module
+
     if segment_ids is None and bounds is None:
         raise fail("RA117", "plan() needs segment_ids or bounds; for unmasked attention pass "
                             "segment_ids=jnp.ones((B, S), jnp.int32).")
@@ -65,5 +90,8 @@ def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: b
     else:
         batch, length = np.shape(segment_ids)[0], np.shape(segment_ids)[-1]
     segment_ids, causal = check_mask_args(segment_ids, bounds, causal, batch, length)
-    sizes, blocks = self_attention_plan(segment_ids, block_sizes, causal)
-    return Plan(segment_ids=segment_ids, blocks=blocks, causal=causal, block_sizes=sizes)
+    backends = resolve_impls("auto" if impls is None else impls, "impls")
+    sizes = tuple(dict.fromkeys(s for s in (b.plan_sizes(length) for b in backends) if s))
+    return Plan(segment_ids=segment_ids,
+                block_plans=tuple(self_attention_block_plan(segment_ids, s, causal) for s in sizes),
+                causal=causal, block_sizes=sizes)

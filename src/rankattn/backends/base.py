@@ -6,6 +6,7 @@ import abc
 
 import jax.numpy as jnp
 
+from rankattn.blocks import BlockSizes
 from rankattn.validate import AttentionCall
 
 
@@ -19,9 +20,22 @@ class Backend(abc.ABC):
 
     name: str
 
-    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        """Why this backend cannot run ``call`` here; empty when it can."""
+    def platform_reasons(self) -> list[str]:
+        """Why this backend cannot run on this machine at all; empty when it can.
+
+        Consulted when the backend is chosen by name or by ``impl='auto'``, not
+        for an instance passed as ``impl=``: an explicit instance may be traced
+        here and lowered for another platform.
+        """
         return []
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        """Why this backend cannot run ``call``; empty when it can."""
+        return []
+
+    def plan_sizes(self, seq_len: int) -> BlockSizes | None:
+        """The block sizes of the :class:`rankattn.Plan` lists this backend reads, if any."""
+        return None
 
     @abc.abstractmethod
     def __call__(self, call: AttentionCall):

@@ -3,13 +3,13 @@
 How it works:
 
 1. Shape fix-ups in Python: pad the sequence to a multiple of the block sizes
-   (padding gets segment id 0, so it is invisible), fold the scale into q, and
-   split query heads into (kv head, group) so GQA never repeats K/V.
+   (padding gets segment id 0, so it is invisible) and split query heads into
+   (kv head, group) so GQA never repeats K/V.
 2. The mask splits into two disjoint parts (:mod:`rankattn.semantics`): the
    history part, and each candidate's own key. The own-key part is one logit
    per candidate, computed for all rows at once in O(S * D); so no block is
    ever visited just to find a candidate's diagonal.
-3. Plan (:class:`BlockPlan`): for every (query block, key block) pair, whether
+3. Plan (:class:`rankattn.blocks.BlockPlan`): for every (query block, key block) pair, whether
    the history part is empty, full or partial there, computed on device from
    the (possibly traced) segment ids. Per query block it lists the full key
    blocks, then the partial ones.
@@ -20,6 +20,12 @@ How it works:
 5. Backward: the same plan and the saved log-sum-exp; dq accumulates in
    place, dk/dv scatter-add into the visited key blocks. No S x S tensor is
    formed, forward or backward.
+
+Precision: on CPU every operand is up-cast to float32 (float64 stays float64)
+and the dots run at "highest" precision, which measured faster there than
+bf16 dots. Elsewhere (``mixed_precision``), bf16 / f16 operands feed the dots
+directly with float32 accumulation (tensor cores on GPU, the MXU on TPU); the
+softmax, the scale and every accumulator stay float32 either way.
 """
 
 from __future__ import annotations
@@ -33,57 +39,17 @@ import jax.numpy as jnp
 
 from rankattn import semantics
 from rankattn.backends.base import Backend, compute_dtype
-from rankattn.errors import fail
+from rankattn.blocks import BlockPlan, BlockSizes, make_block_plan, pad_axis1, round_up
 from rankattn.validate import AttentionCall
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Query and key block lengths of the blocked backend."""
-
-    block_q: int = 128
-    block_k: int = 512  # see STEP_LOGITS_BYTES for the measurements behind both
-
-    def __post_init__(self):
-        for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise fail("RA116", f"BlockSizes.{name} must be a positive int; got {value!r}.")
-
-    def for_lengths(self, q_len: int, kv_len: int) -> BlockSizes:
-        """Blocks no longer than the sequences (rounded up to 8), so short calls pad little."""
-        return BlockSizes(min(self.block_q, _round_up(q_len, 8)),
-                          min(self.block_k, _round_up(kv_len, 8)))
+# The xla backend's default blocks; see STEP_LOGITS_BYTES for the measurements behind them.
+DEFAULT_BLOCK_SIZES = BlockSizes(128, 512)
 
 
-class BlockPlan(NamedTuple):
-    """Which key blocks each query block visits, for the history part of the mask.
-
-    A pytree of int32 arrays, so it can be built once under jit and reused by
-    every layer and by the backward pass.
-    """
-
-    kv_index: jax.Array    # [B, nQ, nK]: full key blocks, then partial ones, then the rest
-    full_count: jax.Array  # [B, nQ]: leading entries of kv_index that need no mask
-    count: jax.Array       # [B, nQ]: leading entries of kv_index that are visited at all
-
-
-def make_block_plan(seg_q, seg_k, sizes: BlockSizes, causal: bool, q_len: int) -> BlockPlan:
-    """The plan for query / key segment ids padded to their block sizes; q_len real queries."""
-    nonempty, full = semantics.history_block_visibility(seg_q, seg_k, sizes.block_q,
-                                                        sizes.block_k, causal, q_len)
-    rank = jnp.where(full, 0, jnp.where(nonempty, 1, 2))
-    order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
-    return BlockPlan(kv_index=order, full_count=full.sum(-1, dtype=jnp.int32),
-                     count=nonempty.sum(-1, dtype=jnp.int32))
-
-
-def self_attention_plan(segment_ids, block_sizes: BlockSizes, causal: bool):
-    """(block sizes for this length, BlockPlan) for self-attention over segment ids [B, S]."""
-    sizes = block_sizes.for_lengths(segment_ids.shape[1], segment_ids.shape[1])
-    seg = segment_ids.astype(jnp.int32)
-    return sizes, make_block_plan(_pad(seg, sizes.block_q), _pad(seg, sizes.block_k), sizes,
-                                  causal, segment_ids.shape[1])
+def plan_sizes(sizes: BlockSizes, q_len: int, kv_len: int) -> BlockSizes:
+    """Blocks no longer than the sequences (rounded up to 8), so short calls pad little."""
+    return BlockSizes(min(sizes.block_q, round_up(q_len, 8)), min(sizes.block_k, round_up(kv_len, 8)))
 
 
 # Query blocks are processed a few at a time: XLA materialises each step's
@@ -102,12 +68,18 @@ class _Static:
     """Everything that selects the compiled program."""
 
     causal: bool
+    scale: float  # applied to the float32 logits; 1.0 when it is folded into q
     softcap: float | None
     softcap_method: str
+    operands: jnp.dtype  # what the block dots read: the accumulation dtype, or bf16 / f16
+    accumulate: jnp.dtype
     sizes: BlockSizes
     n_q: int    # query blocks per row
     n_k: int    # key blocks per row
     chunk: int  # query blocks (units) per scan step
+
+    def scaled(self, x):
+        return x if self.scale == 1.0 else x * self.scale
 
     def cap(self, s):
         return semantics.softcap(s, self.softcap, self.softcap_method)
@@ -126,24 +98,27 @@ class _Units(NamedTuple):
 
 
 def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
-                    softcap_method: str, block_sizes: BlockSizes = BlockSizes(),
-                    block_plan: BlockPlan | None = None):
+                    softcap_method: str, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+                    block_plan: BlockPlan | None = None, mixed_precision: bool = False):
     """Blocked attention; arguments and results as :func:`rankattn.attention` (checked).
 
     Without segment ids every token is history of one session, and q and k may
-    differ in length (plain cross-attention). ``block_plan``, if given, comes
-    from :func:`self_attention_plan` with these segment ids, ``block_sizes``
-    and ``causal``; without one it is made here, by the same code.
+    differ in length (plain cross-attention). ``block_plan``, if given, is
+    :func:`rankattn.blocks.make_block_plan` of these segment ids, padded to
+    ``plan_sizes(block_sizes, ...)``, and ``causal``; without one it is made
+    here, by the same code. ``mixed_precision`` feeds bf16 / f16 operands to
+    the dots as they are (float32 accumulation) instead of up-casting them.
     """
     b, sq, hq, _ = q.shape
+    dtype = q.dtype
     skv, hkv = k.shape[1], k.shape[2]
-    sizes = block_sizes.for_lengths(sq, skv)
+    sizes = plan_sizes(block_sizes, sq, skv)
     bq, bk = sizes.block_q, sizes.block_k
     if segment_ids is None:
         seg_q, seg_k = jnp.ones((b, sq), jnp.int32), jnp.ones((b, skv), jnp.int32)
     else:
         seg_q = seg_k = segment_ids.astype(jnp.int32)
-    seg_q, seg_k = _pad(seg_q, bq), _pad(seg_k, bk)
+    seg_q, seg_k = pad_axis1(seg_q, bq), pad_axis1(seg_k, bk)
     if block_plan is None:
         block_plan = make_block_plan(seg_q, seg_k, sizes, causal, sq)
 
@@ -152,7 +127,14 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     n_chunks = -(-b * n_q * unit_bytes // STEP_LOGITS_BYTES)
     chunk = -(-b * n_q // n_chunks)  # as even as possible, so little padding
     n_units = chunk * n_chunks
-    static = _Static(causal, softcap, softcap_method, sizes, n_q, n_k, chunk)
+    accumulate = compute_dtype(q.dtype)
+    operands = q.dtype if mixed_precision else accumulate
+    if not mixed_precision:
+        # Fold the scale into q, in the accumulation dtype: cheaper than scaling every logit,
+        # and autodiff of this wrapper then applies it to dq.
+        q, scale = q.astype(accumulate) * scale, 1.0
+    static = _Static(causal, scale, softcap, softcap_method, operands, accumulate, sizes, n_q,
+                     n_k, chunk)
 
     def units(x):
         """[B, nQ, ...] -> [U, ...], padded with zero units (which see nothing)."""
@@ -161,20 +143,19 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
 
     def key_rows(x):
         """[B, S, Hkv, D] -> [B * nK, Hkv, bk, D]."""
-        x = _pad(x.astype(dtype), bk)
+        x = pad_axis1(x.astype(operands), bk)
         return x.reshape(b * n_k, bk, hkv, -1).transpose(0, 2, 1, 3)
 
     def query_units(x, heads):
         """[B, S, H, D] -> [U, Hkv, H // Hkv, bq, D]; query head h = kv_head * G + g."""
-        x = _pad(x.astype(dtype), bq).reshape(b, n_q, bq, hkv, heads // hkv, -1)
+        x = pad_axis1(x.astype(operands), bq).reshape(b, n_q, bq, hkv, heads // hkv, -1)
         return units(x.transpose(0, 1, 3, 4, 2, 5))
 
-    dtype = compute_dtype(q.dtype)
     plan = _Units(
         kv_index=units(block_plan.kv_index + (jnp.arange(b, dtype=jnp.int32) * n_k)[:, None, None]),
         full_count=units(block_plan.full_count), count=units(block_plan.count),
         q_start=units(jnp.broadcast_to(jnp.arange(n_q, dtype=jnp.int32) * bq, (b, n_q))))
-    qu = query_units(q * scale, hq)
+    qu = query_units(q, hq)
     own_kv = None
     if segment_ids is not None:  # each query's own key and value, in the query layout
         own_kv = (query_units(k, hkv)[:, :, 0], query_units(v, hkv)[:, :, 0])
@@ -184,16 +165,7 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     out = out[:b * n_q].reshape(b, n_q, hq, bq, -1).transpose(0, 1, 3, 2, 4)
     out = out.reshape(b, n_q * bq, hq, -1)[:, :sq]
     lse = lse[:b * n_q].reshape(b, n_q, hq, bq).transpose(0, 2, 1, 3).reshape(b, hq, -1)[:, :, :sq]
-    return out.astype(q.dtype), lse.astype(jnp.float32)
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _pad(x, block: int):
-    """Zero-pad axis 1 to a multiple of ``block``; zero segment ids are invisible padding."""
-    return jnp.pad(x, [(0, 0), (0, -x.shape[1] % block)] + [(0, 0)] * (x.ndim - 2))
+    return out.astype(dtype), lse.astype(jnp.float32)
 
 
 def _chunks(static: _Static, tree):
@@ -228,7 +200,7 @@ def _visit(static: _Static, masked: bool, t, start, count, q, kb, vb, seg_q, seg
     index = jnp.take_along_axis(plan.kv_index, position[:, None], axis=-1)[:, 0]
     valid = t < count
     k_t, v_t = kb[index], vb[index]
-    logits = _block_dot("chrd,chkd->chrk", q, k_t)
+    logits = static.scaled(_block_dot(static, "chrd,chkd->chrk", q, k_t))
     mask = None
     if masked:
         bq, bk = static.sizes.block_q, static.sizes.block_k
@@ -240,17 +212,22 @@ def _visit(static: _Static, masked: bool, t, start, count, q, kb, vb, seg_q, seg
     return _Visit(index, valid, k_t, v_t, mask, logits)
 
 
-def _block_dot(spec: str, x, y):
+def _block_dot(static: _Static, spec: str, x, y):
     """einsum of block operands, with each 5-D operand's (G, bq) axes merged into one row axis r.
 
     XLA's CPU dot is markedly faster on [rows, D] x [D, bk] than with a separate
-    group axis; the merge and split are free reshapes.
+    group axis; the merge and split are free reshapes. Operands are cast to
+    ``static.operands`` (a no-op on the float32 path; p and ds in bf16 / f16 on
+    the mixed-precision path) and the result accumulates in float32.
     """
     def merge(a):
+        a = a.astype(static.operands)
         return a.reshape(a.shape[:2] + (-1,) + a.shape[4:]) if a.ndim == 5 else a
 
     group = (x if x.ndim == 5 else y).shape[2]
-    out = jnp.einsum(spec, merge(x), merge(y), precision="highest")
+    precision = "highest" if static.operands == static.accumulate else "default"
+    out = jnp.einsum(spec, merge(x), merge(y), precision=precision,
+                     preferred_element_type=static.accumulate)
     if "r" in spec.split("->")[1]:
         out = out.reshape(out.shape[:2] + (group, -1) + out.shape[3:])
     return out
@@ -264,7 +241,9 @@ def _row(x):
 def _own_logits(static: _Static, q, own_kv, seg_q):
     """Each candidate's logit on its own key: (capped, raw) [C, Hkv, G, bq], and the mask."""
     # Elementwise, not einsum: as a dot, XLA transposes q to batch over (h, q).
-    raw = (q * own_kv[0][:, :, None]).sum(-1)
+    acc = static.accumulate
+    raw = (q.astype(acc) * own_kv[0][:, :, None].astype(acc)).sum(-1)
+    raw = static.scaled(raw)
     is_cand = (seg_q < 0)[:, None, None, :]
     return static.cap(raw), raw, is_cand
 
@@ -277,9 +256,9 @@ def _flash(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units):
 def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units):
     def chunk(_, xs):
         q, own, seg_q, units = xs
-        rows = q.shape[:-1]  # [C, Hkv, G, bq]
-        carry = (jnp.full(rows, -jnp.inf, q.dtype), jnp.zeros(rows, q.dtype),
-                 jnp.zeros(rows + vb.shape[-1:], q.dtype))
+        rows, acc_dtype = q.shape[:-1], static.accumulate  # rows: [C, Hkv, G, bq]
+        carry = (jnp.full(rows, -jnp.inf, acc_dtype), jnp.zeros(rows, acc_dtype),
+                 jnp.zeros(rows + vb.shape[-1:], acc_dtype))
         for masked, start, count in _loops(units):
             def body(t, carry, masked=masked, start=start, count=count):
                 m, l, acc = carry
@@ -292,7 +271,7 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units):
                 p = jnp.exp(s - shift[..., None])
                 alpha = jnp.exp(m - shift)
                 l_new = l * alpha + p.sum(-1)
-                acc_new = acc * alpha[..., None] + _block_dot("chrk,chkd->chrd", p, vis.v)
+                acc_new = acc * alpha[..., None] + _block_dot(static, "chrk,chkd->chrd", p, vis.v)
                 if masked:  # invalid steps are already fully masked
                     return m_new, l_new, acc_new
                 # A full-block step past this unit's list must change nothing.
@@ -310,7 +289,7 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units):
             p_own = jnp.where(is_cand, jnp.exp(s_own - shift), 0)
             alpha = jnp.exp(m - shift)
             l = l * alpha + p_own
-            acc = acc * alpha[..., None] + p_own[..., None] * own[1][:, :, None]
+            acc = acc * alpha[..., None] + p_own[..., None] * own[1][:, :, None].astype(acc_dtype)
             m = m_new
 
         seen = l > 0
@@ -331,24 +310,25 @@ def _flash_bwd(static, residuals, cotangents):
     qu, kb, vb, own_kv, seg_qu, seg_kb, plan, out, lse = residuals
     d_out, d_lse = cotangents
     # d lse / d s = P, so an lse cotangent enters exactly like -delta does.
-    delta = (d_out * out).sum(-1) - d_lse
+    acc_dtype = static.accumulate
+    delta = (d_out.astype(acc_dtype) * out).sum(-1) - d_lse
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
 
     def chunk(carry, xs):
         dk, dv = carry
         q, own, seg_q, units, d_o, dlt, lse_c = xs
-        dq = jnp.zeros_like(q)
+        dq = jnp.zeros(q.shape, acc_dtype)
         for masked, start, count in _loops(units):
             def body(t, grads, masked=masked, start=start, count=count):
                 dq, dk, dv = grads
                 vis = _visit(static, masked, t, start, count, q, kb, vb, seg_q, seg_kb, units)
                 mask = vis.mask if masked else _row(vis.valid)[..., None]
                 p = jnp.where(mask, jnp.exp(static.cap(vis.logits) - lse_c[..., None]), 0)
-                dp = _block_dot("chrd,chkd->chrk", d_o, vis.v)
-                ds = p * (dp - dlt[..., None]) * static.cap_grad(vis.logits)
-                dq = dq + _block_dot("chrk,chkd->chrd", ds, vis.k)
-                dk = dk.at[vis.index].add(_block_dot("chrk,chrd->chkd", ds, q))
-                dv = dv.at[vis.index].add(_block_dot("chrk,chrd->chkd", p, d_o))
+                dp = _block_dot(static, "chrd,chkd->chrk", d_o, vis.v)
+                ds = static.scaled(p * (dp - dlt[..., None]) * static.cap_grad(vis.logits))
+                dq = dq + _block_dot(static, "chrk,chkd->chrd", ds, vis.k)
+                dk = dk.at[vis.index].add(_block_dot(static, "chrk,chrd->chkd", ds, q))
+                dv = dv.at[vis.index].add(_block_dot(static, "chrk,chrd->chkd", p, d_o))
                 return dq, dk, dv
 
             dq, dk, dv = jax.lax.fori_loop(0, count.max(), body, (dq, dk, dv))
@@ -357,37 +337,58 @@ def _flash_bwd(static, residuals, cotangents):
         if own is not None:
             s_own, raw, is_cand = _own_logits(static, q, own, seg_q)
             p_own = jnp.where(is_cand, jnp.exp(s_own - lse_c), 0)
-            dp_own = (d_o * own[1][:, :, None]).sum(-1)
-            ds_own = p_own * (dp_own - dlt) * static.cap_grad(raw)
-            dq = dq + ds_own[..., None] * own[0][:, :, None]
-            d_own = ((ds_own[..., None] * q).sum(2), (p_own[..., None] * d_o).sum(2))
+            own_k, own_v = (x[:, :, None].astype(acc_dtype) for x in own)
+            dp_own = (d_o.astype(acc_dtype) * own_v).sum(-1)
+            ds_own = static.scaled(p_own * (dp_own - dlt) * static.cap_grad(raw))
+            dq = dq + ds_own[..., None] * own_k
+            d_own = ((ds_own[..., None] * q.astype(acc_dtype)).sum(2),
+                     (p_own[..., None] * d_o.astype(acc_dtype)).sum(2))
         return (dk, dv), (dq, d_own)
 
     xs = _chunks(static, (qu, own_kv, seg_qu, plan, d_out, delta, lse_safe))
-    (dk, dv), (dq, d_own) = jax.lax.scan(chunk, (jnp.zeros_like(kb), jnp.zeros_like(vb)), xs)
-    # qu holds q * scale: autodiff of the wrapper applies the scale to dq.
-    return _unchunk(dq), dk, dv, _unchunk(d_own), None, None, None
+    zeros = (jnp.zeros(kb.shape, acc_dtype), jnp.zeros(vb.shape, acc_dtype))
+    (dk, dv), (dq, d_own) = jax.lax.scan(chunk, zeros, xs)
+    # Cotangents in the primal dtypes (bf16 / f16 operands on the mixed-precision path).
+    like = lambda grads, primals: jax.tree.map(lambda g, x: g.astype(x.dtype), grads, primals)
+    return (like(_unchunk(dq), qu), like(dk, kb), like(dv, vb), like(_unchunk(d_own), own_kv),
+            None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 class Xla(Backend):
-    """The blocked backend; ``Xla(BlockSizes(64, 64))`` picks other block sizes."""
+    """The blocked backend in plain JAX, for any platform.
+
+    ``Xla(BlockSizes(64, 64))`` picks other block sizes. ``mixed_precision``:
+    None (default) feeds bf16 / f16 operands to the dots as they are, with
+    float32 accumulation, everywhere but on CPU, where up-casting measured
+    faster; True or False forces either path (True on CPU is how the tests
+    check the GPU / TPU numerics).
+    """
 
     name = "xla"
 
-    def __init__(self, block_sizes: BlockSizes = BlockSizes()):
+    def __init__(self, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+                 mixed_precision: bool | None = None):
         self.block_sizes = block_sizes
+        self.mixed_precision = mixed_precision
+
+    def plan_sizes(self, seq_len: int) -> BlockSizes:
+        return plan_sizes(self.block_sizes, seq_len, seq_len)
 
     def __call__(self, call: AttentionCall):
-        sizes, blocks = self.block_sizes, None
-        if call.plan is not None:  # the plan fixes the block sizes it was made for
-            sizes, blocks = call.plan.block_sizes, call.plan.blocks
+        blocks = None
+        if call.plan is not None:
+            blocks = call.plan.block_plan(self.plan_sizes(call.q.shape[1]))
+        mixed = self.mixed_precision
+        if mixed is None:
+            mixed = jax.default_backend() != "cpu"
         return flash_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
                                scale=call.scale, softcap=call.softcap,
-                               softcap_method=call.softcap_method, block_sizes=sizes,
-                               block_plan=blocks)
+                               softcap_method=call.softcap_method, block_sizes=self.block_sizes,
+                               block_plan=blocks, mixed_precision=mixed)
 
     def __repr__(self) -> str:
-        return f"<rankattn backend 'xla' {self.block_sizes}>"
+        return (f"<rankattn backend 'xla' {self.block_sizes}"
+                f"{'' if self.mixed_precision is None else f' mixed_precision={self.mixed_precision}'}>")

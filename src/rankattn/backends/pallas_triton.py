@@ -1,0 +1,545 @@
+"""Block-sparse flash attention as Pallas kernels on the Triton lowering (GPUs, sm80 and newer).
+
+Three kernels, each one program per block:
+
+* forward, grid (query block, batch, query head): the online softmax over the
+  key blocks of the plan's list for this query block, full blocks first (no
+  mask arithmetic), then partial ones; then the candidates' own-key logit.
+* dq, grid (query block, batch, query head): the same lists, recomputing p
+  from the saved log-sum-exp.
+* dk / dv, grid (key block, batch, kv head): the transposed lists (the query
+  blocks that see this key block), looping over the G query heads of the
+  group inside the program, so dk and dv are written once per kv head with
+  no atomics and no per-query-head copies.
+
+Lists come from :mod:`rankattn.blocks` (the same plan the ``xla`` backend
+reads), as int32 inputs read inside loops whose trip counts are data. The
+mask inside partial blocks is :func:`rankattn.semantics.sees_history`; a
+candidate's own key is one extra logit per row, so candidate-candidate blocks
+are never visited.
+
+Numerics: bf16 / f16 operands feed the dots with float32 accumulation
+(tensor cores); float32 operands use exact float32 dots ("ieee", not tf32).
+Logits are scaled and capped in float32, the softmax runs in base 2 with
+log2(e) folded into the scale, p is cast to the value dtype for the PV product
+and ds to the query / key dtype for the dq / dk products. Rows that see no
+key get out 0, lse -inf and zero gradients: the running maximum is guarded
+and masked logits are -inf, never a finite stand-in.
+
+Shape fix-ups happen in Python before the kernels: the sequence is padded to
+the block sizes (segment id 0), head dims to a power of two >= 16 (zeros,
+which change no dot product), as Triton's loads and dots need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from rankattn import semantics
+from rankattn.backends.base import Backend
+from rankattn.blocks import BlockPlan, BlockSizes, make_block_plan, pad_axis1, round_up
+from rankattn.errors import fail
+from rankattn.validate import AttentionCall
+
+try:  # JAX may one day drop the Triton lowering (0.11 deprecates it for Mosaic GPU).
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    IMPORT_ERROR = None
+except ImportError as error:  # pragma: no cover - depends on the installed JAX
+    pl = plgpu = None
+    IMPORT_ERROR = error
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Triton's dot needs every dimension >= 16, and its loads power-of-two shapes.
+MIN_BLOCK = 16
+DEFAULT_BLOCK_SIZES = BlockSizes(64, 64)
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _next_power_of_2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def plan_sizes(sizes: BlockSizes, seq_len: int) -> BlockSizes:
+    """Blocks no longer than the sequence needs (a power of two >= 16)."""
+    longest = max(MIN_BLOCK, _next_power_of_2(seq_len))
+    return BlockSizes(min(sizes.block_q, longest), min(sizes.block_k, longest))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything that selects the compiled kernels."""
+
+    causal: bool
+    scale: float
+    softcap: float | None
+    softcap_method: str
+    own_key: bool  # self-attention with a mask: candidates add their own key
+    block_q: int
+    block_k: int
+    group: int  # query heads per kv head
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+    def launch(self):
+        return dict(interpret=self.interpret,
+                    compiler_params=plgpu.CompilerParams(num_warps=self.num_warps,
+                                                         num_stages=self.num_stages))
+
+
+# --- Pieces shared by the three kernels. ------------------------------------------
+
+
+def _dot(a, b, contract=(1, 1)):
+    """2-D dot with float32 accumulation; float32 operands stay exact float32 (no tf32)."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                               precision=precision, preferred_element_type=jnp.float32)
+
+
+def _logits(st: _Static, q, k):
+    """(base-2 logits after scale and cap, scaled logits before the cap or None), [bq, bk]."""
+    s = _dot(q, k)
+    if st.softcap is None:
+        return s * (st.scale * LOG2E), None
+    s = s * st.scale
+    return semantics.softcap(s, st.softcap, st.softcap_method) * LOG2E, s
+
+
+def _own_logits(st: _Static, q, k_own, seg_q):
+    """Each candidate's logit on its own key: (base-2 logits, masked to -inf off candidates,
+    scaled logits before the cap), per row."""
+    s = (q.astype(jnp.float32) * k_own.astype(jnp.float32)).sum(1) * st.scale
+    s2 = semantics.softcap(s, st.softcap, st.softcap_method) * LOG2E
+    return jnp.where(seg_q < 0, s2, -jnp.inf), s
+
+
+def _ds(st: _Static, p, dp, delta, s):
+    """d loss / d (q . k) from p, dp = dO . v and delta, with the cap's derivative and the scale."""
+    ds = p * (dp - delta)
+    if st.softcap is not None:
+        ds = ds * semantics.softcap_grad(s, st.softcap, st.softcap_method)
+    return ds * st.scale
+
+
+def _mask(st: _Static, seg_q, seg_k, q_start, k_start):
+    """The history part of the mask for a [bq, bk] block pair (rankattn.semantics)."""
+    pos_q = q_start + jnp.arange(st.block_q)
+    pos_k = k_start + jnp.arange(st.block_k)
+    return semantics.sees_history(seg_q[:, None], seg_k[None, :], pos_q[:, None],
+                                  pos_k[None, :], st.causal)
+
+
+def _two_loops(index_ref, full, count, body, carry):
+    """Run body(block index, masked, carry) over a plan list: full blocks, then partial ones."""
+    def visit(masked):
+        return lambda t, c: body(index_ref[t], masked, c)
+
+    carry = jax.lax.fori_loop(0, full, visit(False), carry)
+    return jax.lax.fori_loop(full, count, visit(True), carry)
+
+
+def _rows(start, size):
+    return pl.ds(pl.multiple_of(start, size), size)
+
+
+# --- Forward. ---------------------------------------------------------------------
+
+
+def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k_ref,
+                    v_ref, out_ref, lse_ref, *, st: _Static):
+    q_start = pl.program_id(0) * st.block_q
+    q = q_ref[...]
+    seg_q = seg_q_ref[_rows(q_start, st.block_q)]
+
+    def online_softmax(s, v, carry):
+        """Fold base-2 logits s [bq, n] and values v [n, Dv] into (acc, m, l)."""
+        acc, m, l = carry
+        m_new = jnp.maximum(m, s.max(1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
+        p = jnp.exp2(s - shift[:, None])
+        alpha = jnp.exp2(m - shift)
+        return acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0)), m_new, \
+            l * alpha + p.sum(1)
+
+    def block(j, masked, carry):
+        keys = _rows(j * st.block_k, st.block_k)
+        s, _ = _logits(st, q, k_ref[keys, :])
+        if masked:
+            s = jnp.where(_mask(st, seg_q, seg_k_ref[keys], q_start, j * st.block_k), s, -jnp.inf)
+        return online_softmax(s, v_ref[keys, :], carry)
+
+    bq, dv = q.shape[0], v_ref.shape[-1]
+    carry = (jnp.zeros((bq, dv), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
+             jnp.zeros((bq,), jnp.float32))
+    acc, m, l = _two_loops(kv_index_ref, full_ref[...], count_ref[...], block, carry)
+
+    if st.own_key:  # the own-key logit joins the softmax as one more column
+        own = _rows(q_start, st.block_q)
+        s_own, _ = _own_logits(st, q, k_ref[own, :], seg_q)
+        m_new = jnp.maximum(m, s_own)
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p_own = jnp.exp2(s_own - shift)
+        alpha = jnp.exp2(m - shift)
+        acc = acc * alpha[:, None] + p_own[:, None] * v_ref[own, :].astype(jnp.float32)
+        l = l * alpha + p_own
+        m = m_new
+
+    seen = l > 0
+    safe_l = jnp.where(seen, l, 1.0)
+    out_ref[...] = (acc / safe_l[:, None]).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(seen, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)
+
+
+def _forward(st: _Static, q, k, v, seg, plan: BlockPlan):
+    seg_q, seg_k = seg
+    """out [B, nQ*bq, Hq, Dv] (q's dtype) and lse [B, Hq, nQ*bq] float32, on padded inputs."""
+    b, s_pad, hq, d = q.shape
+    dv = v.shape[-1]
+    n_q = plan.kv_index.shape[1]
+    bq, g = st.block_q, st.group
+    per_block = lambda i, b_, h: (b_, i)
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, st=st),
+        grid=(n_q, b, hq),
+        in_specs=[
+            pl.BlockSpec((None, None, plan.kv_index.shape[2]), lambda i, b_, h: (b_, i, 0)),
+            pl.BlockSpec((None, None), per_block),
+            pl.BlockSpec((None, None), per_block),
+            pl.BlockSpec((None, s_pad), lambda i, b_, h: (b_, 0)),
+            pl.BlockSpec((None, s_pad), lambda i, b_, h: (b_, 0)),
+            pl.BlockSpec((None, bq, None, d), lambda i, b_, h: (b_, i, h, 0)),
+            pl.BlockSpec((None, s_pad, None, d), lambda i, b_, h: (b_, 0, h // g, 0)),
+            pl.BlockSpec((None, s_pad, None, dv), lambda i, b_, h: (b_, 0, h // g, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bq, None, dv), lambda i, b_, h: (b_, i, h, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, b_, h: (b_, h, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((b, n_q * bq, hq, dv), q.dtype),
+                   jax.ShapeDtypeStruct((b, hq, n_q * bq), jnp.float32)],
+        name="rankattn_forward",
+        **st.launch(),
+    )(plan.kv_index, plan.full_count, plan.count, seg_q, seg_k, q, k, v)
+
+
+# --- Backward: dq. --------------------------------------------------------------
+
+
+def _dq_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref,
+               do_ref, lse_ref, delta_ref, dq_ref, *, st: _Static):
+    q_start = pl.program_id(0) * st.block_q
+    q, do = q_ref[...], do_ref[...]
+    seg_q = seg_q_ref[_rows(q_start, st.block_q)]
+    lse = lse_ref[...]
+    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)  # such rows see nothing: p is 0
+    delta = delta_ref[...]
+
+    def block(j, masked, dq):
+        keys = _rows(j * st.block_k, st.block_k)
+        k, v = k_ref[keys, :], v_ref[keys, :]
+        s2, s = _logits(st, q, k)
+        if masked:
+            mask = _mask(st, seg_q, seg_k_ref[keys], q_start, j * st.block_k)
+            s2 = jnp.where(mask, s2, -jnp.inf)
+        p = jnp.exp2(s2 - lse2[:, None])
+        ds = _ds(st, p, _dot(do, v), delta[:, None], s)
+        return dq + _dot(ds.astype(k.dtype), k, (1, 0))
+
+    dq = _two_loops(kv_index_ref, full_ref[...], count_ref[...], block,
+                    jnp.zeros(q.shape, jnp.float32))
+    if st.own_key:
+        own = _rows(q_start, st.block_q)
+        k_own, v_own = k_ref[own, :].astype(jnp.float32), v_ref[own, :].astype(jnp.float32)
+        s2, s = _own_logits(st, q, k_own, seg_q)
+        p = jnp.exp2(s2 - lse2)
+        ds = _ds(st, p, (do.astype(jnp.float32) * v_own).sum(1), delta, s)
+        dq = dq + ds[:, None] * k_own
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
+    seg_q, seg_k = seg
+    b, s_pad, hq, d = q.shape
+    dv = v.shape[-1]
+    n_q = plan.kv_index.shape[1]
+    bq, g = st.block_q, st.group
+    per_block = lambda i, b_, h: (b_, i)
+    rows = lambda i, b_, h: (b_, h, i)
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, st=st),
+        grid=(n_q, b, hq),
+        in_specs=[
+            pl.BlockSpec((None, None, plan.kv_index.shape[2]), lambda i, b_, h: (b_, i, 0)),
+            pl.BlockSpec((None, None), per_block),
+            pl.BlockSpec((None, None), per_block),
+            pl.BlockSpec((None, s_pad), lambda i, b_, h: (b_, 0)),
+            pl.BlockSpec((None, s_pad), lambda i, b_, h: (b_, 0)),
+            pl.BlockSpec((None, bq, None, d), lambda i, b_, h: (b_, i, h, 0)),
+            pl.BlockSpec((None, s_pad, None, d), lambda i, b_, h: (b_, 0, h // g, 0)),
+            pl.BlockSpec((None, s_pad, None, dv), lambda i, b_, h: (b_, 0, h // g, 0)),
+            pl.BlockSpec((None, bq, None, dv), lambda i, b_, h: (b_, i, h, 0)),
+            pl.BlockSpec((None, None, bq), rows),
+            pl.BlockSpec((None, None, bq), rows),
+        ],
+        out_specs=pl.BlockSpec((None, bq, None, d), lambda i, b_, h: (b_, i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, s_pad, hq, d), q.dtype),
+        name="rankattn_dq",
+        **st.launch(),
+    )(plan.kv_index, plan.full_count, plan.count, seg_q, seg_k, q, k, v, d_out, lse, delta)
+
+
+# --- Backward: dk and dv. ---------------------------------------------------------
+
+
+def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref,
+                do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, st: _Static):
+    k_start = pl.program_id(0) * st.block_k
+    keys = _rows(k_start, st.block_k)
+    k, v = k_ref[...], v_ref[...]
+    seg_k = seg_k_ref[keys]
+    full, count = full_ref[...], count_ref[...]
+
+    def head(g, grads):
+        """Add query head g of the group's contributions to (dk, dv)."""
+        def block(i, masked, grads):
+            dk, dv = grads
+            queries = _rows(i * st.block_q, st.block_q)
+            q, do = q_ref[queries, g, :], do_ref[queries, g, :]
+            lse = lse_ref[g, queries]
+            s2, s = _logits(st, q, k)
+            if masked:
+                mask = _mask(st, seg_q_ref[queries], seg_k, i * st.block_q, k_start)
+                s2 = jnp.where(mask, s2, -jnp.inf)
+            p = jnp.exp2(s2 - jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)[:, None])
+            dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
+            ds = _ds(st, p, _dot(do, v), delta_ref[g, queries][:, None], s)
+            return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv
+
+        dk, dv = _two_loops(q_index_ref, full, count, block, grads)
+        if st.own_key:  # queries at this block's positions, each on its own key
+            q = q_ref[keys, g, :].astype(jnp.float32)
+            do = do_ref[keys, g, :].astype(jnp.float32)
+            lse = lse_ref[g, keys]
+            s2, s = _own_logits(st, q, k, seg_q_ref[keys])
+            p = jnp.exp2(s2 - jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E))
+            ds = _ds(st, p, (do * v.astype(jnp.float32)).sum(1), delta_ref[g, keys], s)
+            dk = dk + ds[:, None] * q
+            dv = dv + p[:, None] * do
+        return dk, dv
+
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dk, dv = jax.lax.fori_loop(0, st.group, head, zeros)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
+    seg_q, seg_k = seg
+    b, s_pad, hkv, d = k.shape
+    dv = v.shape[-1]
+    n_k = plan.q_index.shape[1]
+    bk, g = st.block_k, st.group
+    per_block = lambda j, b_, h: (b_, j)
+    group_rows = lambda j, b_, h: (b_, h, 0)
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, st=st),
+        grid=(n_k, b, hkv),
+        in_specs=[
+            pl.BlockSpec((None, None, plan.q_index.shape[2]), lambda j, b_, h: (b_, j, 0)),
+            pl.BlockSpec((None, None), per_block),
+            pl.BlockSpec((None, None), per_block),
+            pl.BlockSpec((None, s_pad), lambda j, b_, h: (b_, 0)),
+            pl.BlockSpec((None, s_pad), lambda j, b_, h: (b_, 0)),
+            pl.BlockSpec((None, s_pad, g, d), lambda j, b_, h: (b_, 0, h, 0)),
+            pl.BlockSpec((None, bk, None, d), lambda j, b_, h: (b_, j, h, 0)),
+            pl.BlockSpec((None, bk, None, dv), lambda j, b_, h: (b_, j, h, 0)),
+            pl.BlockSpec((None, s_pad, g, dv), lambda j, b_, h: (b_, 0, h, 0)),
+            pl.BlockSpec((None, g, s_pad), group_rows),
+            pl.BlockSpec((None, g, s_pad), group_rows),
+        ],
+        out_specs=[pl.BlockSpec((None, bk, None, d), lambda j, b_, h: (b_, j, h, 0)),
+                   pl.BlockSpec((None, bk, None, dv), lambda j, b_, h: (b_, j, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, s_pad, hkv, d), k.dtype),
+                   jax.ShapeDtypeStruct((b, s_pad, hkv, dv), v.dtype)],
+        name="rankattn_dkv",
+        **st.launch(),
+    )(plan.q_index, plan.q_full_count, plan.q_count, seg_q, seg_k, q, k, v, d_out, lse,
+      delta)
+
+
+# --- The differentiable core, on padded inputs. -----------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(st: _Static, q, k, v, seg, plan: BlockPlan):
+    return _forward(st, q, k, v, seg, plan)
+
+
+def _attention_fwd(st, q, k, v, seg, plan):
+    out, lse = _forward(st, q, k, v, seg, plan)
+    return (out, lse), (q, k, v, seg, plan, out, lse)
+
+
+def _attention_bwd(st, residuals, cotangents):
+    q, k, v, seg, plan, out, lse = residuals
+    d_out, d_lse = cotangents
+    # d lse / d s = p, so an lse cotangent enters exactly like -delta does.
+    delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1).transpose(0, 2, 1)
+    delta = delta - d_lse
+    # The forward wrote nQ * bq rows; the dk / dv kernel reads rows up to the padded length.
+    rows = q.shape[1]
+    d_out, lse, delta = pad_axis1(d_out, rows), _pad_last(lse, rows), _pad_last(delta, rows)
+    dq = _dq(st, q, k, v, seg, plan, d_out, lse, delta)
+    dk, dv = _dkv(st, q, k, v, seg, plan, d_out, lse, delta)
+    return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _pad_last(x, length: int):
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, length - x.shape[-1])])
+
+
+def _pad_head_dim(x):
+    """Zero-pad the last axis to a power of two >= 16 (zeros change no dot product)."""
+    d = x.shape[-1]
+    target = max(MIN_BLOCK, _next_power_of_2(d))
+    return x if d == target else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, target - d)])
+
+
+def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
+                     softcap_method: str, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+                     block_plan: BlockPlan | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None, interpret: bool = False):
+    """Blocked attention on Pallas/Triton; arguments and results as :func:`rankattn.attention`.
+
+    ``block_plan``, if given, is the self-attention plan of these segment ids
+    at ``plan_sizes(block_sizes, S)``; without one it is made here.
+    """
+    b, sq, hq, d = q.shape
+    skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    sizes = plan_sizes(block_sizes, max(sq, skv))
+    bq, bk = sizes.block_q, sizes.block_k
+    if segment_ids is None:  # every token is history of one session (q and k may differ)
+        seg_q, seg_k = jnp.ones((b, sq), jnp.int32), jnp.ones((b, skv), jnp.int32)
+    else:
+        seg_q = seg_k = segment_ids.astype(jnp.int32)
+    seg_q, seg_k = pad_axis1(seg_q, bq), pad_axis1(seg_k, bk)
+    if block_plan is None:
+        block_plan = make_block_plan(seg_q, seg_k, sizes, causal, sq)
+    # One padded length for queries and keys: the own-key term reads keys at query rows
+    # and queries at key rows. Padding has segment id 0, so it is invisible.
+    s_pad = round_up(max(sq, skv), max(bq, bk))
+    seg = (pad_axis1(seg_q, s_pad), pad_axis1(seg_k, s_pad))
+    q_p, k_p, v_p = (pad_axis1(_pad_head_dim(x), s_pad) for x in (q, k, v))
+
+    d_pad, dv_pad = q_p.shape[-1], v_p.shape[-1]
+    st = _Static(causal=causal, scale=scale, softcap=softcap, softcap_method=softcap_method,
+                 own_key=segment_ids is not None, block_q=bq, block_k=bk, group=hq // hkv,
+                 num_warps=num_warps or (8 if max(d_pad, dv_pad) > 64 else 4),
+                 num_stages=num_stages or _default_stages(sizes, d_pad, dv_pad, q.dtype.itemsize),
+                 interpret=interpret)
+    out, lse = _attention(st, q_p, k_p, v_p, seg, block_plan)
+    return out[:, :sq, :, :dv], lse[:, :, :sq]
+
+
+# Shared memory a kernel may plan for: under the ~100 KiB of an RTX-class sm86 part and the
+# 163-227 KiB of A100 / H100, with room for Triton's own layout conversions.
+SHARED_MEMORY_BUDGET = 96 << 10
+
+
+def _default_stages(sizes: BlockSizes, d: int, dv: int, itemsize: int) -> int:
+    """Two pipeline stages (K / V of the next block loads during this one) when they fit."""
+    resident = sizes.block_q * (d + dv) * itemsize
+    per_stage = sizes.block_k * (d + dv) * itemsize
+    return 2 if resident + 2 * per_stage <= SHARED_MEMORY_BUDGET else 1
+
+
+class PallasTriton(Backend):
+    """The Pallas kernels on the Triton lowering, for NVIDIA GPUs of sm80 (Ampere) and newer.
+
+    ``block_sizes``: query x key tile, powers of two >= 16 (default 64 x 64;
+    shorter sequences get smaller tiles). ``num_warps`` / ``num_stages``:
+    Triton launch options (default: 8 warps for head dims over 64, else 4; two
+    pipeline stages when they fit in shared memory). ``interpret=True`` runs
+    the same kernels in Pallas interpret mode, on any backend (CPU included):
+    slow, for tests.
+
+    By name (``impl='pallas_triton'`` or ``'auto'``) it runs only where JAX's
+    default backend is a GPU; an instance passed as ``impl=`` is not checked,
+    so a CPU-only machine can lower it for CUDA (``jax.jit(f).trace(...)
+    .lower(lowering_platforms=('cuda',))``).
+    """
+
+    name = "pallas_triton"
+
+    def __init__(self, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES, *,
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 interpret: bool = False):
+        for field in ("block_q", "block_k"):
+            value = getattr(block_sizes, field)
+            if value < MIN_BLOCK or value & (value - 1):
+                raise fail("RA116", f"PallasTriton block_sizes.{field}={value}; Triton tiles must "
+                                    f"be powers of two >= {MIN_BLOCK}, e.g. 32, 64 or 128.")
+        for option, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise fail("RA116", f"PallasTriton {option}={value!r}; pass a positive int "
+                                    "or None for the default.")
+        self.block_sizes = block_sizes
+        self.num_warps = num_warps
+        self.num_stages = num_stages
+        self.interpret = bool(interpret)
+
+    def platform_reasons(self) -> list[str]:
+        if IMPORT_ERROR is not None:
+            return [self._no_lowering()]
+        if not self.interpret and jax.default_backend() != "gpu":
+            return [f"pallas_triton needs a GPU, and JAX's default backend here is "
+                    f"{jax.default_backend()!r}; pass "
+                    "impl=rankattn.backends.PallasTriton(interpret=True) to run its kernels in "
+                    "Pallas interpret mode on CPU (slow), or use impl='xla'"]
+        return []
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        if IMPORT_ERROR is not None:
+            return [self._no_lowering()]
+        if not any(call.q.dtype == d for d in SUPPORTED_DTYPES):
+            return [f"pallas_triton: inputs are {call.q.dtype}; its kernels take float32, "
+                    "bfloat16 or float16 (use impl='xla' for float64)"]
+        return []
+
+    def plan_sizes(self, seq_len: int) -> BlockSizes:
+        return plan_sizes(self.block_sizes, seq_len)
+
+    def __call__(self, call: AttentionCall):
+        blocks = None
+        if call.plan is not None:
+            blocks = call.plan.block_plan(self.plan_sizes(call.q.shape[1]))
+        return triton_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
+                                scale=call.scale, softcap=call.softcap,
+                                softcap_method=call.softcap_method, block_sizes=self.block_sizes,
+                                block_plan=blocks, num_warps=self.num_warps,
+                                num_stages=self.num_stages, interpret=self.interpret)
+
+    @staticmethod
+    def _no_lowering() -> str:
+        return (f"pallas_triton: this JAX ({jax.__version__}) has no Pallas Triton lowering "
+                f"({IMPORT_ERROR}); use impl='xla'")
+
+    def __repr__(self) -> str:
+        options = [f"{self.block_sizes}"]
+        options += [f"{n}={getattr(self, n)}" for n in ("num_warps", "num_stages")
+                    if getattr(self, n) is not None]
+        if self.interpret:
+            options.append("interpret=True")
+        return f"<rankattn backend 'pallas_triton' {' '.join(options)}>"

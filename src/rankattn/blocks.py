@@ -1,0 +1,90 @@
+"""Block sizes and block plans: which key blocks each query block visits.
+
+This is the part of a blocked kernel that does not depend on how the kernel
+is lowered. The ``xla`` and ``pallas_triton`` backends (and a future Mosaic GPU
+kernel) read the same :class:`BlockPlan`; they differ only in the block sizes
+they ask for, and a :class:`rankattn.Plan` keeps one block plan per size pair.
+
+A block plan covers the history part of the mask only (see
+:mod:`rankattn.semantics`): a candidate's own key is one extra logit that every
+backend adds without visiting a block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rankattn import semantics
+from rankattn.errors import fail
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Query and key block lengths of a blocked backend."""
+
+    block_q: int
+    block_k: int
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise fail("RA116", f"BlockSizes.{name} must be a positive int; got {value!r}.")
+
+
+class BlockPlan(NamedTuple):
+    """Visit lists of one block-size pair, for B rows of nQ query blocks and nK key blocks.
+
+    A pytree of int32 arrays, so it can be built once under jit and reused by
+    every layer and by the backward pass. Each list holds the full blocks
+    (every query sees every key: no mask arithmetic), then the partial ones,
+    then the rest; the counts say how many of the first entries are visited.
+    Every nonempty block pair sits in exactly one of the two visited parts.
+    """
+
+    kv_index: jax.Array      # [B, nQ, nK]: per query block, the key blocks it sees
+    full_count: jax.Array    # [B, nQ]
+    count: jax.Array         # [B, nQ]
+    q_index: jax.Array       # [B, nK, nQ]: per key block, the query blocks that see it
+    q_full_count: jax.Array  # [B, nK]
+    q_count: jax.Array       # [B, nK]
+
+
+def make_block_plan(seg_q, seg_k, sizes: BlockSizes, causal: bool, q_len: int) -> BlockPlan:
+    """The plan for segment ids padded to multiples of their block sizes; q_len real queries.
+
+    The transposed lists (per key block) serve backward kernels that own a key
+    block and accumulate its dk / dv; forward-only users never read them, and
+    under jit XLA drops them.
+    """
+    nonempty, full = semantics.history_block_visibility(seg_q, seg_k, sizes.block_q,
+                                                        sizes.block_k, causal, q_len)
+
+    def lists(nonempty, full):
+        rank = jnp.where(full, 0, jnp.where(nonempty, 1, 2))
+        order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
+        return order, full.sum(-1, dtype=jnp.int32), nonempty.sum(-1, dtype=jnp.int32)
+
+    swap = (0, 2, 1)
+    return BlockPlan(*lists(nonempty, full),
+                     *lists(nonempty.transpose(swap), full.transpose(swap)))
+
+
+def pad_axis1(x, multiple: int):
+    """Zero-pad axis 1 to a multiple of ``multiple`` (a no-op when it already is one).
+
+    Zero is the padding segment id, so padded tokens are invisible.
+    """
+    x = jnp.asarray(x)
+    extra = -x.shape[1] % multiple
+    if not extra:
+        return x
+    return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
