@@ -19,7 +19,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from rankattn.backends import BlockSizes, Xla  # noqa: E402
+from rankattn.backends import BlockSizes, PallasTriton, Xla  # noqa: E402
 
 # "ci" (the default) is deterministic and sized so the whole suite runs in a few
 # minutes on two CPU cores: every new shape compiles a fresh XLA program, so the
@@ -45,12 +45,15 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Small blocks make short sequences span many blocks, ragged last blocks and
-# "one past a block"; the default blocks are what users get.
+# "one past a block"; the default blocks are what users get. The Triton kernels run
+# in Pallas interpret mode (their smallest legal tiles are 16 x 16).
 SMALL_BLOCKS = Xla(BlockSizes(16, 8))
+SMALL_TRITON = PallasTriton(BlockSizes(16, 16), interpret=True)
 BACKENDS = [
     pytest.param("reference", id="reference"),
     pytest.param(SMALL_BLOCKS, id="xla-16x8"),
     pytest.param("xla", id="xla-default"),
+    pytest.param(SMALL_TRITON, id="pallas_triton-16x16"),
 ]
 
 

@@ -8,7 +8,8 @@ sequence lengths 1, 2, odd, one below / at / one past a block (7/8/9 and
 15/16/17 for 16x8 blocks) and ~70, batch 1..3, head dims 8..200, GQA ratios
 1, 2, 4, 5, 8, Dv != D, causal, both soft caps with small caps, scale
 overrides, segment ids, row-wise and broadcast bounds, no mask (and
-cross-attention), float32 and bfloat16, and two sequences past 1000.
+cross-attention), float32 and bfloat16, and two sequences past 1000. Each
+backend's class may run its own list.
 Hypothesis then draws, for each configuration, the *values*: segment-id rows
 (contiguous runs of history / candidates / padding for several sessions, or
 fully interleaved), bounds (unaligned, reversed, empty) and the q, k, v seed;
@@ -20,12 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import SMALL_BLOCKS
-from helpers import Case, bounds, case_id, check_against_reference, segment_ids
-from rankattn.backends import Xla
+from conftest import SMALL_BLOCKS, SMALL_TRITON
+from helpers import FIELDS, Case, bounds, case_id, check_against_reference, run, segment_ids
+from rankattn.backends import BlockSizes, PallasTriton, Xla
 
 C = Case
 SEG, ROWS, BCAST = "segment_ids", "bounds_rows", "bounds_broadcast"
@@ -122,3 +126,56 @@ class TestAuto(BackendTests):
     impl = "auto"
     configs = CONFIGS[1::4]
     long_configs = LONG_CONFIGS[:1]
+
+
+class TestXlaMixedPrecision(BackendTests):
+    """The GPU / TPU numerics of the xla backend (bf16 / f16 operands into the dots), on CPU."""
+
+    impl = Xla(BlockSizes(16, 8), mixed_precision=True)
+    configs = [c for c in CONFIGS if c.dtype != "float32"] + CONFIGS[2:3]
+    long_configs = LONG_CONFIGS[1:]
+
+
+@pytest.mark.parametrize("platform, mixed", [("cpu", False), ("gpu", True)])
+def test_xla_picks_mixed_precision_off_cpu(monkeypatch, platform, mixed):
+    """Xla() up-casts on CPU (measured faster there) and feeds bf16 to the dots elsewhere."""
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    case = dataclasses.replace(CONFIGS[17], mask_values=((1,) * 12 + (-1,) * 4,) * 2)
+    auto = run(case, Xla(BlockSizes(16, 8)))
+    forced = run(case, Xla(BlockSizes(16, 8), mixed_precision=mixed))
+    other = run(case, Xla(BlockSizes(16, 8), mixed_precision=not mixed))
+    for name in FIELDS:
+        np.testing.assert_array_equal(auto[name], forced[name], name)
+    assert any(not np.array_equal(auto[n], other[n]) for n in FIELDS), "the paths agree: vacuous"
+
+
+# The Triton kernels in Pallas interpret mode: with 16 x 16 tiles, CONFIGS' 15/16/17 are a
+# tile -1/at/+1; these add 31/33, float16, GQA 5 with a cap in bf16, and cross-attention.
+TRITON_CONFIGS = CONFIGS + [
+    C(batch=2, seq=31, heads_q=5, heads_kv=1, dim=80, dtype="bfloat16", mask=SEG, causal=True,
+      softcap=2.0),
+    C(batch=2, seq=33, heads_q=4, heads_kv=2, dim=96, mask=ROWS, causal=True),
+    C(batch=1, seq=17, heads_q=5, heads_kv=5, dim=8, dtype="float16", mask=ROWS,
+      softcap=2.0, softcap_method="soft_sign"),
+    C(batch=1, seq=9, kv_seq=40, heads_q=4, heads_kv=2, dim=48, dim_v=8),
+]
+TRITON_LONG_CONFIGS = [
+    C(batch=1, seq=1031, heads_q=5, heads_kv=1, dim=32, dtype="bfloat16", mask=SEG,
+      causal=True, softcap=5.0),
+]
+
+
+class TestPallasTriton(BackendTests):
+    """The Triton kernels (forward, dq, dk/dv) in interpret mode, with 16 x 16 tiles."""
+
+    impl = SMALL_TRITON
+    configs = TRITON_CONFIGS
+    long_configs = TRITON_LONG_CONFIGS
+
+
+class TestPallasTritonDefaultBlocks(BackendTests):
+    """Default tiles (64 x 64): one tile for short calls, several for the long one."""
+
+    impl = PallasTriton(interpret=True)
+    configs = TRITON_CONFIGS[5::6]
+    long_configs = TRITON_LONG_CONFIGS

@@ -74,6 +74,21 @@ def make_block_plan(seg_q, seg_k, sizes: BlockSizes, causal: bool, q_len: int) -
                      *lists(nonempty.transpose(swap), full.transpose(swap)))
 
 
+def segments_and_plan(segment_ids, batch: int, q_len: int, kv_len: int, sizes: BlockSizes,
+                      causal: bool, block_plan: BlockPlan | None = None):
+    """(seg_q, seg_k, block plan) of a call: int32 segment ids padded to the block sizes, and
+    the plan, made from them unless given. Without segment ids every token is history of one
+    session, and q and k may differ in length (plain cross-attention)."""
+    if segment_ids is None:
+        seg_q, seg_k = jnp.ones((batch, q_len), jnp.int32), jnp.ones((batch, kv_len), jnp.int32)
+    else:
+        seg_q = seg_k = segment_ids.astype(jnp.int32)
+    seg_q, seg_k = pad_axis1(seg_q, sizes.block_q), pad_axis1(seg_k, sizes.block_k)
+    if block_plan is None:
+        block_plan = make_block_plan(seg_q, seg_k, sizes, causal, q_len)
+    return seg_q, seg_k, block_plan
+
+
 def pad_axis1(x, multiple: int):
     """Zero-pad axis 1 to a multiple of ``multiple`` (a no-op when it already is one).
 

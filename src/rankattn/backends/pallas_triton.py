@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from rankattn import semantics
 from rankattn.backends.base import Backend
-from rankattn.blocks import BlockPlan, BlockSizes, make_block_plan, pad_axis1, round_up
+from rankattn.blocks import BlockPlan, BlockSizes, pad_axis1, segments_and_plan, round_up
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
@@ -198,36 +198,55 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_r
     lse_ref[...] = jnp.where(seen, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)
 
 
-def _forward(st: _Static, q, k, v, seg, plan: BlockPlan):
-    seg_q, seg_k = seg
-    """out [B, nQ*bq, Hq, Dv] (q's dtype) and lse [B, Hq, nQ*bq] float32, on padded inputs."""
+def _query_block_specs(st: _Static, q, v, plan: BlockPlan):
+    """Grid (query block i, batch b, query head h) and the BlockSpecs of the inputs the forward
+    and dq kernels share: the plan's list and counts for (b, i), both segment-id rows, this
+    query block, and the whole K / V of the kv head h // G."""
     b, s_pad, hq, d = q.shape
-    dv = v.shape[-1]
-    n_q = plan.kv_index.shape[1]
-    bq, g = st.block_q, st.group
+    g = st.group
     per_block = lambda i, b_, h: (b_, i)
+    row = lambda i, b_, h: (b_, 0)
+    kv_head = lambda i, b_, h: (b_, 0, h // g, 0)
+    grid = (plan.kv_index.shape[1], b, hq)
+    return grid, [
+        pl.BlockSpec((None, None, plan.kv_index.shape[2]), lambda i, b_, h: (b_, i, 0)),
+        pl.BlockSpec((None, None), per_block),
+        pl.BlockSpec((None, None), per_block),
+        pl.BlockSpec((None, s_pad), row),
+        pl.BlockSpec((None, s_pad), row),
+        pl.BlockSpec((None, st.block_q, None, d), _query_block),
+        pl.BlockSpec((None, s_pad, None, d), kv_head),
+        pl.BlockSpec((None, s_pad, None, v.shape[-1]), kv_head),
+    ]
+
+
+def _query_block(i, b, h):
+    return b, i, h, 0
+
+
+def _forward(st: _Static, q, k, v, seg, plan: BlockPlan):
+    """out [B, nQ*bq, Hq, Dv] (q's dtype) and lse [B, Hq, nQ*bq] float32, on padded inputs."""
+    b, _, hq, _ = q.shape
+    dv = v.shape[-1]
+    grid, in_specs = _query_block_specs(st, q, v, plan)
+    bq, rows = st.block_q, grid[0] * st.block_q
     return pl.pallas_call(
         functools.partial(_forward_kernel, st=st),
-        grid=(n_q, b, hq),
-        in_specs=[
-            pl.BlockSpec((None, None, plan.kv_index.shape[2]), lambda i, b_, h: (b_, i, 0)),
-            pl.BlockSpec((None, None), per_block),
-            pl.BlockSpec((None, None), per_block),
-            pl.BlockSpec((None, s_pad), lambda i, b_, h: (b_, 0)),
-            pl.BlockSpec((None, s_pad), lambda i, b_, h: (b_, 0)),
-            pl.BlockSpec((None, bq, None, d), lambda i, b_, h: (b_, i, h, 0)),
-            pl.BlockSpec((None, s_pad, None, d), lambda i, b_, h: (b_, 0, h // g, 0)),
-            pl.BlockSpec((None, s_pad, None, dv), lambda i, b_, h: (b_, 0, h // g, 0)),
-        ],
+        grid=grid,
+        in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, bq, None, dv), lambda i, b_, h: (b_, i, h, 0)),
-            pl.BlockSpec((None, None, bq), lambda i, b_, h: (b_, h, i)),
+            pl.BlockSpec((None, bq, None, dv), _query_block),
+            pl.BlockSpec((None, None, bq), _query_rows),
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, n_q * bq, hq, dv), q.dtype),
-                   jax.ShapeDtypeStruct((b, hq, n_q * bq), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((b, rows, hq, dv), q.dtype),
+                   jax.ShapeDtypeStruct((b, hq, rows), jnp.float32)],
         name="rankattn_forward",
         **st.launch(),
-    )(plan.kv_index, plan.full_count, plan.count, seg_q, seg_k, q, k, v)
+    )(plan.kv_index, plan.full_count, plan.count, *seg, q, k, v)
+
+
+def _query_rows(i, b, h):
+    return b, h, i
 
 
 # --- Backward: dq. --------------------------------------------------------------
@@ -266,34 +285,20 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
 
 
 def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
-    seg_q, seg_k = seg
-    b, s_pad, hq, d = q.shape
-    dv = v.shape[-1]
-    n_q = plan.kv_index.shape[1]
-    bq, g = st.block_q, st.group
-    per_block = lambda i, b_, h: (b_, i)
-    rows = lambda i, b_, h: (b_, h, i)
+    """dq [B, S_pad, Hq, D] (rows past nQ * bq are never written; the caller drops them)."""
+    bq = st.block_q
+    grid, in_specs = _query_block_specs(st, q, v, plan)
     return pl.pallas_call(
         functools.partial(_dq_kernel, st=st),
-        grid=(n_q, b, hq),
-        in_specs=[
-            pl.BlockSpec((None, None, plan.kv_index.shape[2]), lambda i, b_, h: (b_, i, 0)),
-            pl.BlockSpec((None, None), per_block),
-            pl.BlockSpec((None, None), per_block),
-            pl.BlockSpec((None, s_pad), lambda i, b_, h: (b_, 0)),
-            pl.BlockSpec((None, s_pad), lambda i, b_, h: (b_, 0)),
-            pl.BlockSpec((None, bq, None, d), lambda i, b_, h: (b_, i, h, 0)),
-            pl.BlockSpec((None, s_pad, None, d), lambda i, b_, h: (b_, 0, h // g, 0)),
-            pl.BlockSpec((None, s_pad, None, dv), lambda i, b_, h: (b_, 0, h // g, 0)),
-            pl.BlockSpec((None, bq, None, dv), lambda i, b_, h: (b_, i, h, 0)),
-            pl.BlockSpec((None, None, bq), rows),
-            pl.BlockSpec((None, None, bq), rows),
-        ],
-        out_specs=pl.BlockSpec((None, bq, None, d), lambda i, b_, h: (b_, i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, s_pad, hq, d), q.dtype),
+        grid=grid,
+        in_specs=in_specs + [pl.BlockSpec((None, bq, None, v.shape[-1]), _query_block),
+                             pl.BlockSpec((None, None, bq), _query_rows),
+                             pl.BlockSpec((None, None, bq), _query_rows)],
+        out_specs=pl.BlockSpec((None, bq, None, q.shape[-1]), _query_block),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="rankattn_dq",
         **st.launch(),
-    )(plan.kv_index, plan.full_count, plan.count, seg_q, seg_k, q, k, v, d_out, lse, delta)
+    )(plan.kv_index, plan.full_count, plan.count, *seg, q, k, v, d_out, lse, delta)
 
 
 # --- Backward: dk and dv. ---------------------------------------------------------
@@ -342,12 +347,15 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
 
 
 def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
-    seg_q, seg_k = seg
+    """dk, dv [B, S_pad, Hkv, D / Dv] (rows past nK * bk are never written)."""
     b, s_pad, hkv, d = k.shape
     dv = v.shape[-1]
     n_k = plan.q_index.shape[1]
     bk, g = st.block_k, st.group
     per_block = lambda j, b_, h: (b_, j)
+    row = lambda j, b_, h: (b_, 0)
+    key_block = lambda j, b_, h: (b_, j, h, 0)
+    group = lambda j, b_, h: (b_, 0, h, 0)  # the G query heads of kv head h
     group_rows = lambda j, b_, h: (b_, h, 0)
     return pl.pallas_call(
         functools.partial(_dkv_kernel, st=st),
@@ -356,23 +364,22 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
             pl.BlockSpec((None, None, plan.q_index.shape[2]), lambda j, b_, h: (b_, j, 0)),
             pl.BlockSpec((None, None), per_block),
             pl.BlockSpec((None, None), per_block),
-            pl.BlockSpec((None, s_pad), lambda j, b_, h: (b_, 0)),
-            pl.BlockSpec((None, s_pad), lambda j, b_, h: (b_, 0)),
-            pl.BlockSpec((None, s_pad, g, d), lambda j, b_, h: (b_, 0, h, 0)),
-            pl.BlockSpec((None, bk, None, d), lambda j, b_, h: (b_, j, h, 0)),
-            pl.BlockSpec((None, bk, None, dv), lambda j, b_, h: (b_, j, h, 0)),
-            pl.BlockSpec((None, s_pad, g, dv), lambda j, b_, h: (b_, 0, h, 0)),
+            pl.BlockSpec((None, s_pad), row),
+            pl.BlockSpec((None, s_pad), row),
+            pl.BlockSpec((None, s_pad, g, d), group),
+            pl.BlockSpec((None, bk, None, d), key_block),
+            pl.BlockSpec((None, bk, None, dv), key_block),
+            pl.BlockSpec((None, s_pad, g, dv), group),
             pl.BlockSpec((None, g, s_pad), group_rows),
             pl.BlockSpec((None, g, s_pad), group_rows),
         ],
-        out_specs=[pl.BlockSpec((None, bk, None, d), lambda j, b_, h: (b_, j, h, 0)),
-                   pl.BlockSpec((None, bk, None, dv), lambda j, b_, h: (b_, j, h, 0))],
+        out_specs=[pl.BlockSpec((None, bk, None, d), key_block),
+                   pl.BlockSpec((None, bk, None, dv), key_block)],
         out_shape=[jax.ShapeDtypeStruct((b, s_pad, hkv, d), k.dtype),
                    jax.ShapeDtypeStruct((b, s_pad, hkv, dv), v.dtype)],
         name="rankattn_dkv",
         **st.launch(),
-    )(plan.q_index, plan.q_full_count, plan.q_count, seg_q, seg_k, q, k, v, d_out, lse,
-      delta)
+    )(plan.q_index, plan.q_full_count, plan.q_count, *seg, q, k, v, d_out, lse, delta)
 
 
 # --- The differentiable core, on padded inputs. -----------------------------------
@@ -429,13 +436,8 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
     skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     sizes = plan_sizes(block_sizes, max(sq, skv))
     bq, bk = sizes.block_q, sizes.block_k
-    if segment_ids is None:  # every token is history of one session (q and k may differ)
-        seg_q, seg_k = jnp.ones((b, sq), jnp.int32), jnp.ones((b, skv), jnp.int32)
-    else:
-        seg_q = seg_k = segment_ids.astype(jnp.int32)
-    seg_q, seg_k = pad_axis1(seg_q, bq), pad_axis1(seg_k, bk)
-    if block_plan is None:
-        block_plan = make_block_plan(seg_q, seg_k, sizes, causal, sq)
+    seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, sizes, causal,
+                                                 block_plan)
     # One padded length for queries and keys: the own-key term reads keys at query rows
     # and queries at key rows. Padding has segment id 0, so it is invisible.
     s_pad = round_up(max(sq, skv), max(bq, bk))

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from rankattn import semantics
 from rankattn.backends.base import Backend, compute_dtype
-from rankattn.blocks import BlockPlan, BlockSizes, make_block_plan, pad_axis1, round_up
+from rankattn.blocks import BlockPlan, BlockSizes, pad_axis1, segments_and_plan, round_up
 from rankattn.validate import AttentionCall
 
 
@@ -114,13 +114,8 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     skv, hkv = k.shape[1], k.shape[2]
     sizes = plan_sizes(block_sizes, sq, skv)
     bq, bk = sizes.block_q, sizes.block_k
-    if segment_ids is None:
-        seg_q, seg_k = jnp.ones((b, sq), jnp.int32), jnp.ones((b, skv), jnp.int32)
-    else:
-        seg_q = seg_k = segment_ids.astype(jnp.int32)
-    seg_q, seg_k = pad_axis1(seg_q, bq), pad_axis1(seg_k, bk)
-    if block_plan is None:
-        block_plan = make_block_plan(seg_q, seg_k, sizes, causal, sq)
+    seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, sizes, causal,
+                                                 block_plan)
 
     n_q, n_k = seg_q.shape[1] // bq, seg_k.shape[1] // bk
     unit_bytes = hq * bq * bk * 4

@@ -1,0 +1,162 @@
+"""The pallas_triton backend beyond the shared property suite (tests/test_backends.py).
+
+* Dispatch: by name it needs a GPU (RA115 says how to run it on CPU); an
+  explicit instance is never platform-checked, so it lowers for CUDA here.
+* Lowering for CUDA on a CPU-only machine, forward and backward, over shapes
+  Triton is picky about (non-power-of-two head dims and GQA ratios, lengths
+  over 1000, bf16 / f16, soft caps): this is what catches unsupported
+  primitives and non-power-of-two tiles without a GPU. It cannot catch
+  register or shared-memory limits; benchmarks/gpu.py checks those on a GPU.
+* Options are checked (RA116), float64 is declined with a reason.
+* The scale is applied to float32 logits, never rounded into bf16 q first
+  (also for the xla backend's mixed-precision path).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rankattn
+from conftest import SMALL_TRITON
+from helpers import attention_jit, random_qkv, random_segments
+from rankattn.backends import BlockSizes, PallasTriton, Xla
+from tolerances import assert_close_f32
+
+
+def test_by_name_it_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    q, k, v, _ = random_qkv(0, 1, 8, 2, 1, 8)
+    with pytest.raises(rankattn.RankattnValueError, match="RA115") as err:
+        rankattn.attention(q, k, v, impl="pallas_triton")
+    assert "needs a GPU" in str(err.value)
+    assert "PallasTriton(interpret=True)" in str(err.value)
+    assert "pallas_triton" not in rankattn.available_impls()
+    assert rankattn.available_impls()[0] == "xla"
+
+
+def test_on_a_gpu_auto_tries_it_first(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert rankattn.available_impls() == ["pallas_triton", "xla", "reference"]
+    assert rankattn.api.resolve_impls("auto")[0].name == "pallas_triton"
+
+
+def test_interpret_mode_runs_by_instance_on_cpu():
+    q, k, v, _ = random_qkv(1, 1, 12, 2, 1, 8)
+    seg = np.array([[1] * 8 + [-1] * 4], np.int32)
+    got = rankattn.attention(q, k, v, segment_ids=seg, impl=PallasTriton(interpret=True))
+    want = rankattn.attention(q, k, v, segment_ids=seg, impl="reference")
+    assert_close_f32(got, want, "out")
+
+
+# (B, S, Hq, Hkv, D, Dv, dtype, causal, softcap, mask)
+LOWERING_GRID = [
+    (2, 1088, 4, 2, 128, 128, jnp.bfloat16, False, None, True),     # the nano shape
+    (1, 1088, 20, 4, 128, 128, jnp.bfloat16, False, 30.0, True),    # production heads, GQA 5
+    (1, 1031, 6, 2, 80, 80, jnp.float16, True, 2.0, True),          # odd length, D=80, GQA 3
+    (2, 37, 5, 1, 200, 24, jnp.float32, True, None, True),          # D=200, Dv != D, GQA 5
+    (1, 1, 8, 1, 8, 8, jnp.bfloat16, False, None, True),            # length 1, D=8, GQA 8
+    (1, 300, 2, 2, 48, 48, jnp.float32, False, 5.0, False),         # no mask, soft_sign below
+]
+
+
+@pytest.mark.parametrize("shape", LOWERING_GRID, ids=lambda s: "B{}-S{}-H{}/{}-D{}-Dv{}".format(*s))
+def test_forward_and_backward_lower_for_cuda_on_cpu(shape):
+    b, s, hq, hkv, d, dv, dtype, causal, softcap, masked = shape
+    args = [jax.ShapeDtypeStruct((b, s, hq, d), dtype), jax.ShapeDtypeStruct((b, s, hkv, d), dtype),
+            jax.ShapeDtypeStruct((b, s, hkv, dv), dtype), jax.ShapeDtypeStruct((b, s), jnp.int32)]
+    method = "soft_sign" if not masked else "tanh"
+
+    def loss(q, k, v, seg):
+        out, lse = rankattn.attention(q, k, v, segment_ids=seg if masked else None, causal=causal,
+                                      softcap=softcap, softcap_method=method, return_lse=True,
+                                      impl=PallasTriton())
+        return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
+
+    lowered = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    kernels = re.findall(r'name = "(rankattn_\w+)"', lowered.as_text())
+    assert sorted(kernels) == ["rankattn_dkv", "rankattn_dq", "rankattn_forward"]
+
+
+def test_lowering_catches_what_triton_rejects():
+    """The lowering test has teeth: a non-power-of-two tile fails to lower, on CPU."""
+    from rankattn.backends.pallas_triton import triton_attention
+
+    q = jax.ShapeDtypeStruct((1, 96, 2, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 96), jnp.int32)
+
+    def f(q, seg):
+        return triton_attention(q, q, q, seg, causal=False, scale=1.0, softcap=None,
+                                softcap_method="tanh", block_sizes=BlockSizes(48, 48))
+
+    with pytest.raises(ValueError, match="power of 2"):
+        jax.jit(f).trace(q, seg).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(block_sizes=BlockSizes(48, 64)), "block_q=48"),
+    (dict(block_sizes=BlockSizes(64, 8)), "block_k=8"),
+    (dict(num_warps=0), "num_warps=0"),
+    (dict(num_stages=2.0), "num_stages=2.0"),
+])
+def test_options_are_checked(kwargs, fragment):
+    with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
+        PallasTriton(**kwargs)
+    assert fragment in str(err.value)
+
+
+def test_float64_is_declined_with_a_reason():
+    with jax.enable_x64(True):
+        q, k, v, _ = (x.astype(np.float64) for x in random_qkv(2, 1, 8, 2, 1, 8))
+        with pytest.raises(rankattn.RankattnValueError, match="RA115") as err:
+            rankattn.attention(q, k, v, impl=SMALL_TRITON)
+    assert "float64" in str(err.value) and "impl='xla'" in str(err.value)
+
+
+def test_one_plan_serves_both_blocked_backends():
+    """A plan made for xla and pallas_triton holds one block plan per backend's sizes;
+    each backend reads its own and gives the results (and gradients) of passing the mask."""
+    seg = jnp.asarray(random_segments(3, 2, 45, "packed"))
+    xla = Xla(BlockSizes(16, 8))
+    plan = rankattn.plan(segment_ids=seg, causal=True, impls=[xla, SMALL_TRITON])
+    assert plan.block_sizes == (BlockSizes(16, 8), BlockSizes(16, 16))
+    q, k, v, _ = random_qkv(4, 2, 45, 4, 2, 16)
+
+    def loss(q, k, v, mask, impl, use_plan):
+        mask = dict(plan=mask) if use_plan else dict(segment_ids=mask, causal=True)
+        out, lse = rankattn.attention(q, k, v, impl=impl, return_lse=True, **mask)
+        return (out ** 2).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
+
+    grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2)), static_argnums=(4, 5))
+    for impl in (xla, SMALL_TRITON):
+        with_plan = grad(q, k, v, plan, impl, True)
+        without = grad(q, k, v, seg, impl, False)
+        for a, b in zip(jax.tree.leaves(with_plan), jax.tree.leaves(without)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_default_plan_prepares_what_auto_uses_here():
+    seg = jnp.ones((1, 40), jnp.int32)
+    assert rankattn.plan(segment_ids=seg).block_sizes == (BlockSizes(40, 40),)  # xla, clamped
+
+
+@pytest.mark.parametrize("impl", [Xla(BlockSizes(16, 8), mixed_precision=True), SMALL_TRITON],
+                         ids=["xla-mixed", "pallas_triton-16x16"])
+def test_scale_is_applied_in_float32(impl):
+    """Regression: the scale must reach the float32 logits, not bf16 q. Where bf16 operands
+    feed the dots, q * scale rounded to bf16 moves large logits by ~|s| / 256 (folding the
+    scale into bf16 q fails this check by 3.5x on both backends). On the same bf16 values
+    they must agree with the reference's float32 math to the output's own bf16 rounding."""
+    q, k, v, _ = random_qkv(5, 2, 24, 2, 1, 48, q_std=8.0)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    scale = 0.37  # not a power of two, so q * scale rounds in bf16
+    seg = np.array([[1] * 20 + [-1] * 4] * 2, np.int32)
+    got = attention_jit(q, k, v, segment_ids=seg, scale=scale, impl=impl)
+    want = attention_jit(q, k, v, segment_ids=seg, scale=scale, impl="reference")
+    ulp = 2.0 ** -8 * np.abs(np.asarray(want, np.float32)).max()
+    assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() <= ulp
