@@ -64,6 +64,12 @@ class Workload:
         """Per row and head: history sees its history, a candidate its history and itself."""
         return sum(h * h + c * (h + 1) for h, c in self.sessions)
 
+    @property
+    def flops(self) -> float:
+        """On visible pairs: forward 4 * D per pair and head, forward + backward 3.5x that."""
+        pairs = self.visible_pairs * self.batch * self.q_heads
+        return 4 * self.head_dim * pairs * (3.5 if self.backward else 1)
+
     def segment_ids(self) -> np.ndarray:
         row = np.concatenate([np.r_[np.full(h, i + 1), np.full(c, -(i + 1))]
                               for i, (h, c) in enumerate(self.sessions)]).astype(np.int32)
@@ -113,48 +119,65 @@ def jax_runner(w: Workload, attend):
     return (lambda: compiled(q, k, v, seg, d_out)), temp
 
 
-def ours(q, k, v, seg):
-    return rankattn.attention(q, k, v, plan=rankattn.plan(segment_ids=seg))
+def rankattn_with(impl="auto"):
+    """rankattn with one plan per call, as a model would build it once per batch."""
+    def attend(q, k, v, seg):
+        impls = None if impl == "auto" else [impl]
+        return rankattn.attention(q, k, v, plan=rankattn.plan(segment_ids=seg, impls=impls),
+                                  impl=impl)
+    return attend
+
+
+ours = rankattn_with("auto")
 
 
 def reference(q, k, v, seg):
     return rankattn.attention(q, k, v, segment_ids=seg, impl="reference")
 
 
-def torch_inputs(w: Workload):
+def torch_inputs(w: Workload, device: str = "cpu"):
     q, k, v, seg, d_out = (np.asarray(x.astype(jnp.float32)) for x in inputs(w))
     dtype = getattr(torch, w.dtype)
 
     def t(x, grad=False):  # [B, S, H, D] -> [B, H, S, D]
-        return torch.from_numpy(x.copy()).to(dtype).transpose(1, 2).contiguous().requires_grad_(grad)
+        x = torch.from_numpy(x.copy()).to(device=device, dtype=dtype)
+        return x.transpose(1, 2).contiguous().requires_grad_(grad)
 
     return (t(q, w.backward), t(k, w.backward), t(v, w.backward),
-            torch.from_numpy(np.asarray(seg)), t(d_out))
+            torch.from_numpy(np.array(seg)).to(device), t(d_out))
 
 
-def torch_sdpa(w: Workload):
-    q, k, v, seg, d_out = torch_inputs(w)
-    mask = torch.from_numpy(np.asarray(rankattn.semantics.dense_mask(
-        jnp.asarray(seg.numpy()), jnp.asarray(seg.numpy()), False)))[:, None]
-
+def torch_runner(w: Workload, attend, q, k, v, d_out):
+    """A zero-argument callable: attend() forward, or forward + backward; waits for the device."""
     def run():
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                               enable_gqa=True)
+        out = attend()
         if w.backward:
             torch.autograd.grad(out, (q, k, v), d_out)
+        if q.is_cuda:
+            torch.cuda.synchronize()
     return run
 
 
-def torch_flex(w: Workload):
-    q, k, v, seg, _ = torch_inputs(w)
+def torch_sdpa(w: Workload, device: str = "cpu"):
+    q, k, v, seg, d_out = torch_inputs(w, device)
+    seg_j = jnp.asarray(seg.cpu().numpy())
+    mask = torch.from_numpy(np.asarray(rankattn.semantics.dense_mask(seg_j, seg_j, False)))
+    mask = mask[:, None].to(device)
+    return torch_runner(w, lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=True), q, k, v, d_out)
+
+
+def torch_flex(w: Workload, device: str = "cpu"):
+    q, k, v, seg, d_out = torch_inputs(w, device)
 
     def mask_mod(b, h, qi, ki):
         sq, sk = seg[b, qi], seg[b, ki]
         return ((sq.abs() == sk) & (sk > 0)) | ((sq < 0) & (qi == ki))
 
-    block_mask = create_block_mask(mask_mod, w.batch, None, w.seq_len, w.seq_len, device="cpu")
+    block_mask = create_block_mask(mask_mod, w.batch, None, w.seq_len, w.seq_len, device=device)
     flex = torch.compile(flex_attention)
-    return lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return torch_runner(w, lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True),
+                        q, k, v, d_out)
 
 
 def matmul_rate(repeats: int) -> float:
@@ -194,7 +217,7 @@ def run_workload(w: Workload, repeats: int, rate: float) -> list[dict]:
             print(FAILURES[-1], flush=True)
     # Long workloads take tens of seconds a run: 3 interleaved runs bound their noise well enough.
     times = peers.interleaved_medians(fns, min(repeats, 3) if w.seq_len > 16384 else repeats)
-    flops = 4 * w.head_dim * w.visible_pairs * w.batch * w.q_heads * (3.5 if w.backward else 1)
+    flops = w.flops
     rows = []
     for name, t in times.items():
         rows.append(dict(workload=w.name, impl=name, ms=t * 1e3, ratio=t / times["rankattn"],

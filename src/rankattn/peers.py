@@ -10,10 +10,10 @@ import numpy as np
 from rankattn import semantics
 
 
-def jax_nn_attention(q, k, v, segment_ids, causal: bool = False):
-    """jax.nn.dot_product_attention (XLA) with the equivalent dense boolean mask [B, 1, S, S]."""
+def jax_nn_attention(q, k, v, segment_ids, causal: bool = False, implementation: str = "xla"):
+    """jax.nn.dot_product_attention with the equivalent dense boolean mask [B, 1, S, S]."""
     mask = semantics.dense_mask(segment_ids, segment_ids, causal)[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
 def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
