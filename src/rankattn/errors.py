@@ -118,9 +118,11 @@ _KINDS = [
         "Use impl='auto', or change the call as the listed reasons say."),
     ErrorKind(
         "RA116", "a static option has the wrong type",
-        "causal and return_lse are Python bools; block sizes are positive ints. They select "
-        "the compiled program, so they cannot be traced arrays.",
-        "Pass Python values (True/False, ints), not jax arrays.",
+        "causal and return_lse are Python bools; block sizes are positive ints (for "
+        "pallas_triton, powers of two >= 16) and Triton launch options positive ints or None. "
+        "They select the compiled program, so they cannot be traced arrays.",
+        "Pass Python values (True/False, ints), not jax arrays; for PallasTriton tiles, "
+        "e.g. BlockSizes(64, 64).",
         RankattnTypeError),
     ErrorKind(
         "RA117", "a plan was misused",
