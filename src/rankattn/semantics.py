@@ -22,6 +22,15 @@ spelling of one session per row: segment id 1 on ``[hist_lo, hist_hi)``, -1 on
 Logits: ``s = (q . k) * scale``, then the soft cap, then the mask, then a
 softmax over the visible keys. A query with no visible key has output 0 and
 log-sum-exp ``-inf``.
+
+Non-finite inputs (NaN, +-inf) stay where they are: a query is *poisoned* when
+it sees at least one key and its own q (in its head) or the k or v of a key it
+sees (in its kv head) holds a non-finite value. A poisoned query gets out and
+lse NaN and passes no gradient; every other query's results are exactly those
+of a run where the bad values are finite. Backends get there by computing on
+sanitised operands (non-finite entries replaced by 0, so a masked pair never
+multiplies 0 by NaN) and poisoning the affected rows: :func:`split_nonfinite`,
+:func:`poison_rows` and :func:`backward_rows` below.
 """
 
 from __future__ import annotations
@@ -86,6 +95,45 @@ def softcap_grad(s, cap: float | None, method: str):
     if method == "tanh":
         return 1 - jnp.square(jnp.tanh(s / cap))
     return 1 / jnp.square(1 + jnp.abs(s) / cap)
+
+
+# --- Non-finite inputs. -------------------------------------------------------------
+
+
+def split_nonfinite(x):
+    """(x with non-finite entries replaced by 0, poison float32 [...]: NaN where the vector
+    along the last axis holds a non-finite entry, else 0).
+
+    Adding a key's poison to its logits (before the mask) makes exactly the rows
+    that see it NaN; a masked entry is replaced by -inf whatever its value.
+    """
+    finite = jnp.isfinite(x)
+    poison = jnp.where(finite.all(-1), 0.0, jnp.nan).astype(jnp.float32)
+    return jnp.where(finite, x, jnp.zeros((), x.dtype)), poison
+
+
+def poison_rows(out, lse, q_poison):
+    """NaN out [B, S, Hq, Dv] and lse [B, Hq, S] of queries with a non-finite q that see a key.
+
+    A ``where``, so those rows pass no gradient.
+    """
+    hit = jnp.isnan(q_poison) & (lse.transpose(0, 2, 1) != -jnp.inf)  # [B, S, Hq]
+    return (jnp.where(hit[..., None], jnp.nan, out).astype(out.dtype),
+            jnp.where(hit.transpose(0, 2, 1), jnp.nan, lse))
+
+
+def backward_rows(out, d_out, lse, d_lse):
+    """(lse, d_out, delta) for a flash backward, per row (``lse`` shaped ``out.shape[:-1]``).
+
+    delta = rowsum(dO * O) - d lse (d lse / d s = p, so an lse cotangent enters
+    exactly like -delta). Poisoned rows (lse NaN) pass no gradient: their lse
+    becomes +inf, so every recomputed p is exactly 0, and their d_out and delta 0.
+    """
+    poisoned = jnp.isnan(lse)
+    d_out = jnp.where(poisoned[..., None], 0, d_out).astype(d_out.dtype)
+    acc = jnp.promote_types(out.dtype, jnp.float32)
+    delta = (d_out.astype(acc) * out.astype(acc)).sum(-1) - d_lse
+    return jnp.where(poisoned, jnp.inf, lse), d_out, jnp.where(poisoned, 0.0, delta)
 
 
 # --- Block-level view, used to skip work. -------------------------------------

@@ -113,11 +113,11 @@ def _logits(st: _Static, q, k):
     return semantics.softcap(s, st.softcap, st.softcap_method) * LOG2E, s
 
 
-def _own_logits(st: _Static, q, k_own, seg_q):
-    """Each candidate's logit on its own key: (base-2 logits, masked to -inf off candidates,
-    scaled logits before the cap), per row."""
+def _own_logits(st: _Static, q, k_own, seg_q, poison=0.0):
+    """Each candidate's logit on its own key: (base-2 logits plus the key's poison, masked to
+    -inf off candidates, scaled logits before the cap), per row."""
     s = (q.astype(jnp.float32) * k_own.astype(jnp.float32)).sum(1) * st.scale
-    s2 = semantics.softcap(s, st.softcap, st.softcap_method) * LOG2E
+    s2 = semantics.softcap(s, st.softcap, st.softcap_method) * LOG2E + poison
     return jnp.where(seg_q < 0, s2, -jnp.inf), s
 
 
@@ -127,6 +127,15 @@ def _ds(st: _Static, p, dp, delta, s):
     if st.softcap is not None:
         ds = ds * semantics.softcap_grad(s, st.softcap, st.softcap_method)
     return ds * st.scale
+
+
+def _lse2(lse):
+    """The saved lse in base 2, for recomputing p = exp2(s2 - lse2) in the backward kernels.
+
+    Rows that saw nothing (-inf) have every logit masked to -inf: 0 keeps p at 0.
+    Poisoned rows arrive as +inf (semantics.backward_rows): every p is 0.
+    """
+    return jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
 
 
 def _mask(st: _Static, seg_q, seg_k, q_start, k_start):
@@ -154,7 +163,7 @@ def _rows(start, size):
 
 
 def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k_ref,
-                    v_ref, out_ref, lse_ref, *, st: _Static):
+                    v_ref, poison_ref, out_ref, lse_ref, *, st: _Static):
     q_start = pl.program_id(0) * st.block_q
     q = q_ref[...]
     seg_q = seg_q_ref[_rows(q_start, st.block_q)]
@@ -172,6 +181,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_r
     def block(j, masked, carry):
         keys = _rows(j * st.block_k, st.block_k)
         s, _ = _logits(st, q, k_ref[keys, :])
+        s = s + poison_ref[keys][None, :]  # NaN for keys whose k or v is non-finite
         if masked:
             s = jnp.where(_mask(st, seg_q, seg_k_ref[keys], q_start, j * st.block_k), s, -jnp.inf)
         return online_softmax(s, v_ref[keys, :], carry)
@@ -183,7 +193,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_r
 
     if st.own_key:  # the own-key logit joins the softmax as one more column
         own = _rows(q_start, st.block_q)
-        s_own, _ = _own_logits(st, q, k_ref[own, :], seg_q)
+        s_own, _ = _own_logits(st, q, k_ref[own, :], seg_q, poison_ref[own])
         m_new = jnp.maximum(m, s_own)
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p_own = jnp.exp2(s_own - shift)
@@ -192,7 +202,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_r
         l = l * alpha + p_own
         m = m_new
 
-    seen = l > 0
+    seen = l != 0  # NaN (a poisoned row) counts as seen
     safe_l = jnp.where(seen, l, 1.0)
     out_ref[...] = (acc / safe_l[:, None]).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)
@@ -224,16 +234,21 @@ def _query_block(i, b, h):
     return b, i, h, 0
 
 
-def _forward(st: _Static, q, k, v, seg, plan: BlockPlan):
-    """out [B, nQ*bq, Hq, Dv] (q's dtype) and lse [B, Hq, nQ*bq] float32, on padded inputs."""
-    b, _, hq, _ = q.shape
+def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison):
+    """out [B, nQ*bq, Hq, Dv] (q's dtype) and lse [B, Hq, nQ*bq] float32, on padded inputs.
+
+    poison [B, Hkv, S_pad]: 0, or NaN for a key whose k or v is non-finite; added to the
+    logits so that exactly the rows that see such a key become NaN (rankattn.semantics).
+    """
+    b, s_pad, hq, _ = q.shape
     dv = v.shape[-1]
     grid, in_specs = _query_block_specs(st, q, v, plan)
     bq, rows = st.block_q, grid[0] * st.block_q
     return pl.pallas_call(
         functools.partial(_forward_kernel, st=st),
         grid=grid,
-        in_specs=in_specs,
+        in_specs=in_specs + [pl.BlockSpec((None, None, s_pad),
+                                          lambda i, b_, h: (b_, h // st.group, 0))],
         out_specs=[
             pl.BlockSpec((None, bq, None, dv), _query_block),
             pl.BlockSpec((None, None, bq), _query_rows),
@@ -242,7 +257,7 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan):
                    jax.ShapeDtypeStruct((b, hq, rows), jnp.float32)],
         name="rankattn_forward",
         **st.launch(),
-    )(plan.kv_index, plan.full_count, plan.count, *seg, q, k, v)
+    )(plan.kv_index, plan.full_count, plan.count, *seg, q, k, v, poison)
 
 
 def _query_rows(i, b, h):
@@ -258,7 +273,7 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
     q, do = q_ref[...], do_ref[...]
     seg_q = seg_q_ref[_rows(q_start, st.block_q)]
     lse = lse_ref[...]
-    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)  # such rows see nothing: p is 0
+    lse2 = _lse2(lse)
     delta = delta_ref[...]
 
     def block(j, masked, dq):
@@ -323,7 +338,7 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
             if masked:
                 mask = _mask(st, seg_q_ref[queries], seg_k, i * st.block_q, k_start)
                 s2 = jnp.where(mask, s2, -jnp.inf)
-            p = jnp.exp2(s2 - jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)[:, None])
+            p = jnp.exp2(s2 - _lse2(lse)[:, None])
             dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
             ds = _ds(st, p, _dot(do, v), delta_ref[g, queries][:, None], s)
             return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv
@@ -334,7 +349,7 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
             do = do_ref[keys, g, :].astype(jnp.float32)
             lse = lse_ref[g, keys]
             s2, s = _own_logits(st, q, k, seg_q_ref[keys])
-            p = jnp.exp2(s2 - jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E))
+            p = jnp.exp2(s2 - _lse2(lse))
             ds = _ds(st, p, (do * v.astype(jnp.float32)).sum(1), delta_ref[g, keys], s)
             dk = dk + ds[:, None] * q
             dv = dv + p[:, None] * do
@@ -386,27 +401,27 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(st: _Static, q, k, v, seg, plan: BlockPlan):
-    return _forward(st, q, k, v, seg, plan)
+def _attention(st: _Static, q, k, v, seg, plan: BlockPlan, poison):
+    return _forward(st, q, k, v, seg, plan, poison)
 
 
-def _attention_fwd(st, q, k, v, seg, plan):
-    out, lse = _forward(st, q, k, v, seg, plan)
+def _attention_fwd(st, q, k, v, seg, plan, poison):
+    out, lse = _forward(st, q, k, v, seg, plan, poison)
     return (out, lse), (q, k, v, seg, plan, out, lse)
 
 
 def _attention_bwd(st, residuals, cotangents):
     q, k, v, seg, plan, out, lse = residuals
     d_out, d_lse = cotangents
-    # d lse / d s = p, so an lse cotangent enters exactly like -delta does.
-    delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1).transpose(0, 2, 1)
-    delta = delta - d_lse
+    lse, d_out, delta = semantics.backward_rows(out, d_out, lse.transpose(0, 2, 1),
+                                                d_lse.transpose(0, 2, 1))
+    lse, delta = lse.transpose(0, 2, 1), delta.transpose(0, 2, 1)
     # The forward wrote nQ * bq rows; the dk / dv kernel reads rows up to the padded length.
     rows = q.shape[1]
     d_out, lse, delta = pad_axis1(d_out, rows), _pad_last(lse, rows), _pad_last(delta, rows)
     dq = _dq(st, q, k, v, seg, plan, d_out, lse, delta)
     dk, dv = _dkv(st, q, k, v, seg, plan, d_out, lse, delta)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -442,6 +457,8 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
     # and queries at key rows. Padding has segment id 0, so it is invisible.
     s_pad = round_up(max(sq, skv), max(bq, bk))
     seg = (pad_axis1(seg_q, s_pad), pad_axis1(seg_k, s_pad))
+    (q, q_poison), (k, k_poison), (v, v_poison) = map(semantics.split_nonfinite, (q, k, v))
+    poison = pad_axis1(k_poison + v_poison, s_pad).transpose(0, 2, 1)  # [B, Hkv, S_pad]
     q_p, k_p, v_p = (pad_axis1(_pad_head_dim(x), s_pad) for x in (q, k, v))
 
     d_pad, dv_pad = q_p.shape[-1], v_p.shape[-1]
@@ -450,8 +467,8 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
                  num_warps=num_warps or (8 if max(d_pad, dv_pad) > 64 else 4),
                  num_stages=num_stages or _default_stages(sizes, d_pad, dv_pad, q.dtype.itemsize),
                  interpret=interpret)
-    out, lse = _attention(st, q_p, k_p, v_p, seg, block_plan)
-    return out[:, :sq, :, :dv], lse[:, :, :sq]
+    out, lse = _attention(st, q_p, k_p, v_p, seg, block_plan, poison)
+    return semantics.poison_rows(out[:, :sq, :, :dv], lse[:, :, :sq], q_poison)
 
 
 # Shared memory a kernel may plan for: under the ~100 KiB of an RTX-class sm86 part and the

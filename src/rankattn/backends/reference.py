@@ -23,6 +23,7 @@ def reference_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
     """Dense attention. Shapes as :func:`rankattn.attention`; segment_ids int [B, S] or None."""
     dtype = compute_dtype(q.dtype)
     groups = q.shape[2] // k.shape[2]
+    (q, q_poison), (k, k_poison), (v, v_poison) = map(semantics.split_nonfinite, (q, k, v))
     qf = q.astype(dtype)
     kf = jnp.repeat(k.astype(dtype), groups, axis=2)
     vf = jnp.repeat(v.astype(dtype), groups, axis=2)
@@ -45,7 +46,12 @@ def reference_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
     safe_l = jnp.where(seen, l, 1)
     out = jnp.einsum("bhqk,bkhd->bqhd", p / safe_l, vf, precision="highest")
     lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)[..., 0]
-    return out.astype(q.dtype), lse.astype(jnp.float32)
+    # Rows that see a key whose k or v is non-finite (in their kv head) are poisoned.
+    key_poison = jnp.repeat(k_poison + v_poison, groups, axis=2).transpose(0, 2, 1)[:, :, None]
+    sees_poison = (mask & jnp.isnan(key_poison)).any(-1)                  # [B, Hq, Sq]
+    lse = jnp.where(sees_poison, jnp.nan, lse)
+    out = jnp.where(sees_poison.transpose(0, 2, 1)[..., None], jnp.nan, out)
+    return semantics.poison_rows(out.astype(q.dtype), lse.astype(jnp.float32), q_poison)
 
 
 class Reference(Backend):

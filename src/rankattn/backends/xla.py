@@ -116,6 +116,8 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     bq, bk = sizes.block_q, sizes.block_k
     seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, sizes, causal,
                                                  block_plan)
+    (q, q_poison), (k, k_poison), (v, v_poison) = map(semantics.split_nonfinite, (q, k, v))
+    key_poison = (k_poison + v_poison)[..., None]  # [B, Skv, Hkv, 1]: NaN where k or v is bad
 
     n_q, n_k = seg_q.shape[1] // bq, seg_k.shape[1] // bk
     unit_bytes = hq * bq * bk * 4
@@ -136,14 +138,14 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
         x = x.reshape((b * n_q,) + x.shape[2:])
         return jnp.pad(x, [(0, n_units - b * n_q)] + [(0, 0)] * (x.ndim - 1))
 
-    def key_rows(x):
+    def key_rows(x, dtype=operands):
         """[B, S, Hkv, D] -> [B * nK, Hkv, bk, D]."""
-        x = pad_axis1(x.astype(operands), bk)
+        x = pad_axis1(x.astype(dtype), bk)
         return x.reshape(b * n_k, bk, hkv, -1).transpose(0, 2, 1, 3)
 
-    def query_units(x, heads):
+    def query_units(x, heads, dtype=operands):
         """[B, S, H, D] -> [U, Hkv, H // Hkv, bq, D]; query head h = kv_head * G + g."""
-        x = pad_axis1(x.astype(operands), bq).reshape(b, n_q, bq, hkv, heads // hkv, -1)
+        x = pad_axis1(x.astype(dtype), bq).reshape(b, n_q, bq, hkv, heads // hkv, -1)
         return units(x.transpose(0, 1, 3, 4, 2, 5))
 
     plan = _Units(
@@ -151,16 +153,17 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
         full_count=units(block_plan.full_count), count=units(block_plan.count),
         q_start=units(jnp.broadcast_to(jnp.arange(n_q, dtype=jnp.int32) * bq, (b, n_q))))
     qu = query_units(q, hq)
-    own_kv = None
+    own_kv, poison = None, (key_rows(key_poison, jnp.float32)[..., 0], None)
     if segment_ids is not None:  # each query's own key and value, in the query layout
         own_kv = (query_units(k, hkv)[:, :, 0], query_units(v, hkv)[:, :, 0])
+        poison = (poison[0], query_units(key_poison, hkv, jnp.float32)[:, :, 0, :, 0])
     out, lse = _flash(static, qu, key_rows(k), key_rows(v), own_kv,
-                      units(seg_q.reshape(b, n_q, bq)), seg_k.reshape(b * n_k, bk), plan)
+                      units(seg_q.reshape(b, n_q, bq)), seg_k.reshape(b * n_k, bk), plan, poison)
     # [U, Hkv, G, bq, Dv] -> [B, Sq, Hq, Dv];  [U, Hkv, G, bq] -> [B, Hq, Sq]
     out = out[:b * n_q].reshape(b, n_q, hq, bq, -1).transpose(0, 1, 3, 2, 4)
     out = out.reshape(b, n_q * bq, hq, -1)[:, :sq]
     lse = lse[:b * n_q].reshape(b, n_q, hq, bq).transpose(0, 2, 1, 3).reshape(b, hq, -1)[:, :, :sq]
-    return out.astype(dtype), lse.astype(jnp.float32)
+    return semantics.poison_rows(out.astype(dtype), lse.astype(jnp.float32), q_poison)
 
 
 def _chunks(static: _Static, tree):
@@ -244,13 +247,18 @@ def _own_logits(static: _Static, q, own_kv, seg_q):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units):
-    return _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan)
+def _flash(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units, poison):
+    return _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan, poison)
 
 
-def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units):
+def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units, poison):
+    """poison = (per key [B * nK, Hkv, bk], per own key [U, Hkv, bq] or None): 0, or NaN for a
+    key whose k or v is non-finite; added to the logits so that exactly the rows that see
+    such a key become NaN (rankattn.semantics)."""
+    key_poison, own_poisons = poison
+
     def chunk(_, xs):
-        q, own, seg_q, units = xs
+        q, own, own_poison, seg_q, units = xs
         rows, acc_dtype = q.shape[:-1], static.accumulate  # rows: [C, Hkv, G, bq]
         carry = (jnp.full(rows, -jnp.inf, acc_dtype), jnp.zeros(rows, acc_dtype),
                  jnp.zeros(rows + vb.shape[-1:], acc_dtype))
@@ -258,7 +266,7 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units):
             def body(t, carry, masked=masked, start=start, count=count):
                 m, l, acc = carry
                 vis = _visit(static, masked, t, start, count, q, kb, vb, seg_q, seg_kb, units)
-                s = static.cap(vis.logits)
+                s = static.cap(vis.logits) + key_poison[vis.index][:, :, None, None, :]
                 if masked:
                     s = jnp.where(vis.mask, s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(-1))
@@ -279,6 +287,7 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units):
 
         if own is not None:  # the own-key logit joins the softmax
             s_own, _, is_cand = _own_logits(static, q, own, seg_q)
+            s_own = s_own + own_poison[:, :, None]
             m_new = jnp.where(is_cand, jnp.maximum(m, s_own), m)
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
             p_own = jnp.where(is_cand, jnp.exp(s_own - shift), 0)
@@ -287,27 +296,28 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units):
             acc = acc * alpha[..., None] + p_own[..., None] * own[1][:, :, None].astype(acc_dtype)
             m = m_new
 
-        seen = l > 0
+        seen = l != 0  # NaN (a poisoned row) counts as seen
         out = acc / jnp.where(seen, l, 1)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
         return None, (out, lse)
 
-    _, result = jax.lax.scan(chunk, None, _chunks(static, (qu, own_kv, seg_qu, plan)))
+    _, result = jax.lax.scan(chunk, None,
+                             _chunks(static, (qu, own_kv, own_poisons, seg_qu, plan)))
     return _unchunk(result)
 
 
-def _flash_fwd(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan):
-    out, lse = _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan)
+def _flash_fwd(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan, poison):
+    out, lse = _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan, poison)
     return (out, lse), (qu, kb, vb, own_kv, seg_qu, seg_kb, plan, out, lse)
 
 
 def _flash_bwd(static, residuals, cotangents):
     qu, kb, vb, own_kv, seg_qu, seg_kb, plan, out, lse = residuals
     d_out, d_lse = cotangents
-    # d lse / d s = P, so an lse cotangent enters exactly like -delta does.
     acc_dtype = static.accumulate
-    delta = (d_out.astype(acc_dtype) * out).sum(-1) - d_lse
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
+    lse, d_out, delta = semantics.backward_rows(out, d_out, lse, d_lse)
+    # Rows that see nothing: every p is masked. Poisoned rows keep lse = +inf: every p is 0.
+    lse_safe = jnp.where(lse == -jnp.inf, 0, lse)
 
     def chunk(carry, xs):
         dk, dv = carry
@@ -346,7 +356,7 @@ def _flash_bwd(static, residuals, cotangents):
     # Cotangents in the primal dtypes (bf16 / f16 operands on the mixed-precision path).
     like = lambda grads, primals: jax.tree.map(lambda g, x: g.astype(x.dtype), grads, primals)
     return (like(_unchunk(dq), qu), like(dk, kb), like(dv, vb), like(_unchunk(d_own), own_kv),
-            None, None, None)
+            None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
