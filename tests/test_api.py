@@ -148,3 +148,13 @@ def test_auto_picks_xla(monkeypatch):
     assert rankattn.available_impls()[0] == "xla"
     rankattn.attention(q, k, v, impl="reference")
     assert calls == ["xla", "reference"]
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint32, np.int64, np.uint64])
+def test_any_integer_dtype_of_segment_ids(dtype):
+    """Segment ids of every integer dtype mean the same mask (checked, then cast to int32)."""
+    q, k, v, _ = random_qkv(7, B, S, HQ, HKV, D)
+    seg = np.abs(PACKED) if np.issubdtype(dtype, np.unsignedinteger) else PACKED
+    want = attention_jit(q, k, v, segment_ids=seg.astype(np.int32), impl="reference")
+    got = rankattn.attention(q, k, v, segment_ids=seg.astype(dtype), impl="reference")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -95,6 +95,13 @@ ERROR_CASES = [
      ["plan", "together with bounds"]),
     ("plan-and-causal", "RA117", V, lambda: attend(plan=rankattn.plan(segment_ids=SEG), causal=True),
      ["plan", "causal"]),
+    ("seg-bool", "RA107", T, lambda: attend(segment_ids=SEG > 0), ["bool", "astype(jnp.int32)"]),
+    ("seg-wide", "RA118", V, lambda: attend(segment_ids=SEG.astype(np.int64) * 2**31),
+     ["2147483648", "2147483647"]),
+    ("seg-int32-min", "RA118", V, lambda: attend(segment_ids=np.full((2, 8), -2**31, np.int32)),
+     ["-2147483648"]),
+    ("seg-uint64", "RA118", V, lambda: attend(segment_ids=np.full((2, 8), 2**40, np.uint64)),
+     [str(2**40)]),
     ("plan-shape", "RA117", V, lambda: attend(plan=rankattn.plan(segment_ids=np.ones((3, 8), np.int32))),
      ["(3, 8)", "B=2"]),
 ]

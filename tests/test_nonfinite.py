@@ -91,3 +91,25 @@ def test_poisoned_queries_pass_no_gradient(impl):
     for name in ("dq", "dk", "dv"):
         assert np.all(got[name][0, session_1] == 0), name
         assert np.abs(got[name][0, ~session_1 & (SEG[0] != 0)]).max() > 0, f"{name}: vacuous"
+
+
+LONG_ROW = np.array([1] * 48 + [-1] * 8 + [2] * 16 + [0] * 8, np.int32)[None]
+
+
+@pytest.mark.parametrize("tensor", ["k", "v"])
+def test_a_bad_key_in_full_blocks_poisons_its_session_only(impl, tensor):
+    """48 history tokens of one session: with 16 x 8 (or 16 x 16) blocks most block pairs are
+    full, where the backends skip the mask; the poison must reach those rows too."""
+    q, k, v, d_out = random_qkv(14, 1, LONG_ROW.shape[1], 2, 1, 8)
+    d_lse = np.zeros((1, 2, LONG_ROW.shape[1]), np.float32)
+    inputs = {"q": q, "k": k.copy(), "v": v.copy()}
+    inputs[tensor][0, 20, 0, 5] = np.nan
+    out, lse, *grads = (np.asarray(x) for x in attention_vjp(
+        inputs["q"], inputs["k"], inputs["v"], d_out, d_lse, segment_ids=LONG_ROW, impl=impl))
+    clean_out = np.asarray(attention_vjp(q, k, v, d_out, d_lse, segment_ids=LONG_ROW,
+                                         impl=impl)[0])
+    session_1 = np.abs(LONG_ROW[0]) == 1
+    assert np.isnan(out[0, session_1]).all() and np.isnan(lse[0][:, session_1]).all()
+    np.testing.assert_array_equal(out[0, ~session_1], clean_out[0, ~session_1])
+    for g in grads:
+        assert np.isfinite(g).all()

@@ -100,16 +100,23 @@ def softcap_grad(s, cap: float | None, method: str):
 # --- Non-finite inputs. -------------------------------------------------------------
 
 
+def nonfinite(x):
+    """bool [...]: whether the vector along the last axis holds a NaN or an inf."""
+    return ~jnp.isfinite(x).all(-1)
+
+
+def finite(x):
+    """x with its non-finite entries replaced by 0."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
 def split_nonfinite(x):
-    """(x with non-finite entries replaced by 0, poison float32 [...]: NaN where the vector
-    along the last axis holds a non-finite entry, else 0).
+    """(finite(x), poison float32 [...]: NaN where nonfinite(x), else 0).
 
     Adding a key's poison to its logits (before the mask) makes exactly the rows
     that see it NaN; a masked entry is replaced by -inf whatever its value.
     """
-    finite = jnp.isfinite(x)
-    poison = jnp.where(finite.all(-1), 0.0, jnp.nan).astype(jnp.float32)
-    return jnp.where(finite, x, jnp.zeros((), x.dtype)), poison
+    return finite(x), jnp.where(nonfinite(x), jnp.nan, 0.0).astype(jnp.float32)
 
 
 def poison_rows(out, lse, q_poison):

@@ -162,16 +162,31 @@ def _check_static_float(name: str, value, code: str) -> float:
                          "It selects the compiled program, so it cannot be a traced array.") from e
 
 
+INT32_MAX = np.iinfo(np.int32).max
+
+
 def _check_segment_ids(segment_ids, batch: int, seq_len: int):
     if not hasattr(segment_ids, "shape") or not hasattr(segment_ids, "dtype"):
         raise fail("RA107", f"segment_ids must be an int array [B, S]; got {type(segment_ids).__name__}.")
+    if segment_ids.dtype == np.bool_:
+        raise fail("RA107", "segment_ids is a bool array; segment ids are integers (0 = padding, "
+                            "+s = history of session s, -s = candidate of session s). For a "
+                            "padding mask (True = real token) pass mask.astype(jnp.int32): one "
+                            "session of history, padding elsewhere.")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise fail("RA107", f"segment_ids has dtype {segment_ids.dtype}; it must be an integer dtype "
                             "(0 = padding, +s = history of session s, -s = candidate of session s).")
     if tuple(segment_ids.shape) != (batch, seq_len):
         raise fail("RA107", f"segment_ids has shape {tuple(segment_ids.shape)}; q has batch {batch} "
                             f"and length {seq_len}, so it must be ({batch}, {seq_len}).")
-    return jnp.asarray(segment_ids, jnp.int32)
+    values = concrete(segment_ids)
+    if values is not None and values.size:
+        low, high = int(values.min()), int(values.max())
+        if low < -INT32_MAX or high > INT32_MAX:
+            raise fail("RA118", f"segment_ids range from {low} to {high}; ids must lie in "
+                                f"[-{INT32_MAX}, {INT32_MAX}] (int32, with |s| representable). "
+                                "Renumber each row's sessions 1, 2, 3, ...")
+    return jnp.asarray(segment_ids).astype(jnp.int32)
 
 
 def _check_bounds(bounds, batch: int, seq_len: int):
