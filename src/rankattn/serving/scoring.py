@@ -324,19 +324,28 @@ def _token_major(x):
 
 
 def _bounds(qs, cache: PagedKVCache, table, valid):
-    """Quest bounds [B, Hkv, T, G, M] of scaled queries qs [B, Hkv, T, G, D]; -inf off-history."""
+    """(Quest bounds [B, Hkv, T, G, M] of scaled queries qs [B, Hkv, T, G, D], -inf
+    off-history; bool [B, Hkv, 1, 1, M]: real pages whose key stats are not finite).
+
+    A page holding a non-finite key has no finite bound: its bound here is computed as if
+    those stats were 0, and callers rank it first (selecting it poisons the rows that read
+    it, as exact attention would) or report +inf.
+    """
     idx = jnp.maximum(table, 0)
     # Missing pages hold +-inf (or another user's stats); zero them before the
     # product so no inf * 0 = NaN appears, then mask the result.
     keep = valid[:, :, None, None]
-    hi = jnp.where(keep, cache.k_max[idx], 0).astype(qs.dtype)
-    lo = jnp.where(keep, cache.k_min[idx], 0).astype(qs.dtype)
+    hi, lo = cache.k_max[idx], cache.k_min[idx]                      # [B, M, Hkv, D]
+    bad = keep[..., 0] & ~(jnp.isfinite(hi) & jnp.isfinite(lo)).all(-1)
+    hi = jnp.where(keep & jnp.isfinite(hi), hi, 0).astype(qs.dtype)
+    lo = jnp.where(keep & jnp.isfinite(lo), lo, 0).astype(qs.dtype)
     # Pages as the row axis of the product, then the (smaller) result moved: XLA
     # keeps the page stats d-minor, which measured 1.4-2.4x faster on CPU than
     # asking for pages last (that transposes every page's D stats).
     u = (jnp.einsum("bmhd,bhtgd->bhmtg", hi, jnp.maximum(qs, 0), precision="highest")
          + jnp.einsum("bmhd,bhtgd->bhmtg", lo, jnp.minimum(qs, 0), precision="highest"))
-    return jnp.where(valid[:, None, None, None, :], jnp.moveaxis(u, 2, -1), -jnp.inf)
+    u = jnp.where(valid[:, None, None, None, :], jnp.moveaxis(u, 2, -1), -jnp.inf)
+    return u, jnp.moveaxis(bad, 1, -1)[:, :, None, None]
 
 
 def _select(plan: _Plan, qf, cache: PagedKVCache, table, valid):
@@ -344,10 +353,11 @@ def _select(plan: _Plan, qf, cache: PagedKVCache, table, valid):
     qs = qf * plan.scale
     if plan.gqa == "mean":
         qs = qs.mean(3, keepdims=True)
-    u = _bounds(qs, cache, table, valid)
+    u, bad = _bounds(qs, cache, table, valid)
     valid5 = valid[:, None, None, None, :]
     if plan.gqa == "group":
         u = jnp.where(valid5, GROUP_RULES[plan.group_rule](u, valid5), -jnp.inf)
+    u = jnp.where(bad, jnp.inf, u)
     j = jnp.arange(cache.max_pages)
     npages = valid.sum(-1, keepdims=True)
     kept = valid & ((j < plan.sink_pages) | (j >= npages - plan.recent_pages))
@@ -369,7 +379,8 @@ def _select_public(plan: _Plan, q, cache: PagedKVCache, users):
 def _bounds_public(plan: _Plan, q, cache: PagedKVCache, users):
     table, _, valid = _user_pages(cache, users)
     qs = _head_major(q, cache.kv_heads) * plan.scale
-    return _token_major(_bounds(qs, cache, table, valid)).astype(jnp.float32)
+    u, bad = _bounds(qs, cache, table, valid)
+    return _token_major(jnp.where(bad, jnp.inf, u)).astype(jnp.float32)
 
 
 # --- Attention over pages. ---------------------------------------------------------------------
@@ -396,12 +407,15 @@ def _attend(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
         # The self key starts the online softmax: m = its logit, l = 1, acc = its value.
         k_self = jnp.moveaxis(k_self.astype(dtype), 2, 1)         # [B, Hkv, T, D]
         v_self = jnp.moveaxis(v_self.astype(dtype), 2, 1)
+        bad = semantics.nonfinite(k_self) | semantics.nonfinite(v_self)
+        k_self, v_self = semantics.finite(k_self), semantics.finite(v_self)
         s = jnp.einsum("bhtgd,bhtd->bhtg", qf, k_self, precision="highest")
         s = semantics.softcap(s * plan.scale, plan.softcap, plan.softcap_method)
+        s = jnp.where(bad[..., None], jnp.nan, s)  # a non-finite self key poisons its row
         state = (s, jnp.ones(rows, dtype),
                  jnp.broadcast_to(v_self[:, :, :, None], rows + (cache.v_head_dim,)))
     m, l, acc = _attend_pages(plan, qf, cache, table, length, logical, state)
-    seen = l > 0
+    seen = l != 0  # NaN: a row poisoned by a non-finite input (rankattn.semantics)
     out = acc / jnp.where(seen, l, 1)[..., None]
     return _token_major(out).astype(q.dtype)
 
@@ -441,8 +455,16 @@ def _attend_pages(plan: _Plan, qf, cache: PagedKVCache, table, length, logical, 
         v = v_rows[row].reshape(*row.shape[:-1], chunk * p, -1).astype(qf.dtype)
         pos = (pages[..., None] * p + jnp.arange(p)).reshape(*pages.shape[:-1], chunk * p)
         mask = pos < length[:, None, None, None, None]
+        # Slots past the user's length (a missing page read as page 0, a released page's
+        # stale tail) belong to nobody this row may see: their keys and values are never
+        # used, not even times a zero weight. The user's own non-finite keys poison the
+        # rows that see them and nothing else (rankattn.semantics).
+        key_mask = mask.squeeze(squeeze)[..., None]
+        bad = jnp.expand_dims(semantics.nonfinite(k) | semantics.nonfinite(v), squeeze)
+        k = jnp.where(key_mask & jnp.isfinite(k), k, 0)
+        v = jnp.where(key_mask & jnp.isfinite(v), v, 0)
         s = jnp.einsum(f"bhtgd,{k_sub}kd->bhtgk", qf, k, precision="highest") * plan.scale
-        s = semantics.softcap(s, plan.softcap, plan.softcap_method)
+        s = jnp.where(bad, jnp.nan, semantics.softcap(s, plan.softcap, plan.softcap_method))
         m_new = jnp.maximum(m, jnp.where(mask, s, -jnp.inf).max(-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
         e = jnp.where(mask, jnp.exp(s - shift[..., None]), 0)

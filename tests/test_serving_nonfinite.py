@@ -1,0 +1,101 @@
+"""rankattn.serving keeps users apart: other users' pages, stale slots and non-finite values.
+
+Expected values: the clean run (bit-identical where the spec promises it) or the core
+rankattn.attention on the same tokens; never the serving path compared with itself.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rankattn
+from rankattn import serving
+
+P, HKV, HQ, D = 4, 2, 4, 8
+
+
+def _queries(seed, b, t):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(0, 1, (b, t, HQ, D)).astype(np.float32)
+    k_self = rng.normal(0, 1, (b, t, HKV, D)).astype(np.float32)
+    v_self = rng.normal(0, 1, (b, t, HKV, D)).astype(np.float32)
+    return q, k_self, v_self
+
+
+def _history(seed, users, length):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(0, 1, (users, length, HKV, D)).astype(np.float32),
+            rng.normal(0, 1, (users, length, HKV, D)).astype(np.float32))
+
+
+def _core_candidates(k_hist, v_hist, q, k_self, v_self):
+    """The candidate rows of one rankattn.attention call: history [L] + candidates [T]."""
+    length, t = k_hist.shape[0], q.shape[0]
+    cat = lambda h, c: jnp.concatenate([jnp.asarray(h)[None], jnp.asarray(c)[None]], 1)
+    seg = jnp.asarray([[1] * length + [-1] * t], jnp.int32)
+    q_full = cat(np.zeros((length, HQ, D), np.float32), q)
+    out = rankattn.attention(q_full, cat(k_hist, k_self), cat(v_hist, v_self), segment_ids=seg,
+                             impl="reference")
+    return np.asarray(out)[0, length:]
+
+
+@pytest.mark.parametrize("budget", [None, 3 * P])  # 3 of user 0's 5 pages: Quest selects
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_bad_history_value_stays_with_its_user(budget, value):
+    """User 0's page 0 holds a bad key; user 1's history is shorter, so its missing page-table
+    entries are read as physical page 0 too. User 1 must not notice."""
+    k, v = _history(0, 2, 5 * P)
+    lengths = np.array([5 * P, P + 1], np.int32)            # user 1: one full + one partial page
+    q, k_self, v_self = _queries(1, 2, 3)
+    users = np.array([0, 1], np.int32)
+
+    def run(k, v):
+        cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(v), lengths, P)
+        assert int(np.asarray(cache.page_table)[0, 0]) == 0, "user 0 should own page 0"
+        return np.asarray(serving.attend(q, cache, users, (k_self, v_self), budget=budget))
+
+    clean = run(k, v)
+    k_bad = k.copy()
+    k_bad[0, 1, 0, 2] = value      # user 0, token 1 (the sink page, always kept), kv head 0
+    got = run(k_bad, v)
+    np.testing.assert_array_equal(got[1], clean[1])
+    assert np.isnan(got[0, :, :HQ // HKV]).all()            # kv head 0's query heads see it
+    np.testing.assert_array_equal(got[0, :, HQ // HKV:], clean[0, :, HQ // HKV:])
+
+
+def test_a_released_pages_stale_values_are_never_read():
+    """A page released by one user and reused by another keeps the old values in the slots
+    the new owner has not filled; those (inf and NaN here) must not reach its scores."""
+    k, v = _history(2, 1, 2 * P)
+    k[0, P + 1:] = np.inf
+    v[0, P + 1:] = np.nan
+    cache = serving.empty_cache(num_users=2, num_pages=2, page_size=P, kv_heads=HKV,
+                                head_dim=D)
+    cache = serving.append(cache, np.array([0]), k, v, np.array([2 * P]))
+    cache = serving.release(cache, np.array([0]))
+    k1, v1 = _history(3, 1, P + 1)
+    cache = serving.append(cache, np.array([1]), k1, v1, np.array([P + 1]))  # reuses both pages
+    q, k_self, v_self = _queries(4, 1, 2)
+    got = np.asarray(serving.attend(q, cache, np.array([1]), (k_self, v_self)))
+    want = _core_candidates(k1[0], v1[0], q[0], k_self[0], v_self[0])
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_self_key_or_query_poisons_only_its_row():
+    k, v = _history(5, 2, 2 * P)
+    cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(v), np.array([2 * P, P]), P)
+    q, k_self, v_self = _queries(6, 2, 3)
+    users = np.array([0, 1], np.int32)
+    clean = np.asarray(serving.attend(q, cache, users, (k_self, v_self)))
+    q_bad, v_bad = q.copy(), v_self.copy()
+    q_bad[0, 1, 3, 0] = np.nan                              # row (0, 1), query head 3
+    v_bad[1, 2, 1, 4] = np.inf                              # row (1, 2)'s own value, kv head 1
+    got = np.asarray(serving.attend(q_bad, cache, users, (k_self, v_bad)))
+    hit = np.zeros(got.shape[:3], bool)
+    hit[0, 1, 3] = True
+    hit[1, 2, 2:] = True                                    # query heads 2, 3 use kv head 1
+    assert np.isnan(got[hit]).all()
+    np.testing.assert_array_equal(got[~hit], clean[~hit])
