@@ -6,6 +6,7 @@ rankattn.attention on the same tokens; never the serving path compared with itse
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -99,3 +100,32 @@ def test_a_bad_self_key_or_query_poisons_only_its_row():
     hit[1, 2, 2:] = True                                    # query heads 2, 3 use kv head 1
     assert np.isnan(got[hit]).all()
     np.testing.assert_array_equal(got[~hit], clean[~hit])
+
+
+def test_append_reports_each_user_under_jit():
+    """Per row: appended, skipped for room, or skipped for a value float16 cannot hold."""
+    cache = serving.empty_cache(num_users=3, num_pages=3, page_size=2, kv_heads=1, head_dim=1,
+                                max_pages=2, dtype=jnp.float16)
+    k = np.ones((3, 5, 1, 1), np.float32)
+    v = np.ones((3, 5, 1, 1), np.float32)
+    v[2, 1] = 70000.0                                       # past float16's 65504
+    step = jax.jit(lambda c, *a: serving.append(c, *a, return_status=True))
+    # user 0: 5 tokens > max_pages * P = 4; user 1: 3 tokens, fits; user 2: out of range.
+    cache, status = step(cache, jnp.array([0, 1, 2]), k, v, jnp.array([5, 3, 2]))
+    assert np.asarray(status.appended).tolist() == [False, True, False]
+    assert np.asarray(status.no_room).tolist() == [True, False, False]
+    assert np.asarray(status.out_of_range).tolist() == [False, False, True]
+    assert bool(cache.overflow) and np.asarray(cache.lengths).tolist() == [0, 3, 0]
+    assert np.isfinite(np.asarray(cache.v_pages, np.float32)).all()
+    # The out-of-range value past counts is not appended, so it is no problem.
+    cache, status = step(cache, jnp.array([2]), k[2:], v[2:], jnp.array([1]))
+    assert np.asarray(status.appended).tolist() == [True]
+
+
+def test_append_rejects_a_value_the_cache_dtype_cannot_hold():
+    cache = serving.empty_cache(num_users=1, num_pages=2, page_size=2, kv_heads=1, head_dim=1,
+                                dtype=jnp.float16)
+    k = np.full((1, 2, 1, 1), 1e5, np.float32)
+    with pytest.raises(rankattn.RankattnValueError, match="RA214") as err:
+        serving.append(cache, np.array([0]), k, np.ones_like(k), np.array([2]))
+    assert "100000" in str(err.value) and "float16" in str(err.value)

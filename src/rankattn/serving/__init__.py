@@ -6,8 +6,8 @@ of that user: scoring C candidates costs O(C * S) per layer instead of
 O((S + C)^2), and scores are batch-invariant by construction.
 
 * :class:`PagedKVCache`, :func:`empty_cache`, :func:`cache_from_history`,
-  :func:`append`, :func:`release`: the cache (a pytree; every function is pure
-  and jittable).
+  :func:`append` (with an :class:`AppendStatus` per user on request),
+  :func:`release`: the cache (a pytree; every function is pure and jittable).
 * :func:`attend`: queries [B, T, Hq, D] (or [B, Hq, D], [B, Hq*D]) against their
   users' cached history plus an optional self term; exact, or with a token
   ``budget`` using Quest's page bounds (``gqa='per_head' | 'group' | 'mean'``).
@@ -20,8 +20,9 @@ Errors are RA2xx in docs/errors.md; the guide is docs/serving.md.
 from rankattn.serving import _errors  # noqa: F401  (registers RA2xx)
 from rankattn.serving.scoring import (DEFAULT_GROUP_RULE, GQA_MODES, GROUP_RULES, attend,
                                      page_bounds, select_pages)
-from rankattn.serving.cache import (PagedKVCache, append, cache_from_history, empty_cache,
-                                    release)
+from rankattn.serving.cache import (AppendStatus, PagedKVCache, append, cache_from_history,
+                                    empty_cache, release)
 
-__all__ = ["DEFAULT_GROUP_RULE", "GQA_MODES", "GROUP_RULES", "PagedKVCache", "append", "attend",
+__all__ = ["AppendStatus", "DEFAULT_GROUP_RULE", "GQA_MODES", "GROUP_RULES", "PagedKVCache",
+           "append", "attend",
            "cache_from_history", "empty_cache", "page_bounds", "release", "select_pages"]

@@ -16,7 +16,9 @@ Layout (one cache per layer):
   ``ceil(lengths[u] / P)`` page-table entries);
 * ``free [N]`` bool: pages not owned by any user; allocation takes the free pages
   with the lowest ids;
-* ``overflow []`` bool: set (and kept) when an append under jit did not fit.
+* ``overflow []`` bool: set (and kept) when an append under jit skipped a user (it did
+  not fit, or a value would have overflowed the cache dtype); ``append(...,
+  return_status=True)`` says which users.
 
 Every function returns a new cache and never mutates its argument; jit them with
 ``donate_argnums=0`` to let XLA update the pages in place.
@@ -33,6 +35,14 @@ import numpy as np
 from rankattn.backends.base import compute_dtype
 from rankattn.errors import fail
 from rankattn.validate import concrete
+
+
+class AppendStatus(NamedTuple):
+    """What one :func:`append` did, per row b of its arguments."""
+
+    appended: jax.Array      # [B] bool: row b's tokens are in the cache (True for counts 0)
+    no_room: jax.Array       # [B] bool: skipped, past max_pages * P tokens or out of free pages
+    out_of_range: jax.Array  # [B] bool: skipped, a finite value would be +-inf in the cache dtype
 
 
 class PagedKVCache(NamedTuple):
@@ -163,7 +173,7 @@ def cache_from_history(k_hist, v_hist, lengths, page_size: int = 16, *,
     return append(cache, jnp.arange(u, dtype=jnp.int32), k_hist, v_hist, lengths)
 
 
-def append(cache: PagedKVCache, users, k_new, v_new, counts) -> PagedKVCache:
+def append(cache: PagedKVCache, users, k_new, v_new, counts, *, return_status: bool = False):
     """Append new history tokens: row b adds its first counts[b] tokens to user users[b].
 
     Args:
@@ -172,15 +182,21 @@ def append(cache: PagedKVCache, users, k_new, v_new, counts) -> PagedKVCache:
       k_new: [B, T, Hkv, D] keys (any float dtype; stored in the cache's dtype).
       v_new: [B, T, Hkv, Dv] values.
       counts: int [B], 0 <= counts[b] <= T.
+      return_status: also return an :class:`AppendStatus` (which rows were
+        appended, which were skipped and why).
 
     Returns:
-      The new cache. Pages are allocated from the free pages with the lowest
-      ids; key min/max are updated with a scatter-min/max of exactly the new
-      tokens, so a partially filled page covers only its filled slots.
+      The new cache (and the status). Pages are allocated from the free pages
+      with the lowest ids; key min/max are updated with a scatter-min/max of
+      exactly the new tokens, so a partially filled page covers only its filled
+      slots.
 
     Raises RA210 when the arrays are concrete and a user would exceed max_pages * P
-    tokens or the free pages run out (nothing is changed). Under jit the
-    users that do not fit are skipped and ``cache.overflow`` is set instead.
+    tokens or the free pages run out, and RA214 when a finite new value would
+    become +-inf in the cache dtype (e.g. |v| > 65504 in float16); nothing is
+    changed. Under jit such users are skipped whole, ``cache.overflow`` is set
+    and the status says which. Non-finite values given as such are stored
+    as they are: they poison only the rows that read them (rankattn.semantics).
     Ids repeated within one call are an error when concrete and undefined
     under jit. Cost: O(B * T) scatters plus O(B * max_pages + N) bookkeeping.
     """
@@ -201,8 +217,9 @@ def append(cache: PagedKVCache, users, k_new, v_new, counts) -> PagedKVCache:
         raise fail("RA211", f"counts must be an int array of shape ({b},), one count per user; got "
                             f"{_describe(counts)}.")
     counts = jnp.asarray(counts, jnp.int32)
-    _check_append_values(cache, users, counts, k_new.shape[1])
-    return _append(cache, users, k_new, v_new, counts)
+    _check_append_values(cache, users, counts, k_new, v_new)
+    cache, status = _append(cache, users, k_new, v_new, counts)
+    return (cache, status) if return_status else cache
 
 
 def release(cache: PagedKVCache, users) -> PagedKVCache:
@@ -268,9 +285,11 @@ def check_float(name: str, x) -> None:
                             f"{name}.astype(jnp.float32).")
 
 
-def _check_append_values(cache: PagedKVCache, users, counts, t: int) -> None:
-    """The checks that need values; skipped under jit (the overflow flag covers capacity)."""
+def _check_append_values(cache: PagedKVCache, users, counts, k_new, v_new) -> None:
+    """The checks that need values; skipped under jit (the overflow flag and the status cover
+    capacity and range there)."""
     u, c = concrete(users), concrete(counts)
+    t = k_new.shape[1]
     if u is None or c is None:
         return
     if len(set(u.tolist())) != len(u):
@@ -278,6 +297,15 @@ def _check_append_values(cache: PagedKVCache, users, counts, t: int) -> None:
                             "(concatenate its tokens along T).")
     if ((c < 0) | (c > t)).any():
         raise fail("RA211", f"counts {c.tolist()} must lie in [0, T={t}].")
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        lossy = concrete(_lossy(x, cache.k_pages.dtype, jnp.asarray(c)))
+        if lossy is not None and lossy.any():
+            i = int(np.argmax(lossy))
+            big = float(np.abs(np.asarray(x[i, :c[i]], np.float64)).max())
+            raise fail("RA214", f"{name} row {i} (user {u[i]}) holds {big:.6g}, which the cache's "
+                                f"{jnp.dtype(cache.k_pages.dtype).name} stores as inf (largest "
+                                f"finite {float(jnp.finfo(cache.k_pages.dtype).max):.6g}). Scale "
+                                "or clip the values, or build the cache with dtype=jnp.float32.")
     lengths, free = concrete(cache.lengths), concrete(cache.free)
     if lengths is None or free is None:
         return
@@ -300,8 +328,17 @@ def _check_append_values(cache: PagedKVCache, users, counts, t: int) -> None:
 # --- Jitted bodies. ----------------------------------------------------------------------------
 
 
+def _lossy(x, dtype, counts):
+    """bool [B]: whether row b's first counts[b] tokens hold a finite value that ``dtype``
+    stores as +-inf."""
+    x = jnp.asarray(x)
+    lost = jnp.isfinite(x) & ~jnp.isfinite(x.astype(dtype))
+    lost = lost.reshape(x.shape[0], x.shape[1], -1).any(-1)
+    return (lost & (jnp.arange(x.shape[1])[None, :] < counts[:, None])).any(-1)
+
+
 @jax.jit
-def _append(cache: PagedKVCache, users, k_new, v_new, counts) -> PagedKVCache:
+def _append(cache: PagedKVCache, users, k_new, v_new, counts):
     n, p = cache.num_pages, cache.page_size
     b, t = k_new.shape[:2]
     counts = jnp.clip(counts, 0, t)
@@ -309,10 +346,12 @@ def _append(cache: PagedKVCache, users, k_new, v_new, counts) -> PagedKVCache:
     pages_old = -(-old // p)
     need = -(-(old + counts) // p) - pages_old
 
-    # Decide who fits before touching anything: per-user capacity first, then the
-    # free pages in row order (a skipped user frees nothing for later rows, which
-    # keeps the rule simple and order-stable).
-    fits = old + counts <= cache.max_pages * p
+    # Decide who is appended before touching anything: values the cache dtype can hold,
+    # per-user capacity, then the free pages in row order (a skipped user frees nothing
+    # for later rows, which keeps the rule simple and order-stable).
+    out_of_range = (_lossy(k_new, cache.k_pages.dtype, counts)
+                    | _lossy(v_new, cache.v_pages.dtype, counts))
+    fits = (old + counts <= cache.max_pages * p) & ~out_of_range
     need = jnp.where(fits, need, 0)
     start = jnp.cumsum(need) - need
     fits &= start + need <= cache.free.sum()
@@ -349,6 +388,7 @@ def _append(cache: PagedKVCache, users, k_new, v_new, counts) -> PagedKVCache:
     # Min/max see the values as stored (after the cast to the cache dtype), so the
     # bound holds for exactly the keys attend will read.
     k_stored = k_flat.astype(cache.k_pages.dtype).astype(cache.k_min.dtype)
+    status = AppendStatus(appended=fits, no_room=~fits & ~out_of_range, out_of_range=out_of_range)
     return PagedKVCache(
         k_pages=write(cache.k_pages, k_flat),
         v_pages=write(cache.v_pages, v_flat),
@@ -358,7 +398,7 @@ def _append(cache: PagedKVCache, users, k_new, v_new, counts) -> PagedKVCache:
         lengths=cache.lengths.at[users].set(old + counts),
         free=free,
         overflow=cache.overflow | ~fits.all(),
-    )
+    ), status
 
 
 @jax.jit
