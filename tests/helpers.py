@@ -254,7 +254,7 @@ def run(case: Case, impl, dtype=None) -> dict[str, np.ndarray]:
     return {name: np.asarray(x).astype(np.float32) for name, x in res.items()}
 
 
-# --- The naive low-precision baseline (for the bf16/f16 tolerance rule). ----------
+# --- A naive low-precision attention: what losing the float32 math would give. ----
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "softcap_method"))
@@ -302,9 +302,9 @@ def check_against_reference(case: Case, impl) -> None:
             assert_close_f32(got[name], want[name], name)
     else:
         want = run(case, "reference", dtype=jnp.float32)
-        naive = run_naive(case)
-        for name in FIELDS:
-            assert_low_precision_close(got[name], want[name], naive[name], name)
+        assert_close_f32(got["lse"], want["lse"], "lse")
+        for name in ("out", "dq", "dk", "dv"):
+            assert_low_precision_close(got[name], want[name], case.dtype, name)
     # Outputs of queries that see nothing are exactly zero, and so are their gradients.
     blind = ~case.dense_mask().any(-1)                         # [B, Sq]
     assert np.all(got["out"][blind] == 0) and np.all(got["dq"][blind] == 0)

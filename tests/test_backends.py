@@ -28,7 +28,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import SMALL_BLOCKS, SMALL_TRITON
-from helpers import FIELDS, Case, bounds, case_id, check_against_reference, run, segment_ids
+import jax.numpy as jnp
+from helpers import (FIELDS, Case, bounds, case_id, check_against_reference, random_segments, run,
+                     run_naive, segment_ids)
+from tolerances import assert_low_precision_close
 from rankattn.backends import BlockSizes, PallasTriton, Xla
 
 C = Case
@@ -179,3 +182,18 @@ class TestPallasTritonDefaultBlocks(BackendTests):
     impl = PallasTriton(interpret=True)
     configs = TRITON_CONFIGS[5::6]
     long_configs = TRITON_LONG_CONFIGS
+
+
+@pytest.mark.parametrize("bf16", [c for c in CONFIGS if c.dtype == "bfloat16" and c.mask == SEG],
+                         ids=case_id)
+def test_naive_low_precision_attention_fails_the_rule(bf16):
+    """The bf16 rule has teeth: attention computed wholly in bf16 (softmax included) breaks it."""
+    case = bf16.with_mask(random_segments(3, bf16.batch, bf16.seq, "packed"))
+    want, naive = run(case, "reference", dtype=jnp.float32), run_naive(case)
+    failures = 0
+    for name in ("out", "dq", "dk", "dv"):
+        try:
+            assert_low_precision_close(naive[name], want[name], case.dtype, name)
+        except AssertionError:
+            failures += 1
+    assert failures, "an all-bf16 attention passes the bf16 rule: the rule is too loose"
