@@ -123,6 +123,37 @@ class TestXlaDefaultBlocks(BackendTests):
     configs = CONFIGS[5::3]
 
 
+# Lengths around the default blocks (128 queries x 512 keys): one below, at and one past a
+# query block and a key block, and past two key blocks.
+DEFAULT_BLOCK_LENGTHS = [
+    C(batch=1, seq=127, heads_q=2, heads_kv=1, dim=8, mask=SEG),
+    C(batch=1, seq=128, heads_q=2, heads_kv=1, dim=8, mask=SEG, causal=True),
+    C(batch=2, seq=129, heads_q=2, heads_kv=1, dim=8, mask=ROWS, softcap=2.0),
+    C(batch=1, seq=511, heads_q=4, heads_kv=2, dim=16, mask=SEG),
+    C(batch=1, seq=512, heads_q=4, heads_kv=2, dim=16, mask=SEG, causal=True),
+    C(batch=1, seq=513, heads_q=4, heads_kv=2, dim=16, dtype="bfloat16", mask=SEG),
+    C(batch=1, seq=1025, heads_q=2, heads_kv=1, dim=8, mask=SEG, causal=True, softcap=5.0),
+]
+
+
+class TestXlaDefaultBlockEdges(BackendTests):
+    """Default blocks at their edges, as users get them."""
+
+    impl = Xla()
+    configs = DEFAULT_BLOCK_LENGTHS[:-1]
+    long_configs = DEFAULT_BLOCK_LENGTHS[-1:]
+
+
+class TestXlaSmallSlab(BackendTests):
+    """Default blocks with scan steps of at most 1.2 MB of logits: 1025 and 1100 tokens make
+    9 query blocks of 512 KB, run as 4 steps of 3 units, the last with 3 padded (empty) units;
+    512 tokens make 4 steps of one unit."""
+
+    impl = Xla(step_logits_bytes=1_200_000)
+    configs = DEFAULT_BLOCK_LENGTHS[4:5]
+    long_configs = DEFAULT_BLOCK_LENGTHS[-1:] + LONG_CONFIGS[:1]
+
+
 class TestAuto(BackendTests):
     """impl='auto' end to end (which backend it picks: test_api.py)."""
 

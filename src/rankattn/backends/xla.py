@@ -99,7 +99,8 @@ class _Units(NamedTuple):
 
 def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
                     softcap_method: str, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
-                    block_plan: BlockPlan | None = None, mixed_precision: bool = False):
+                    block_plan: BlockPlan | None = None, mixed_precision: bool = False,
+                    step_logits_bytes: int = STEP_LOGITS_BYTES):
     """Blocked attention; arguments and results as :func:`rankattn.attention` (checked).
 
     Without segment ids every token is history of one session, and q and k may
@@ -119,7 +120,7 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
 
     n_q, n_k = seg_q.shape[1] // bq, seg_k.shape[1] // bk
     unit_bytes = hq * bq * bk * 4
-    n_chunks = -(-b * n_q * unit_bytes // STEP_LOGITS_BYTES)
+    n_chunks = -(-b * n_q * unit_bytes // step_logits_bytes)
     chunk = -(-b * n_q // n_chunks)  # as even as possible, so little padding
     n_units = chunk * n_chunks
     accumulate = compute_dtype(q.dtype)
@@ -388,15 +389,19 @@ class Xla(Backend):
     None (default) feeds bf16 / f16 operands to the dots as they are, with
     float32 accumulation, everywhere but on CPU, where up-casting measured
     faster; True or False forces either path (True on CPU is how the tests
-    check the GPU / TPU numerics).
+    check the GPU / TPU numerics). ``step_logits_bytes``: the logits one scan
+    step may hold (query blocks are processed that many at a time; see
+    STEP_LOGITS_BYTES).
     """
 
     name = "xla"
 
     def __init__(self, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
-                 mixed_precision: bool | None = None):
+                 mixed_precision: bool | None = None,
+                 step_logits_bytes: int = STEP_LOGITS_BYTES):
         self.block_sizes = block_sizes
         self.mixed_precision = mixed_precision
+        self.step_logits_bytes = step_logits_bytes
 
     def plan_sizes(self, seq_len: int) -> BlockSizes:
         return plan_sizes(self.block_sizes, seq_len, seq_len)
@@ -411,7 +416,8 @@ class Xla(Backend):
         return flash_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
                                scale=call.scale, softcap=call.softcap,
                                softcap_method=call.softcap_method, block_sizes=self.block_sizes,
-                               block_plan=blocks, mixed_precision=mixed)
+                               block_plan=blocks, mixed_precision=mixed,
+                               step_logits_bytes=self.step_logits_bytes)
 
     def __repr__(self) -> str:
         return (f"<rankattn backend 'xla' {self.block_sizes}"
