@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tolerances import assert_close_f32
+from tolerances import assert_close_f32, assert_low_precision_close
 
 import rankattn
 from rankattn import serving
@@ -236,6 +236,11 @@ def test_query_layouts_agree():
         two = serving.attend(q.reshape(b, -1), cache, users,
                              (ks.reshape(b, -1), vs.reshape(b, -1)), budget=budget, sink_pages=0)
         assert three.shape == (b, hq, dv) and two.shape == (b, hq * dv)
+        if budget is None:
+            want = core_candidate_rows(np.asarray(q)[:, None], np.asarray(k), np.asarray(v),
+                                       np.arange(b), np.array([30, 11, 1]),
+                                       (np.asarray(ks)[:, None], np.asarray(vs)[:, None]))
+            assert_close_f32(four, want, "[B, T, Hq, D] against the core")
         np.testing.assert_array_equal(four[:, 0], three)
         np.testing.assert_array_equal(three.reshape(b, -1), two)
 
@@ -250,15 +255,17 @@ def test_low_precision_cache_and_queries():
     cache16 = serving.cache_from_history(jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
                                          lengths, page_size=8)
     # The exact reference for the bf16 cache is f32 math on the same (rounded) keys.
-    cache32 = serving.cache_from_history(jnp.asarray(k, jnp.bfloat16).astype(jnp.float32),
-                                         jnp.asarray(v, jnp.bfloat16).astype(jnp.float32),
-                                         lengths, page_size=8)
+    rounded = [np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (k, v)]
+    want = core_candidate_rows(q, *rounded, np.arange(2), np.asarray(lengths), None)
     users = jnp.arange(2)
     out = serving.attend(jnp.asarray(q), cache16, users)
-    assert_close_f32(out, serving.attend(jnp.asarray(q), cache32, users), "bf16 cache")
+    assert_close_f32(out, want, "bf16 cache")
     out16 = serving.attend(jnp.asarray(q, jnp.bfloat16), cache16, users)
     assert out16.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out16, np.float32), np.asarray(out), atol=2e-2)
+    # bf16 queries, rounded once more: within one bf16 eps of the output scale.
+    q16 = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
+    want16 = core_candidate_rows(q16, *rounded, np.arange(2), np.asarray(lengths), None)
+    assert_low_precision_close(np.asarray(out16, np.float32), want16, "bfloat16", "bf16 queries")
 
 
 # --- Quest. ------------------------------------------------------------------------------------
@@ -281,10 +288,11 @@ def random_request(seed):
 
 @pytest.mark.parametrize("gqa", serving.GQA_MODES)
 def test_budget_covering_the_history_is_dense(gqa):
-    cache, _, _ = random_cache(1)
+    cache, k, v = random_cache(1)
     q, ks = random_request(2)
     users = jnp.array([0, 1, 2])
-    exact = serving.attend(q, cache, users, (ks, ks), softcap=4.0)
+    exact = core_candidate_rows(np.asarray(q), k, v, np.arange(3), np.asarray(cache.lengths),
+                                (np.asarray(ks), np.asarray(ks)), softcap=4.0)
     # 200 tokens = 25 pages: a budget of 25 pages or more never selects (static dense path).
     for budget in (200, 205, 1000):
         out = serving.attend(q, cache, users, (ks, ks), budget=budget, gqa=gqa, softcap=4.0)
@@ -401,12 +409,41 @@ def test_attend_jits_once_for_changing_users_and_lengths():
     q = jnp.asarray(rng.normal(size=(2, 3, 4, 8)), jnp.float32)
     ks = jnp.asarray(rng.normal(size=(2, 3, 2, 8)), jnp.float32)
     jit_append = jax.jit(serving.append)
+    history = np.zeros((4, 0, 2, 8), np.float32)
     for step in range(4):
-        new = jnp.asarray(rng.normal(size=(4, 9, 2, 8)), jnp.float32)
-        cache = jit_append(cache, jnp.arange(4), new, new, jnp.asarray(rng.integers(0, 10, 4)))
-        users = jnp.asarray(rng.choice(4, 2, replace=False))
-        for budget, gqa in ((None, "group"), (12, "per_head")):
-            got = score(q, cache, users, ks, ks, budget, gqa)
-            want = serving.attend(q, cache, users, (ks, ks), budget=budget, gqa=gqa)
-            assert_close_f32(got, want, f"step {step} budget {budget}")
+        new = rng.normal(size=(4, 9, 2, 8)).astype(np.float32)
+        counts = rng.integers(0, 10, 4)
+        cache = jit_append(cache, jnp.arange(4), new, new, jnp.asarray(counts))
+        history = _appended(history, np.asarray(cache.lengths), new, counts)
+        users = rng.choice(4, 2, replace=False)
+        got = score(q, cache, jnp.asarray(users), ks, ks, None, "group")
+        want = core_candidate_rows(np.asarray(q), history, history, users,
+                                   np.asarray(cache.lengths), (np.asarray(ks), np.asarray(ks)))
+        assert_close_f32(got, want, f"step {step}, exact")
+        # A budget of 3 pages of 4 on up to 36 tokens: Quest selects; the truth for what it
+        # selected is plain softmax over those pages and the self key (float64, numpy).
+        got = np.asarray(score(q, cache, jnp.asarray(users), ks, ks, 12, "per_head"))
+        pages = np.asarray(serving.select_pages(q, cache, jnp.asarray(users), budget=12,
+                                                gqa="per_head"))
+        lengths = np.asarray(cache.lengths)
+        for b, u in enumerate(users):
+            for t in range(3):
+                for h in range(4):
+                    tokens = np.concatenate([np.arange(j * 4, min(j * 4 + 4, lengths[u])) for j
+                                             in sorted(pages[b, t, h]) if j >= 0] + [[]]).astype(int)
+                    keys = np.concatenate([history[u, tokens, h // 2], np.asarray(ks)[b, t, h // 2][None]])
+                    logits = keys.astype(np.float64) @ np.asarray(q)[b, t, h] / math.sqrt(8)
+                    w = np.exp(logits - logits.max())
+                    np.testing.assert_allclose(got[b, t, h], w @ keys / w.sum(), atol=1e-5,
+                                               rtol=1e-5, err_msg=f"step {step} row {b} {t} {h}")
     assert len(traces) == 2          # one per static configuration, none per step
+
+
+def _appended(history, lengths, new, counts):
+    """history [U, L, ...] with row u's first counts[u] new tokens appended after its old ones."""
+    out = np.zeros((history.shape[0], max(lengths.max(), 1)) + history.shape[2:], np.float32)
+    for u, (n, c) in enumerate(zip(lengths, counts)):
+        old = n - c
+        out[u, :old] = history[u, :old]
+        out[u, old:n] = new[u, :c]
+    return out
