@@ -242,3 +242,13 @@ def test_explain_a_message_without_its_code(case_id):
     _, code, builtin, call, _ = next(c for c in ERROR_CASES if c[0] == case_id)
     body = raise_case(code, builtin, call, []).split("\n")[0].split("] ", 1)[1]
     assert errors.explain(body).startswith(code)
+
+
+@pytest.mark.parametrize("kwargs, code", [(dict(scale=0.5 + 1j), "RA113"),
+                                          (dict(softcap=np.complex64(3)), "RA111"),
+                                          (dict(softcap=2.0, softcap_method=np.array(["tanh"])),
+                                           "RA112")])
+def test_complex_or_array_logit_options(kwargs, code):
+    """Regression (found by tests/test_fuzz_args.py): float() dropped the imaginary part."""
+    with pytest.raises(rankattn.RankattnError, match=code):
+        attend(**kwargs)

@@ -259,3 +259,17 @@ def test_non_float_cache_dtype():
     with raises("RA213", "k_hist", "int32"):
         serving.cache_from_history(jnp.ones((1, 4, 1, 2), jnp.int32),
                                    jnp.ones((1, 4, 1, 2), jnp.int32), np.array([4]))
+
+
+@pytest.mark.parametrize("kwargs, code", [
+    (dict(sink_pages=np.array([1, 2])), "RA208"),
+    (dict(recent_pages=jnp.array(1)), "RA208"),
+    (dict(gqa=np.array(["group"])), "RA209"),
+    (dict(group_rule=jnp.array([0])), "RA209"),
+    (dict(scale=1 + 2j), "RA113"),
+])
+def test_array_or_complex_options_are_rankattn_errors(cache, kwargs, code):
+    """Regression (found by tests/test_fuzz_args.py): arrays where a Python value belongs raised
+    numpy's 'truth value is ambiguous', and a complex scale lost its imaginary part silently."""
+    with raises(code):
+        serving.attend(q4(), cache, USERS, **kwargs)

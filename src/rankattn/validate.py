@@ -131,7 +131,7 @@ def check_logit_options(scale, softcap, softcap_method, head_dim: int):
     if not math.isfinite(scale) or scale == 0:
         raise fail("RA113", f"scale must be finite and non-zero; got {scale}. Pass scale=None for "
                             f"1/sqrt({head_dim}).")
-    if softcap_method not in semantics.SOFTCAP_METHODS:
+    if not isinstance(softcap_method, str) or softcap_method not in semantics.SOFTCAP_METHODS:
         raise fail("RA112", f"softcap_method={softcap_method!r}; use one of "
                             f"{', '.join(map(repr, semantics.SOFTCAP_METHODS))}.")
     if softcap is not None:
@@ -155,6 +155,9 @@ def check_mask_args(segment_ids, bounds, causal, batch: int, seq_len: int):
 
 
 def _check_static_float(name: str, value, code: str) -> float:
+    if np.iscomplexobj(value):  # float() would drop the imaginary part without a word
+        raise fail(code, f"{name} must be a real Python float; got {type(value).__name__} "
+                         f"{value!r}.")
     try:
         return float(value)
     except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:

@@ -27,6 +27,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rankattn import semantics
 from rankattn.backends.base import compute_dtype
@@ -256,7 +257,8 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_p
     scale, softcap = check_logit_options(scale, softcap, softcap_method, d)
 
     for name, value in (("sink_pages", sink_pages), ("recent_pages", recent_pages)):
-        if not (_positive_int(value) or (value == 0 and not isinstance(value, bool))):
+        if not (_positive_int(value) or (isinstance(value, (int, np.integer))
+                                         and not isinstance(value, bool) and value == 0)):
             raise fail("RA208", f"{name}={value!r}; pass a non-negative Python int.")
     pages = None
     if budget is not None:
@@ -269,9 +271,9 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_p
                                 f"scored. Pass budget >= {(kept + 1) * p}, or budget=None for "
                                 "exact attention.")
         pages = budget // p
-    if gqa not in GQA_MODES:
+    if not isinstance(gqa, str) or gqa not in GQA_MODES:
         raise fail("RA209", f"gqa={gqa!r}; use one of {', '.join(map(repr, GQA_MODES))}.")
-    if group_rule not in GROUP_RULES:
+    if not isinstance(group_rule, str) or group_rule not in GROUP_RULES:
         raise fail("RA209", f"group_rule={group_rule!r}; use one of "
                             f"{', '.join(map(repr, GROUP_RULES))}.")
     plan = _Plan(pages=pages, gqa=gqa, group_rule=group_rule, sink_pages=int(sink_pages),
