@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
