@@ -428,14 +428,14 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _pad_last(x, length: int):
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, length - x.shape[-1])])
+    """Zero-pad the last axis to ``length`` (a no-op when it already is that long)."""
+    extra = length - x.shape[-1]
+    return x if not extra else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 def _pad_head_dim(x):
     """Zero-pad the last axis to a power of two >= 16 (zeros change no dot product)."""
-    d = x.shape[-1]
-    target = max(MIN_BLOCK, _next_power_of_2(d))
-    return x if d == target else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, target - d)])
+    return _pad_last(x, max(MIN_BLOCK, _next_power_of_2(x.shape[-1])))
 
 
 def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
