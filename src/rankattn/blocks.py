@@ -54,15 +54,19 @@ class BlockPlan(NamedTuple):
     q_count: jax.Array       # [B, nK]
 
 
-def make_block_plan(seg_q, seg_k, sizes: BlockSizes, causal: bool, q_len: int) -> BlockPlan:
+def make_block_plan(seg_q, seg_k, sizes: BlockSizes, causal: bool, q_len: int,
+                    pos_q=None, pos_k=None) -> BlockPlan:
     """The plan for segment ids padded to multiples of their block sizes; q_len real queries.
+
+    ``pos_q`` / ``pos_k``: positions in the whole sequence of a shard's queries and keys
+    (:class:`rankattn.semantics.ShardMask`), padded like the segment ids (:func:`pad_positions`).
 
     The transposed lists (per key block) serve backward kernels that own a key
     block and accumulate its dk / dv; forward-only users never read them, and
     under jit XLA drops them.
     """
     nonempty, full = semantics.history_block_visibility(seg_q, seg_k, sizes.block_q,
-                                                        sizes.block_k, causal, q_len)
+                                                        sizes.block_k, causal, q_len, pos_q, pos_k)
 
     def lists(nonempty, full):
         rank = jnp.where(full, 0, jnp.where(nonempty, 1, 2))
@@ -75,18 +79,33 @@ def make_block_plan(seg_q, seg_k, sizes: BlockSizes, causal: bool, q_len: int) -
 
 
 def segments_and_plan(segment_ids, batch: int, q_len: int, kv_len: int, sizes: BlockSizes,
-                      causal: bool, block_plan: BlockPlan | None = None):
+                      causal: bool, block_plan: BlockPlan | None = None,
+                      shard_mask: semantics.ShardMask | None = None):
     """(seg_q, seg_k, block plan) of a call: int32 segment ids padded to the block sizes, and
     the plan, made from them unless given. Without segment ids every token is history of one
-    session, and q and k may differ in length (plain cross-attention)."""
+    session, and q and k may differ in length (plain cross-attention). With a
+    ``shard_mask`` the keys bring their own segment ids and every token its position."""
     if segment_ids is None:
         seg_q, seg_k = jnp.ones((batch, q_len), jnp.int32), jnp.ones((batch, kv_len), jnp.int32)
     else:
         seg_q = seg_k = segment_ids.astype(jnp.int32)
+    pos_q = pos_k = None
+    if shard_mask is not None:
+        seg_k = shard_mask.kv_segment_ids.astype(jnp.int32)
+        pos_q = pad_positions(shard_mask.q_positions, sizes.block_q)
+        pos_k = pad_positions(shard_mask.kv_positions, sizes.block_k)
     seg_q, seg_k = pad_axis1(seg_q, sizes.block_q), pad_axis1(seg_k, sizes.block_k)
     if block_plan is None:
-        block_plan = make_block_plan(seg_q, seg_k, sizes, causal, q_len)
+        block_plan = make_block_plan(seg_q, seg_k, sizes, causal, q_len, pos_q, pos_k)
     return seg_q, seg_k, block_plan
+
+
+def pad_positions(pos, multiple: int):
+    """Positions [B, S] (int32) padded on axis 1 to a multiple of ``multiple`` by repeating the
+    last one, so a block's smallest and largest position stay those of its real tokens."""
+    pos = jnp.asarray(pos, jnp.int32)
+    extra = -pos.shape[1] % multiple
+    return jnp.pad(pos, [(0, 0), (0, extra)], mode="edge") if extra else pos
 
 
 def pad_axis1(x, multiple: int):

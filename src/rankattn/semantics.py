@@ -35,6 +35,9 @@ multiplies 0 by NaN) and poisoning the affected rows: :func:`split_nonfinite`,
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 SOFTCAP_METHODS = ("tanh", "soft_sign")
@@ -63,11 +66,38 @@ def sees_itself(seg_q, pos_q, pos_k):
     return (seg_q < 0) & (pos_q == pos_k)
 
 
-def dense_mask(seg_q, seg_k, causal: bool):
-    """The whole mask, bool [B, Sq, Skv], for segment ids [B, Sq] and [B, Skv]. References only."""
-    pos_q = jnp.arange(seg_q.shape[1])[:, None]
-    pos_k = jnp.arange(seg_k.shape[1])[None, :]
-    return visible(seg_q[:, :, None], seg_k[:, None, :], pos_q, pos_k, causal)
+def dense_mask(seg_q, seg_k, causal: bool, pos_q=None, pos_k=None, own_key: bool = True):
+    """The whole mask, bool [B, Sq, Skv], for segment ids [B, Sq] and [B, Skv]. References only.
+
+    ``pos_q`` [B, Sq] / ``pos_k`` [B, Skv] are the tokens' positions in the whole sequence
+    (default: their indices), for a shard of a longer sequence; ``own_key=False`` leaves
+    out the candidates' own keys (the history part only, see :class:`ShardMask`).
+    """
+    pos_q = jnp.arange(seg_q.shape[1])[None, :] if pos_q is None else pos_q
+    pos_k = jnp.arange(seg_k.shape[1])[None, :] if pos_k is None else pos_k
+    pos_q, pos_k = pos_q[:, :, None], pos_k[:, None, :]
+    seg_q, seg_k = seg_q[:, :, None], seg_k[:, None, :]
+    if not own_key:
+        return sees_history(seg_q, seg_k, pos_q, pos_k, causal)
+    return visible(seg_q, seg_k, pos_q, pos_k, causal)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardMask:
+    """The mask of a call that sees one shard of a longer sequence (rankattn.distributed).
+
+    The call's ``segment_ids`` are its queries'; its keys may be another part of
+    the sequence, so they bring their own segment ids, and every token its
+    position in the whole sequence: causal history compares these positions,
+    so shard edges change nothing. Only the history part of the mask is
+    computed: a candidate's own key always sits on the candidate's own shard,
+    and the caller adds that logit (as a partial result merged by log-sum-exp).
+    """
+
+    kv_segment_ids: jax.Array  # int32 [B, Skv]
+    q_positions: jax.Array     # int32 [B, Sq], positions in the whole sequence
+    kv_positions: jax.Array    # int32 [B, Skv]
 
 
 def bounds_to_segment_ids(bounds, seq_len: int):
@@ -180,21 +210,30 @@ def block_stats(seg, block: int, length: int | None = None):
 
 
 def history_block_visibility(seg_q, seg_k, block_q: int, block_k: int, causal: bool,
-                             q_len: int | None = None):
+                             q_len: int | None = None, pos_q=None, pos_k=None):
     """(nonempty, full), each bool [B, nQ, nK], of the history part of the mask.
 
     seg_q [B, Sq] and seg_k [B, Skv] are padded to multiples of their block
     sizes. Queries from ``q_len`` on are the caller's own padding, whose rows it
     discards: "full" may then count them as seeing every key (their outputs
     and, with zero cotangents, their gradient contributions are never used).
+    ``pos_q`` / ``pos_k`` ([B, Sq] / [B, Skv], padded like the segment ids) are
+    positions in a longer sequence (:class:`ShardMask`); causal blocks then
+    compare each block's smallest and largest position instead of its indices.
     """
     q = {n: x[:, :, None] for n, x in block_stats(seg_q, block_q, q_len).items()}
     k = {n: x[:, None, :] for n, x in block_stats(seg_k, block_k).items()}
     n_q, n_k = seg_q.shape[1] // block_q, seg_k.shape[1] // block_k
-    q_first = (jnp.arange(n_q) * block_q)[None, :, None]
-    q_last = q_first + block_q - 1
-    k_first = (jnp.arange(n_k) * block_k)[None, None, :]
-    k_last = k_first + block_k - 1
+    if pos_q is None:
+        q_first = (jnp.arange(n_q) * block_q)[None, :, None]
+        q_last = q_first + block_q - 1
+    else:
+        q_first, q_last = (x[:, :, None] for x in _position_range(pos_q, block_q))
+    if pos_k is None:
+        k_first = (jnp.arange(n_k) * block_k)[None, None, :]
+        k_last = k_first + block_k - 1
+    else:
+        k_first, k_last = (x[:, None, :] for x in _position_range(pos_k, block_k))
 
     nonempty = (q["lo"] <= k["hist_hi"]) & (k["hist_lo"] <= q["hi"])
     if causal:
@@ -205,3 +244,9 @@ def history_block_visibility(seg_q, seg_k, block_q: int, block_k: int, causal: b
     if causal:
         full &= q["all_cand"] | (k_last <= q_first)
     return nonempty, full
+
+
+def _position_range(pos, block: int):
+    """(smallest, largest) position of each block of ``pos`` [B, S]: [B, S / block] each."""
+    blocks = pos.reshape(pos.shape[0], -1, block)
+    return blocks.min(-1), blocks.max(-1)

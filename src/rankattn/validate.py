@@ -35,6 +35,9 @@ class AttentionCall:
     softcap: float | None
     softcap_method: str
     plan: Any = None  # rankattn.planning.Plan; its segment_ids and causal fill the two fields above
+    # Set only by rankattn.distributed for the per-shard kernel: the keys' segment ids and
+    # global positions; the call then computes the history part of the mask only.
+    shard_mask: semantics.ShardMask | None = None
 
 
 def concrete(x) -> np.ndarray | None:

@@ -19,6 +19,9 @@ class Backend(abc.ABC):
     """One implementation of :func:`rankattn.attention`, with identical semantics to the others."""
 
     name: str
+    # Whether it takes AttentionCall.shard_mask, i.e. can be the per-shard kernel of
+    # context (sequence) sharding in rankattn.distributed.
+    takes_shard_mask: bool = False
 
     def platform_reasons(self) -> list[str]:
         """Why this backend cannot run on this machine at all; empty when it can.

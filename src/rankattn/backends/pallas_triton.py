@@ -535,6 +535,9 @@ class PallasTriton(Backend):
         if not any(call.q.dtype == d for d in SUPPORTED_DTYPES):
             return [f"pallas_triton: inputs are {call.q.dtype}; its kernels take float32, "
                     "bfloat16 or float16 (use impl='xla' for float64)"]
+        if call.shard_mask is not None:
+            return ["pallas_triton: its kernels read positions from their indices, so they "
+                    "cannot run on one context shard of a sequence yet; use impl='xla'"]
         return []
 
     def plan_sizes(self, seq_len: int) -> BlockSizes:

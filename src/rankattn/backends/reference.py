@@ -19,8 +19,12 @@ MAX_LOGITS_BYTES = 4 << 30
 
 
 def reference_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
-                        softcap: float | None, softcap_method: str):
-    """Dense attention. Shapes as :func:`rankattn.attention`; segment_ids int [B, S] or None."""
+                        softcap: float | None, softcap_method: str,
+                        shard_mask: semantics.ShardMask | None = None):
+    """Dense attention. Shapes as :func:`rankattn.attention`; segment_ids int [B, S] or None.
+
+    With a ``shard_mask`` (rankattn.distributed) only the history part of the mask, at the
+    given positions and with the keys' own segment ids."""
     dtype = compute_dtype(q.dtype)
     groups = q.shape[2] // k.shape[2]
     (q, q_poison), (k, k_poison), (v, v_poison) = map(semantics.split_nonfinite, (q, k, v))
@@ -34,7 +38,12 @@ def reference_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
         seg_q, seg_k = jnp.ones(q.shape[:2], jnp.int32), jnp.ones(k.shape[:2], jnp.int32)
     else:
         seg_q = seg_k = segment_ids
-    mask = semantics.dense_mask(seg_q, seg_k, causal)[:, None]
+    if shard_mask is None:
+        mask = semantics.dense_mask(seg_q, seg_k, causal)[:, None]
+    else:
+        mask = semantics.dense_mask(seg_q, shard_mask.kv_segment_ids, causal,
+                                    shard_mask.q_positions, shard_mask.kv_positions,
+                                    own_key=False)[:, None]
 
     # Masked logits are replaced before exp (not after) so that neither the
     # forward nor the gradient ever touches exp of a huge or -inf value.
@@ -56,6 +65,7 @@ def reference_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
 
 class Reference(Backend):
     name = "reference"
+    takes_shard_mask = True
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         b, sq, hq, _ = call.q.shape
@@ -69,4 +79,5 @@ class Reference(Backend):
     def __call__(self, call: AttentionCall):
         return reference_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
                                    scale=call.scale, softcap=call.softcap,
-                                   softcap_method=call.softcap_method)
+                                   softcap_method=call.softcap_method,
+                                   shard_mask=call.shard_mask)

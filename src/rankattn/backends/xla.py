@@ -39,7 +39,8 @@ import jax.numpy as jnp
 
 from rankattn import semantics
 from rankattn.backends.base import Backend, compute_dtype
-from rankattn.blocks import BlockPlan, BlockSizes, pad_axis1, segments_and_plan, round_up
+from rankattn.blocks import (BlockPlan, BlockSizes, pad_axis1, pad_positions, round_up,
+                             segments_and_plan)
 from rankattn.validate import AttentionCall
 
 
@@ -94,13 +95,14 @@ class _Units(NamedTuple):
     kv_index: jax.Array    # [U, nK] key blocks as rows of the flattened [B * nK] block array
     full_count: jax.Array  # [U]
     count: jax.Array       # [U]
-    q_start: jax.Array     # [U] position of the unit's first query in its row
+    q_pos: jax.Array       # [U, bq] positions of the unit's queries (in the whole sequence)
 
 
 def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
                     softcap_method: str, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
                     block_plan: BlockPlan | None = None, mixed_precision: bool = False,
-                    step_logits_bytes: int = STEP_LOGITS_BYTES):
+                    step_logits_bytes: int = STEP_LOGITS_BYTES,
+                    shard_mask: semantics.ShardMask | None = None):
     """Blocked attention; arguments and results as :func:`rankattn.attention` (checked).
 
     Without segment ids every token is history of one session, and q and k may
@@ -109,6 +111,8 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     ``plan_sizes(block_sizes, ...)``, and ``causal``; without one it is made
     here, by the same code. ``mixed_precision`` feeds bf16 / f16 operands to
     the dots as they are (float32 accumulation) instead of up-casting them.
+    ``shard_mask``: the call is one shard of a longer sequence (rankattn.distributed):
+    keys with their own segment ids, positions from the mask, history part only.
     """
     b, sq, hq, _ = q.shape
     dtype = q.dtype
@@ -116,7 +120,13 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     sizes = plan_sizes(block_sizes, sq, skv)
     bq, bk = sizes.block_q, sizes.block_k
     seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, sizes, causal,
-                                                 block_plan)
+                                                 block_plan, shard_mask)
+    if shard_mask is None:
+        pos_q = jnp.broadcast_to(jnp.arange(seg_q.shape[1], dtype=jnp.int32), seg_q.shape)
+        pos_k = jnp.broadcast_to(jnp.arange(seg_k.shape[1], dtype=jnp.int32), seg_k.shape)
+    else:
+        pos_q = pad_positions(shard_mask.q_positions, bq)
+        pos_k = pad_positions(shard_mask.kv_positions, bk)
 
     n_q, n_k = seg_q.shape[1] // bq, seg_k.shape[1] // bk
     unit_bytes = hq * bq * bk * 4
@@ -150,11 +160,11 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     plan = _Units(
         kv_index=units(block_plan.kv_index + (jnp.arange(b, dtype=jnp.int32) * n_k)[:, None, None]),
         full_count=units(block_plan.full_count), count=units(block_plan.count),
-        q_start=units(jnp.broadcast_to(jnp.arange(n_q, dtype=jnp.int32) * bq, (b, n_q))))
+        q_pos=units(pos_q.reshape(b, n_q, bq)))
     qu = query_units(q, hq)
     kb, vb = key_rows(k), key_rows(v)
     own_kv = None
-    if segment_ids is not None:  # each query's own key and value, in the query layout
+    if segment_ids is not None and shard_mask is None:  # each query's own key and value
         own_kv = (query_units(k, hkv)[:, :, 0], query_units(v, hkv)[:, :, 0])
     # Non-finite inputs (rankattn.semantics): the kernel computes on finite operands and is
     # told which query rows and keys held a non-finite entry. Done here, in the layout copies.
@@ -165,7 +175,7 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     qu, kb, vb = semantics.finite(qu), semantics.finite(kb), semantics.finite(vb)
     own_kv = None if own_kv is None else tuple(map(semantics.finite, own_kv))
     out, lse = _flash(static, qu, kb, vb, own_kv, units(seg_q.reshape(b, n_q, bq)),
-                      seg_k.reshape(b * n_k, bk), plan, bad)
+                      seg_k.reshape(b * n_k, bk), pos_k.reshape(b * n_k, bk), plan, bad)
     # [U, Hkv, G, bq, Dv] -> [B, Sq, Hq, Dv];  [U, Hkv, G, bq] -> [B, Hq, Sq]
     out = out[:b * n_q].reshape(b, n_q, hq, bq, -1).transpose(0, 1, 3, 2, 4)
     out = out.reshape(b, n_q * bq, hq, -1)[:, :sq]
@@ -207,7 +217,7 @@ def _loops(plan: _Units):
             (True, plan.full_count, plan.count - plan.full_count))
 
 
-def _visit(static: _Static, masked: bool, t, start, count, q, kb, vb, seg_q, seg_kb,
+def _visit(static: _Static, masked: bool, t, start, count, q, kb, vb, seg_q, seg_kb, pos_kb,
            plan: _Units) -> _Visit:
     position = jnp.minimum(start + t, static.n_k - 1)
     index = jnp.take_along_axis(plan.kv_index, position[:, None], axis=-1)[:, 0]
@@ -216,11 +226,9 @@ def _visit(static: _Static, masked: bool, t, start, count, q, kb, vb, seg_q, seg
     logits = static.scaled(_block_dot(static, "chrd,chkd->chrk", q, k_t))
     mask = None
     if masked:
-        bq, bk = static.sizes.block_q, static.sizes.block_k
-        pos_q = plan.q_start[:, None] + jnp.arange(bq)
-        pos_k = (index % static.n_k)[:, None] * bk + jnp.arange(bk)
         mask = semantics.sees_history(seg_q[:, :, None], seg_kb[index][:, None, :],
-                                      pos_q[:, :, None], pos_k[:, None, :], static.causal)
+                                      plan.q_pos[:, :, None], pos_kb[index][:, None, :],
+                                      static.causal)
         mask = (mask & valid[:, None, None])[:, None, None]
     return _Visit(index, valid, k_t, v_t, mask, logits)
 
@@ -262,11 +270,13 @@ def _own_logits(static: _Static, q, own_kv, seg_q):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units, bad: _Bad):
-    return _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan, bad)
+def _flash(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: _Units,
+           bad: _Bad):
+    return _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad)
 
 
-def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units, bad: _Bad):
+def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: _Units,
+             bad: _Bad):
     """A row that sees a key flagged in ``bad.key`` / ``bad.own``, or that is flagged in
     ``bad.q`` and sees anything, ends with l = NaN, so its out and lse are NaN
     (rankattn.semantics). Partial blocks set flagged keys' logits to NaN under the mask; in
@@ -280,7 +290,8 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units, 
         for masked, start, count in _loops(units):
             def body(t, carry, masked=masked, start=start, count=count):
                 m, l, acc, seen_bad = carry
-                vis = _visit(static, masked, t, start, count, q, kb, vb, seg_q, seg_kb, units)
+                vis = _visit(static, masked, t, start, count, q, kb, vb, seg_q, seg_kb, pos_kb,
+                             units)
                 s = static.cap(vis.logits)
                 key_bad = bad.key[vis.index]
                 if masked:
@@ -326,13 +337,13 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan: _Units, 
     return _unchunk(result)
 
 
-def _flash_fwd(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan, bad):
-    out, lse = _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, plan, bad)
-    return (out, lse), (qu, kb, vb, own_kv, seg_qu, seg_kb, plan, out, lse)
+def _flash_fwd(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad):
+    out, lse = _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad)
+    return (out, lse), (qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, out, lse)
 
 
 def _flash_bwd(static, residuals, cotangents):
-    qu, kb, vb, own_kv, seg_qu, seg_kb, plan, out, lse = residuals
+    qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, out, lse = residuals
     d_out, d_lse = cotangents
     acc_dtype = static.accumulate
     lse, d_out, delta = semantics.backward_rows(out, d_out, lse, d_lse)
@@ -346,7 +357,8 @@ def _flash_bwd(static, residuals, cotangents):
         for masked, start, count in _loops(units):
             def body(t, grads, masked=masked, start=start, count=count):
                 dq, dk, dv = grads
-                vis = _visit(static, masked, t, start, count, q, kb, vb, seg_q, seg_kb, units)
+                vis = _visit(static, masked, t, start, count, q, kb, vb, seg_q, seg_kb, pos_kb,
+                             units)
                 mask = vis.mask if masked else _row(vis.valid)[..., None]
                 p = jnp.where(mask, jnp.exp(static.cap(vis.logits) - lse_c[..., None]), 0)
                 dp = _block_dot(static, "chrd,chkd->chrk", d_o, vis.v)
@@ -376,7 +388,7 @@ def _flash_bwd(static, residuals, cotangents):
     # Cotangents in the primal dtypes (bf16 / f16 operands on the mixed-precision path).
     like = lambda grads, primals: jax.tree.map(lambda g, x: g.astype(x.dtype), grads, primals)
     return (like(_unchunk(dq), qu), like(dk, kb), like(dv, vb), like(_unchunk(d_own), own_kv),
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -395,6 +407,7 @@ class Xla(Backend):
     """
 
     name = "xla"
+    takes_shard_mask = True
 
     def __init__(self, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
                  mixed_precision: bool | None = None,
@@ -417,7 +430,8 @@ class Xla(Backend):
                                scale=call.scale, softcap=call.softcap,
                                softcap_method=call.softcap_method, block_sizes=self.block_sizes,
                                block_plan=blocks, mixed_precision=mixed,
-                               step_logits_bytes=self.step_logits_bytes)
+                               step_logits_bytes=self.step_logits_bytes,
+                               shard_mask=call.shard_mask)
 
     def __repr__(self) -> str:
         return (f"<rankattn backend 'xla' {self.block_sizes}"
