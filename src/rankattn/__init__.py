@@ -1,6 +1,7 @@
 """rankattn: candidate-isolation attention for ranking transformers, on JAX."""
 
 from rankattn.api import attention, available_impls
+from rankattn.distributed import Sharding
 from rankattn.errors import RankattnError, RankattnTypeError, RankattnValueError
 from rankattn.planning import Plan, plan
 from rankattn import serving  # registers the serving error codes (RA2xx)
@@ -8,4 +9,4 @@ from rankattn import serving  # registers the serving error codes (RA2xx)
 __version__ = "0.1.0"
 
 __all__ = ["attention", "available_impls", "plan", "Plan", "RankattnError", "RankattnTypeError",
-           "RankattnValueError"]
+           "RankattnValueError", "Sharding"]

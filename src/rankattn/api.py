@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from rankattn import distributed
 from rankattn.backends import BACKENDS, Backend
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall, check_attention_args, check_static_bool
 
 
 def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=None, softcap=None,
-              softcap_method="tanh", return_lse=False, impl="auto", plan=None):
+              softcap_method="tanh", return_lse=False, impl="auto", plan=None, sharding=None):
     """Candidate-isolation attention for ranking transformers.
 
     Args:
@@ -41,6 +42,14 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
         name, or a Backend instance such as
         rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64)) or
         rankattn.backends.PallasTriton(interpret=True).
+      sharding: a rankattn.Sharding(mesh, batch=, heads=, context=, strategy=)
+        to run on a device mesh: B over the batch axes, Hq and Hkv over the
+        head axes, S (and the segment ids) over the context axes, with the
+        chosen backend as each device's kernel inside a shard_map. Results are
+        those of one device, sharded the same way (lse over batch, heads,
+        context). Context sharding needs impl 'xla' or 'reference' (or 'auto').
+        With a plan, batch / head sharding splits its lists over the batch;
+        context sharding uses only its segment ids. See rankattn.distributed.
 
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, and with return_lse also
@@ -61,7 +70,13 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
     call = check_attention_args(q, k, v, segment_ids=segment_ids, bounds=bounds, causal=causal,
                                 scale=scale, softcap=softcap, softcap_method=softcap_method,
                                 plan=plan)
-    out, lse = _select(impl, call)(call)
+    if sharding is None:
+        out, lse = _select(impl, call)(call)
+    else:
+        distributed.check_sharding(call, sharding)
+        strategy = distributed.choose_strategy(call, sharding) if sharding.context else None
+        backend = _select(impl, distributed.local_call(call, sharding, strategy), per_shard=True)
+        out, lse = distributed.sharded_attention(backend, call, sharding, strategy)
     return (out, lse) if return_lse else out
 
 
@@ -93,11 +108,16 @@ def resolve_impls(impl, argument: str = "impl") -> list[Backend]:
                         f"{', '.join(map(repr, BACKENDS))}.")
 
 
-def _select(impl, call: AttentionCall) -> Backend:
+def _select(impl, call: AttentionCall, per_shard: bool = False) -> Backend:
+    """The first backend of ``impl`` that can run ``call`` (one device's part of a sharded
+    call when ``per_shard``: RA122 instead of RA115 when none can)."""
     reasons = []
     for backend in resolve_impls(impl):
         why = backend.not_supported_reasons(call)
         if not why:
             return backend
         reasons += why
+    if per_shard:
+        raise fail("RA122", f"impl={impl!r} cannot run one shard of this sharded call:\n    - "
+                            + "\n    - ".join(reasons))
     raise fail("RA115", f"impl={impl!r} cannot run this call:\n    - " + "\n    - ".join(reasons))

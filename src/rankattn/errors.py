@@ -138,6 +138,36 @@ _KINDS = [
         "integer dtype are checked before the cast; traced ids wider than int32 cannot be.",
         "Renumber the sessions of each batch 1, 2, 3, ... (ids only need to differ within a "
         "row), e.g. with np.unique(abs(ids), return_inverse=True)."),
+    ErrorKind(
+        "RA119", "sharding names a mesh axis the mesh does not have",
+        "rankattn.Sharding(mesh, batch=, heads=, context=) maps the batch, head and sequence "
+        "axes of q, k, v onto mesh axes, each given as an axis name or a tuple of names. Every "
+        "name must be one of mesh.axis_names, and no mesh axis may serve two roles.",
+        "Use the names the mesh was built with (the message lists them), e.g. "
+        "Sharding(Mesh(devices.reshape(2, 4), ('data', 'seq')), batch='data', context='seq')."),
+    ErrorKind(
+        "RA120", "a mesh axis does not divide the dimension it shards",
+        "Each shard gets an equal slice: the batch mesh axes must divide B, the head axes both "
+        "Hq and Hkv (so every query head keeps its kv head), the context axes the sequence "
+        "length S.",
+        "Pick mesh axis sizes that divide the dimension, or pad it: pad the sequence with "
+        "segment id 0 (padding is invisible) to the multiple the message names; pad the batch "
+        "with all-padding rows."),
+    ErrorKind(
+        "RA121", "the context strategy cannot run",
+        "Sharding(strategy=) is 'auto', 'all_gather' (every device gathers K/V) or 'ring' (K/V "
+        "blocks passed around the context axes). A strategy is only meaningful with context "
+        "axes, and context sharding splits one sequence, so it needs self-attention (Sq == Skv).",
+        "Pass strategy='auto', 'all_gather' or 'ring' together with context=; for "
+        "cross-attention shard the batch or heads instead."),
+    ErrorKind(
+        "RA122", "the impl cannot run as the per-shard kernel",
+        "Under context sharding each device attends its queries to keys from other positions "
+        "of the sequence, so the kernel must take global positions and the keys' own segment "
+        "ids (rankattn.semantics.ShardMask). 'xla' and 'reference' do; 'pallas_triton' does "
+        "not yet.",
+        "Use impl='xla' (or 'auto') with context sharding; batch and head sharding run any "
+        "impl."),
 ]
 
 CATALOG: dict[str, ErrorKind] = {kind.code: kind for kind in _KINDS}
