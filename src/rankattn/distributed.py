@@ -451,7 +451,8 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
         seg_spec = None if call.segment_ids is None else row_spec
         mapped = _shard_map(body, sharding.mesh, (qkv_spec, qkv_spec, qkv_spec, seg_spec,
                                                   plan_spec), (qkv_spec, lse_spec))
-        return mapped(call.q, call.k, call.v, call.segment_ids, call.plan)
+        # jit: called eagerly, a shard_map would run its body op by op.
+        return jax.jit(mapped)(call.q, call.k, call.v, call.segment_ids, call.plan)
 
     n = sharding.size(context)
     b, s = call.q.shape[:2]
@@ -484,7 +485,7 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
     seg_spec = _spec(batch, context)
     mapped = _shard_map(body, sharding.mesh, (qkv_spec, qkv_spec, qkv_spec, seg_spec),
                         (qkv_spec, lse_spec))
-    return mapped(call.q, call.k, call.v, segment_ids)
+    return jax.jit(mapped)(call.q, call.k, call.v, segment_ids)
 
 
 def _finish(call: AttentionCall, merged):

@@ -1,0 +1,164 @@
+"""rankattn.attention(..., sharding=) on 8 fake devices against single-device rankattn.attention.
+
+Every case runs forward (out, lse) and backward (jax.vjp with random cotangents on out
+and on lse) once sharded and once on one device, in float32: outputs within 1e-5,
+gradients within 1e-4 of the largest gradient entry. The segment rows put sessions
+shorter and longer than a shard, a session ending exactly on a shard edge, candidates on
+shard edges, split history, random packing and whole shards of padding on every mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import rankattn
+
+S, HQ, HKV, D = 64, 4, 2, 8  # with 8 context shards a shard holds 8 tokens, 4 per causal chunk
+
+
+def test_eight_devices():
+    assert jax.device_count() == 8
+
+
+def mesh(**axes):
+    return Mesh(np.array(jax.devices()).reshape(tuple(axes.values())), tuple(axes))
+
+
+def edge_rows(batch: int, seed: int = 0) -> np.ndarray:
+    """[batch, 64] segment ids. Shard edges (8, 16 or 32 tokens apart) sit at multiples of 8."""
+    seg = np.zeros((batch, S), np.int32)
+    # Row 0: session 1 ends exactly on the edge at 16; session 2 spans shards 2-5 with its
+    # candidates at 41-42; session 3's candidates fill the last shard (edges 56 and 63).
+    seg[0, 0:13], seg[0, 13:16], seg[0, 16:41], seg[0, 41:43] = 1, -1, 2, -2
+    seg[0, 48:56], seg[0, 56:64] = 3, -3
+    # Row 1: the first 16 tokens (one or two whole shards) are padding; session 5's
+    # candidates straddle the edge at 32 and its history continues after them; a session
+    # shorter than a shard; then random tokens.
+    seg[1, 16:30], seg[1, 30:34], seg[1, 34:40] = 5, -5, 5
+    seg[1, 40:44], seg[1, 44:46] = 6, -6
+    rng = np.random.default_rng(seed)
+    seg[1, 48:] = rng.choice([7, 7, 8, -7, -8, 0], 16)
+    for row in range(2, batch):  # random packing, including rows that are mostly padding
+        seg[row] = rng.choice([0, 1, 1, 2, 2, -1, -2, 3, -3], S)
+    return seg
+
+
+def inputs(batch: int, seed: int):
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape, std=1.0: rng.normal(0, std, shape).astype(np.float32)
+    q, k, v = normal(batch, S, HQ, D, std=1.5), normal(batch, S, HKV, D), normal(batch, S, HKV, D)
+    d_out, d_lse = normal(batch, S, HQ, D), normal(batch, HQ, S)
+    return q, k, v, d_out, d_lse
+
+
+@functools.lru_cache(maxsize=None)
+def run(sharding, causal: bool, softcap, impl: str = "auto"):
+    """A jitted (q, k, v, seg, d_out, d_lse) -> (out, lse, dq, dk, dv)."""
+    def f(q, k, v, seg, d_out, d_lse):
+        def attend(q, k, v):
+            return rankattn.attention(q, k, v, segment_ids=seg, causal=causal, softcap=softcap,
+                                      return_lse=True, impl=impl, sharding=sharding)
+        (out, lse), pullback = jax.vjp(attend, q, k, v)
+        return (out, lse) + pullback((d_out, d_lse))
+    return jax.jit(f)
+
+
+def check_against_one_device(sharding, batch, causal, softcap=None, seed=0, impl="auto"):
+    q, k, v, d_out, d_lse = inputs(batch, seed)
+    seg = edge_rows(batch, seed)
+    want = run(None, causal, softcap)(q, k, v, seg, d_out, d_lse)
+    got = run(sharding, causal, softcap, impl)(q, k, v, seg, d_out, d_lse)
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, w, g in zip(names, want, got):
+        w, g = np.asarray(w), np.asarray(g)
+        assert np.isfinite(g[np.isfinite(w)]).all(), name
+        if name == "lse":
+            assert np.array_equal(np.isneginf(w), np.isneginf(g)), "rows that see nothing differ"
+            w, g = np.where(np.isneginf(w), 0, w), np.where(np.isneginf(g), 0, g)
+        bound = 1e-5 if name in ("out", "lse") else 1e-4 * np.abs(w).max()
+        assert np.abs(w - g).max() <= bound, (name, float(np.abs(w - g).max()), bound)
+    # Padding (whole shards of it in row 1): out 0, lse -inf, no gradient, as on one device.
+    out, lse, dq = (np.asarray(x) for x in got[:3])
+    pad = seg == 0
+    assert (out[pad] == 0).all() and np.isneginf(lse.transpose(0, 2, 1)[pad]).all()
+    assert (dq[pad] == 0).all()
+    return got
+
+
+CONTEXT_MESHES = {
+    "context8": lambda: rankattn.Sharding(mesh(ctx=8), context="ctx"),
+    "data2-context4": lambda: rankattn.Sharding(mesh(data=2, ctx=4), batch="data", context="ctx"),
+    "data2-heads2-context2": lambda: rankattn.Sharding(mesh(data=2, heads=2, ctx=2), batch="data",
+                                                       heads="heads", context="ctx"),
+}
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("mesh_name", list(CONTEXT_MESHES))
+def test_context_sharding_matches_one_device(mesh_name, causal, strategy):
+    base = CONTEXT_MESHES[mesh_name]()
+    sharding = rankattn.Sharding(base.mesh, batch=base.batch, heads=base.heads,
+                                 context=base.context, strategy=strategy)
+    check_against_one_device(sharding, batch=2, causal=causal)
+
+
+def test_batch_sharding_matches_one_device():
+    check_against_one_device(rankattn.Sharding(mesh(data=8), batch="data"), batch=8, causal=True)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_softcap_and_reference_kernel_on_shards(strategy):
+    sharding = rankattn.Sharding(mesh(ctx=8), context="ctx", strategy=strategy)
+    check_against_one_device(sharding, batch=2, causal=True, softcap=2.0, seed=1,
+                             impl="reference")
+
+
+def test_perturbing_one_shards_candidates_changes_nothing_else():
+    sharding = rankattn.Sharding(mesh(ctx=8), context="ctx", strategy="ring")
+    q, k, v, d_out, d_lse = inputs(2, 3)
+    seg = edge_rows(2)
+    shard = slice(56, 64)  # row 0: candidates of session 3 only
+    assert (seg[0, shard] < 0).all()
+    q2, k2, v2 = (x.copy() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[0, shard] = np.random.default_rng(9).normal(size=x[0, shard].shape)
+    f = run(sharding, True, None)
+    base, moved = f(q, k, v, seg, d_out, d_lse), f(q2, k2, v2, seg, d_out, d_lse)
+    others = np.ones((2, S), bool)
+    others[0, shard] = False
+    for name, a, b in zip(("out", "dq"), (base[0], base[2]), (moved[0], moved[2])):
+        assert np.array_equal(np.asarray(a)[others], np.asarray(b)[others]), name
+    assert np.array_equal(np.asarray(base[1]).transpose(0, 2, 1)[others],
+                          np.asarray(moved[1]).transpose(0, 2, 1)[others])
+    assert not np.array_equal(np.asarray(base[0])[0, shard], np.asarray(moved[0])[0, shard])
+
+
+def test_sharded_inputs_and_outputs_keep_the_layout():
+    sharding = rankattn.Sharding(mesh(data=2, ctx=4), batch="data", context="ctx")
+    q, k, v, _, _ = inputs(2, 0)
+    spec = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec("data", "ctx"))
+    q, k, v = (jax.device_put(x, spec) for x in (q, k, v))
+    out, lse = rankattn.attention(q, k, v, segment_ids=edge_rows(2), return_lse=True,
+                                  sharding=sharding)
+    assert tuple(out.sharding.spec)[:2] == ("data", "ctx")
+    assert tuple(lse.sharding.spec) == ("data", None, "ctx")
+
+
+def test_auto_strategy_follows_the_gathered_size(monkeypatch):
+    from rankattn import distributed
+
+    sharding = rankattn.Sharding(mesh(ctx=8), context="ctx")
+    q = jnp.zeros((1, S, HQ, D))
+    call = rankattn.validate.check_attention_args(
+        q, q[:, :, :HKV], q[:, :, :HKV], segment_ids=None, bounds=None, causal=False,
+        scale=None, softcap=None, softcap_method="tanh")
+    assert distributed.choose_strategy(call, sharding) == "all_gather"
+    monkeypatch.setattr(distributed, "ASSUMED_DEVICE_BYTES", 8 * S * HKV * 2 * D * 4 - 8)
+    assert distributed.choose_strategy(call, sharding) == "ring"
