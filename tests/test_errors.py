@@ -35,6 +35,22 @@ def attend(q=None, k=None, v=None, **kwargs):
 SEG = np.ones((2, 8), np.int32)
 V, T = ValueError, TypeError
 
+
+def mesh(**axes):
+    """A mesh of the one CPU device repeated: enough for checks that run before any trace."""
+    sizes = tuple(axes.values())
+    devices = np.array([jax.devices()[0]] * int(np.prod(sizes)), dtype=object)
+    return jax.sharding.Mesh(devices.reshape(sizes), tuple(axes))
+
+
+def sharded(sharding=None, **kwargs):
+    return lambda: attend(sharding=sharding() if callable(sharding) else sharding, **kwargs)
+
+
+def shard(**kwargs):
+    axes = kwargs.pop("axes", dict(data=2, seq=4))
+    return lambda: rankattn.Sharding(mesh(**axes), **kwargs)
+
 # (id, code, builtin type, call, message fragments)
 ERROR_CASES = [
     ("q-3d", "RA101", T, lambda: attend(q=np.zeros((2, 8, 16), np.float32)), ["q", "(2, 8, 16)", "3-D"]),
@@ -104,6 +120,27 @@ ERROR_CASES = [
      [str(2**40)]),
     ("plan-shape", "RA117", V, lambda: attend(plan=rankattn.plan(segment_ids=np.ones((3, 8), np.int32))),
      ["(3, 8)", "B=2"]),
+    ("mesh-axis", "RA119", V, shard(batch="batch"), ["batch='batch'", "'batch'", "('data', 'seq')"]),
+    ("mesh-axis-twice", "RA119", V, shard(batch="data", context=("seq", "data")),
+     ["'data'", "batch=", "context="]),
+    ("mesh-not-a-mesh", "RA119", V, lambda: rankattn.Sharding("data", batch="data"), ["str"]),
+    ("sharding-not-a-sharding", "RA119", V, sharded("data"), ["rankattn.Sharding", "str"]),
+    ("batch-not-divisible", "RA120", V, sharded(shard(batch="seq")),
+     ["batch=('seq',)", "4 shards", "B = 2", "pad the batch"]),
+    ("heads-not-divisible", "RA120", V, sharded(shard(heads="seq"), q=x(h=4)),
+     ["heads=('seq',)", "Hq and Hkv = 4, 2"]),
+    ("context-not-divisible", "RA120", V,
+     sharded(shard(context=("data", "seq")), q=x(s=12), k=x(s=12), v=x(s=12)),
+     ["8 shards", "S = 12", "segment id 0 to 16"]),
+    ("strategy-name", "RA121", V, shard(context="seq", strategy="ulysses"),
+     ["'ulysses'", "'ring'", "'all_gather'"]),
+    ("strategy-without-context", "RA121", V, shard(batch="data", strategy="ring"),
+     ["strategy='ring'", "context="]),
+    ("context-cross-attention", "RA121", V, sharded(shard(context="seq"), k=x(s=4), v=x(s=4)),
+     ["length 8", "k 4", "self-attention"]),
+    ("context-pallas", "RA122", V,
+     sharded(shard(context="seq"), impl=rankattn.backends.PallasTriton(interpret=True)),
+     ["pallas_triton", "context shard", "impl='xla'"]),
 ]
 
 
