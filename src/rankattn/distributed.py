@@ -385,6 +385,8 @@ def ring_history(kernel, axes: Axes, n: int, q, seg_q, pos_q, k, v, seg_k, pos_k
     def history_bwd(residuals, cotangents):
         q, seg_q, pos_q, k, v, seg_k, pos_k, out, lse = residuals
         d_out, d_lse = cotangents
+        # <d_out, out> per row, once: the steps then need no [B, S, H, Dv] copy of out.
+        d_out_dot_out = jnp.swapaxes((d_out * out).sum(-1), 1, 2)
 
         def pull(block):
             """(dq, dk, dv) of one block: its partial's cotangents, through the kernel.
@@ -399,7 +401,8 @@ def ring_history(kernel, axes: Axes, n: int, q, seg_q, pos_q, k, v, seg_k, pos_k
                 lambda q, k, v: kernel(q, seg_q, pos_q, k, v, seg_b, pos_b), q, k_b, v_b)
             w = jnp.where(lse_t == -jnp.inf, 0.0, jnp.exp(lse_t - lse))
             d_out_t = _rows(w) * d_out
-            d_lse_t = w * (d_lse + jnp.swapaxes((d_out * (out_t - out)).sum(-1), 1, 2))
+            d_out_dot_out_t = jnp.swapaxes((d_out * out_t.astype(d_out.dtype)).sum(-1), 1, 2)
+            d_lse_t = w * (d_lse + d_out_dot_out_t - d_out_dot_out)
             return pullback((d_out_t.astype(out_t.dtype), d_lse_t))
 
         acc = jnp.promote_types(k.dtype, jnp.float32)
@@ -468,10 +471,9 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
         local = q.shape[1]
         rows = lambda pos: jnp.broadcast_to(pos, seg.shape)
         contiguous = rows(index * local + jnp.arange(local, dtype=jnp.int32))
-        own = own_key_partial(call, q, k, v, seg)
         if not balance:
             part = history(kernel, context, n, q, seg, contiguous, k, v, seg, contiguous)
-            return _finish(call, merge_partials([part, own]))
+            return add_own_keys(call, part, q, k, v, seg)
         q_b, seg_b = to_balanced(q, context, n), to_balanced(seg, context, n)
         pos_b = rows(balanced_positions(index, n, local))
         if strategy == "ring":  # K / V in the same order, so every ring step is balanced too
@@ -480,7 +482,7 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
         else:  # the gathered keys' order does not matter: positions say where they are
             part = history(kernel, context, n, q_b, seg_b, pos_b, k, v, seg, contiguous)
         part = (from_balanced(part[0], context, n), from_balanced(part[1], context, n, axis=2))
-        return _finish(call, merge_partials([part, own]))
+        return add_own_keys(call, part, q, k, v, seg)
 
     seg_spec = _spec(batch, context)
     mapped = _shard_map(body, sharding.mesh, (qkv_spec, qkv_spec, qkv_spec, seg_spec),
@@ -488,9 +490,19 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
     return jax.jit(mapped)(call.q, call.k, call.v, segment_ids)
 
 
-def _finish(call: AttentionCall, merged):
-    out, lse = merged
-    return out.astype(call.q.dtype), lse.astype(jnp.float32)
+def add_own_keys(call: AttentionCall, history, q, k, v, segment_ids):
+    """The final (out in q's dtype, lse float32): the history part merged with the own keys.
+
+    Under jax.checkpoint, so the backward recomputes these elementwise terms instead of
+    keeping them: otherwise autodiff would save the own-key partial's out, a
+    [B, S, Hq, Dv] float32 copy of v, per layer.
+    """
+    @jax.checkpoint
+    def merged(history, q, k, v, segment_ids):
+        out, lse = merge_partials([history, own_key_partial(call, q, k, v, segment_ids)])
+        return out.astype(call.q.dtype), lse.astype(jnp.float32)
+
+    return merged(history, q, k, v, segment_ids)
 
 
 def compiled_collectives(hlo_text: str) -> dict[str, int]:
