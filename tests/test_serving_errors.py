@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -273,3 +274,29 @@ def test_array_or_complex_options_are_rankattn_errors(cache, kwargs, code):
     numpy's 'truth value is ambiguous', and a complex scale lost its imaginary part silently."""
     with raises(code):
         serving.attend(q4(), cache, USERS, **kwargs)
+
+
+# --- attend(..., sharding=): checked before anything runs (RA216 needs real shards and is
+# tested in tests/distributed/test_mesh_serving.py). ---------------------------------------------
+
+
+def _sharding(**roles):
+    """A mesh of the one CPU device repeated: enough for checks that run before any trace."""
+    devices = np.array([jax.devices()[0]] * 4, dtype=object).reshape(2, 2)
+    return rankattn.Sharding(jax.sharding.Mesh(devices, ("data", "ctx")), **roles)
+
+
+@pytest.mark.parametrize("roles, kwargs, fragments", [
+    (dict(batch="data"), {}, ["sharded cache", "(2, 1)", "(12, 2, 4, 8)"]),
+    (dict(batch="data", heads="ctx"), {}, ["heads=('ctx',)"]),
+])
+def test_sharded_attend_arguments(cache, roles, kwargs, fragments):
+    with raises("RA215", *fragments):
+        serving.attend(q4(), cache, USERS, sharding=_sharding(**roles), **kwargs)
+
+
+def test_sharded_attend_budget_across_context_shards(cache):
+    sharded_view = jax.tree.map(lambda x: jnp.broadcast_to(x, (2, 2) + x.shape), cache)
+    with raises("RA215", "budget=8", "context"):
+        serving.attend(q4(), sharded_view, USERS, budget=8,
+                       sharding=_sharding(batch="data", context="ctx"))

@@ -13,6 +13,9 @@ O((S + C)^2), and scores are batch-invariant by construction.
   ``budget`` using Quest's page bounds (``gqa='per_head' | 'group' | 'mean'``).
 * :func:`select_pages`, :func:`page_bounds`: the selection and the bounds
   behind it, for inspection.
+* :func:`sharded_cache_from_history`, :func:`shard_cache` and ``attend(...,
+  sharding=)``: caches split over users and over history on a device mesh
+  (:mod:`rankattn.serving.sharded`).
 
 Errors are RA2xx in docs/errors.md; the guide is docs/serving.md.
 """
@@ -22,7 +25,9 @@ from rankattn.serving.scoring import (DEFAULT_GROUP_RULE, GQA_MODES, GROUP_RULES
                                      page_bounds, select_pages)
 from rankattn.serving.cache import (AppendStatus, PagedKVCache, append, cache_from_history,
                                     empty_cache, release)
+from rankattn.serving.sharded import shard_cache, sharded_cache_from_history
 
 __all__ = ["AppendStatus", "DEFAULT_GROUP_RULE", "GQA_MODES", "GROUP_RULES", "PagedKVCache",
            "append", "attend",
-           "cache_from_history", "empty_cache", "page_bounds", "release", "select_pages"]
+           "cache_from_history", "empty_cache", "page_bounds", "release", "select_pages",
+           "shard_cache", "sharded_cache_from_history"]

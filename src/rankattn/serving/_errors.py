@@ -104,4 +104,19 @@ register(
         "it in status.out_of_range.",
         "Scale or clip the values before caching them, or build the cache with a wider dtype "
         "(dtype=jnp.float32 or jnp.bfloat16)."),
+    ErrorKind(
+        "RA215", "sharded serving arguments do not fit the sharding",
+        "attend(..., sharding=) takes a sharded cache whose arrays lead with (batch shards, "
+        "context shards) of the sharding, rows that split evenly over the batch shards, no "
+        "heads= axes, and no budget when the history is split over context axes (Quest runs "
+        "per user on batch shards only).",
+        "Build the cache with rankattn.serving.sharded_cache_from_history(k, v, lengths, "
+        "sharding) or shard_cache, pass a multiple of the batch shards' count of rows, and "
+        "drop budget= or context= as the message says."),
+    ErrorKind(
+        "RA216", "a query row's user is cached on another shard",
+        "Rows of q are split over the batch axes (row b on shard b // (B / nb)) and batch shard "
+        "i caches users [i * U, (i + 1) * U); a row can only read its own shard's cache.",
+        "Route each request to the rows of the shard that holds its user (user u lives on "
+        "shard u // U), padding the other rows with any user of that shard."),
 )

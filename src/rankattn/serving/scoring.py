@@ -32,6 +32,7 @@ import numpy as np
 from rankattn import semantics
 from rankattn.backends.base import compute_dtype
 from rankattn.errors import fail
+from rankattn.serving import sharded
 from rankattn.serving.cache import (PagedKVCache, _describe, _positive_int, check_cache,
                                     check_float, check_users)
 from rankattn.validate import check_logit_options
@@ -94,7 +95,7 @@ DEFAULT_GROUP_RULE = "standardised"
 
 def attend(q, cache: PagedKVCache, users, self_kv=None, *, budget=None, gqa="group",
            sink_pages=1, recent_pages=1, scale=None, softcap=None, softcap_method="tanh",
-           group_rule=DEFAULT_GROUP_RULE):
+           group_rule=DEFAULT_GROUP_RULE, sharding=None):
     """Attention of queries to their users' cached history (+ optional self term).
 
     Args:
@@ -121,6 +122,13 @@ def attend(q, cache: PagedKVCache, users, self_kv=None, *, budget=None, gqa="gro
         :func:`rankattn.attention` (the cap applies to history and self logits).
       group_rule: the 'group' merge rule, a key of GROUP_RULES (default chosen
         by measurement, see benchmarks/SERVING.md); kept for comparison.
+      sharding: a rankattn.Sharding(mesh, batch=..., context=...) to score on a
+        device mesh, with ``cache`` a sharded cache (arrays [nb, nc, ...]: batch
+        shards of users x context shards of each history; see
+        rankattn.serving.sharded and sharded_cache_from_history). q, users and
+        self_kv rows are split over the batch axes and row b's user (a global
+        id) must be cached on row b's batch shard. Results equal one device's;
+        ``budget`` needs no context axes.
 
     Returns:
       out in q's layout with D replaced by Dv ([B, T, Hq, Dv], [B, Hq, Dv] or
@@ -135,12 +143,24 @@ def attend(q, cache: PagedKVCache, users, self_kv=None, *, budget=None, gqa="gro
     with a budget, O(T * Hq * (S/P + budget) * D), gathering only the selected
     pages.
     """
-    query, users, plan = _check("attend", q, cache, users, self_kv, budget=budget, gqa=gqa,
+    view = cache
+    if sharding is not None:  # checked on one shard's view, with the users' local ids
+        view = sharded.local_view(cache, sharding)
+        if sharding.context and budget is not None:
+            raise fail("RA215", f"budget={budget} with context={sharding.context!r}: Quest page "
+                                "selection does not run across context shards yet. Shard users "
+                                "with batch= only, or pass budget=None (exact).")
+        users = sharded.local_users(users, np.shape(q)[0] if np.ndim(q) else 0, view.num_users,
+                                    sharding)
+    query, users, plan = _check("attend", q, view, users, self_kv, budget=budget, gqa=gqa,
                                 sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
                                 softcap=softcap, softcap_method=softcap_method,
                                 group_rule=group_rule)
     k_self, v_self = query.self_kv
-    out = _attend(plan, query.q, cache, users, k_self, v_self)
+    if sharding is not None:
+        out = sharded.attend(plan, query, cache, users, sharding, _attend_partial, _attend)
+    else:
+        out = _attend(plan, query.q, cache, users, k_self, v_self)
     return query.restore(out)
 
 
@@ -390,6 +410,13 @@ def _bounds_public(plan: _Plan, q, cache: PagedKVCache, users):
 
 @partial(jax.jit, static_argnums=0)
 def _attend(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
+    return _attend_partial(plan, q, cache, users, k_self, v_self)[0].astype(q.dtype)
+
+
+def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
+    """(out [B, T, Hq, Dv] float32 (float64), lse [B, Hq, T] float32): attention over the cached
+    history (+ self term), as a partial result that rankattn.distributed.merge_partials can
+    combine with others over disjoint keys (e.g. other context shards of the history)."""
     b, hkv = q.shape[0], cache.kv_heads
     qf = _head_major(q.astype(jnp.promote_types(q.dtype, cache.k_pages.dtype)), hkv)
     dtype = qf.dtype
@@ -419,7 +446,8 @@ def _attend(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     m, l, acc = _attend_pages(plan, qf, cache, table, length, logical, state)
     seen = l != 0  # NaN: a row poisoned by a non-finite input (rankattn.semantics)
     out = acc / jnp.where(seen, l, 1)[..., None]
-    return _token_major(out).astype(q.dtype)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
+    return _token_major(out), jnp.swapaxes(_token_major(lse), 1, 2).astype(jnp.float32)
 
 
 def _attend_pages(plan: _Plan, qf, cache: PagedKVCache, table, length, logical, state):
