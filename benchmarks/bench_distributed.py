@@ -264,7 +264,8 @@ def write(memory_rows, byte_rows, balance, batch, lengths, seconds):
         "program (compile only, nothing runs), so these are what XLA plans per device, not "
         "timings.",
         "",
-        f"Workload: one row of history (segment ids all 1, bidirectional unless stated), "
+        f"Workload: one row of history (segment ids are a traced input, so each program is the "
+        f"one for any mask; bidirectional unless stated), "
         f"Hq = {HQ}, Hkv = {HKV}, D = {D}, float32, impl 'xla' (the CPU default), forward + "
         "backward (`jax.vjp` with cotangents on out and lse) unless stated.",
         "",
@@ -278,7 +279,15 @@ def write(memory_rows, byte_rows, balance, batch, lengths, seconds):
                      f"{gib(stats['out'])} | {ratio:.3f} |")
     ring_1m = next(r for s, n, _, r in memory_rows if s == max(lengths) and n == "ring")
     lines += ["", f"Target: ring temp at {max(lengths):,} tokens <= 1/4 of one device's: "
-                  f"measured {ring_1m:.3f} -> **{'met' if ring_1m <= 0.25 else 'missed'}**.", ""]
+                  f"measured {ring_1m:.3f} -> **{'met' if ring_1m <= 0.25 else 'missed'}**.", "",
+              "Where the ring's scratch goes (XLA's buffer report of the 1M program): the "
+              "per-shard kernel's own forward + backward scratch at S / N tokens (about one "
+              "device's / N, as the kernel's memory is linear in S), plus the ring's buffers: "
+              "the K / V block being received next to the one computed on, the dK / dV "
+              "accumulators travelling with them (and their next hop), the local dq "
+              "accumulator and each step's recomputed partial out / lse. all_gather holds "
+              "the whole K / V and float32 dK / dV on every device, so it does not shrink "
+              "with N.", ""]
     lines += [
         "## 2. Collective bytes received per device per layer",
         "",
@@ -320,7 +329,7 @@ def write(memory_rows, byte_rows, balance, batch, lengths, seconds):
     lines += [
         "## 4. Batch-only sharding against today's jit",
         "",
-        "8 rows of 1024 history + 128 candidates (not masked here: one session of history), "
+        "8 rows of 1152 tokens (1024 history + 128 candidates; segment ids a traced input), "
         "Hq = 4, Hkv = 2, D = 128, on 8 devices; today = `jax.jit(attention)` with q, k, v and "
         "segment ids sharded over the batch (`in_shardings`).",
         "",

@@ -40,7 +40,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from rankattn import semantics
 from rankattn.errors import fail
@@ -515,5 +516,12 @@ def compiled_collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
-__all__ = ["Sharding", "merge_partials", "own_key_partial", "compiled_collectives",
-           "choose_strategy", "to_balanced", "from_balanced"]
+__all__ = [
+    "Sharding",
+    "choose_strategy",
+    "compiled_collectives",
+    "from_balanced",
+    "merge_partials",
+    "own_key_partial",
+    "to_balanced",
+]

@@ -18,12 +18,14 @@ process_id, port = int(sys.argv[1]), int(sys.argv[2])
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                            process_id=process_id, initialization_timeout=120)
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import rankattn  # noqa: E402
+# run(sharding, causal, softcap): jit of (q, k, v, seg, d_out, d_lse) -> (out, lse, dq, dk, dv)
+# through jax.vjp; this script's folder is on sys.path when it runs.
+from test_mesh_attention import run  # noqa: E402
 
 B, S, HQ, HKV, D = 2, 32, 4, 2, 8
 rng = np.random.default_rng(0)  # the same inputs in both processes
@@ -44,25 +46,15 @@ def global_array(x, spec):
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def attention_and_gradients(sharding):
-    def f(q, k, v, seg, d_out, d_lse):
-        def attend(q, k, v):
-            return rankattn.attention(q, k, v, segment_ids=seg, causal=True, return_lse=True,
-                                      sharding=sharding)
-        (out, lse), pullback = jax.vjp(attend, q, k, v)
-        return (out, lse) + pullback((d_out, d_lse))
-    return jax.jit(f)
-
-
 for strategy in ("ring", "all_gather"):
     sharding = rankattn.Sharding(mesh, batch="data", context="ctx", strategy=strategy)
     rows, heads_rows = P("data", "ctx"), P("data", None, "ctx")
     args = [global_array(q, rows), global_array(k, rows), global_array(v, rows),
             global_array(seg, rows), global_array(d_out, rows), global_array(d_lse, heads_rows)]
     got = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
-           for x in attention_and_gradients(sharding)(*args)]
+           for x in run(sharding, True, None)(*args)]
     with jax.default_device(jax.local_devices()[0]):
-        want = [np.asarray(x) for x in attention_and_gradients(None)(q, k, v, seg, d_out, d_lse)]
+        want = [np.asarray(x) for x in run(None, True, None)(q, k, v, seg, d_out, d_lse)]
     for name, w, g in zip(("out", "lse", "dq", "dk", "dv"), want, got):
         if name == "lse":
             assert np.array_equal(np.isneginf(w), np.isneginf(g)), name

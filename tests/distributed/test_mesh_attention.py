@@ -57,7 +57,7 @@ def inputs(batch: int, seed: int):
     return q, k, v, d_out, d_lse
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run(sharding, causal: bool, softcap, impl: str = "auto"):
     """A jitted (q, k, v, seg, d_out, d_lse) -> (out, lse, dq, dk, dv)."""
     def f(q, k, v, seg, d_out, d_lse):

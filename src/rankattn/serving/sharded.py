@@ -26,7 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rankattn.distributed import Sharding, _shard_map, _spec, merge_partials, own_key_partial
+from rankattn.distributed import (
+    Sharding,
+    _shard_map,
+    _spec,
+    merge_partials,
+    own_key_partial,
+)
 from rankattn.errors import fail
 from rankattn.serving.cache import PagedKVCache, cache_from_history
 from rankattn.validate import concrete
