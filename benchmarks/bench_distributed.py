@@ -17,6 +17,8 @@ meaningless, so none is reported.
    positions each device's queries have), with and without the dual-chunk reorder.
 4. Batch-only sharding through rankattn.Sharding against today's plain ``jax.jit`` with
    inputs sharded over the batch: FLOPs per device (``cost_analysis()``) and collectives.
+5. Quest with histories split over context shards: global budget against a budget per
+   shard (planted items found, attention mass covered, pages on the busiest shard).
 """
 
 from __future__ import annotations
@@ -254,7 +256,59 @@ def batch_only():
     return results
 
 
-def write(memory_rows, byte_rows, balance, batch, lengths, seconds):
+# --- 5: Quest across context shards. ---------------------------------------------------------
+
+
+def quest_on_shards(history: int, budgets, shards: int = N, seed: int = 0):
+    """Planted items found and attention mass covered by two ways of running Quest when each
+    user's history is split over ``shards`` context shards (the serving benchmark's planted
+    workload: 4 users x 12 candidates, 8 query / 2 kv heads, D = 64, pages of 16):
+
+    * global budget: page scores of all shards merged, then one top-k over the whole
+      history: the selection of one device (what `serving.select_pages` returns);
+    * budget per shard: each shard keeps budget / shards tokens of its own pages (the
+      first shard its sink page, the last its recent page).
+
+    Selections are computed here with serving.select_pages on each shard's part of the
+    history (one process), which is exactly what each device would select.
+    """
+    from bench_serving import CANDIDATES, KV_HEADS, PAGE, Q_HEADS, USERS, covered, page_mass
+
+    from rankattn import serving
+    from rankattn.serving.synthetic import planted_history
+
+    w = planted_history(seed, users=USERS, history=history, candidates=CANDIDATES,
+                        q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=64, avoid=PAGE)
+    users, q = jnp.arange(USERS), jnp.asarray(w.q)
+    lengths = jnp.full((USERS,), history)
+    chunk = history // shards
+    whole = serving.cache_from_history(jnp.asarray(w.k_hist), jnp.asarray(w.v_hist), lengths,
+                                       page_size=PAGE)
+    parts = [serving.cache_from_history(jnp.asarray(w.k_hist[:, j * chunk:(j + 1) * chunk]),
+                                        jnp.asarray(w.v_hist[:, j * chunk:(j + 1) * chunk]),
+                                        jnp.full((USERS,), chunk), page_size=PAGE)
+             for j in range(shards)]
+    mass = page_mass(w)
+    rows = []
+    for budget in budgets:
+        one = np.asarray(serving.select_pages(q, whole, users, budget=budget))
+        per_shard = np.concatenate([
+            np.where(sel >= 0, sel + j * (chunk // PAGE), -1)
+            for j, part in enumerate(parts)
+            for sel in [np.asarray(serving.select_pages(
+                q, part, users, budget=budget // shards, sink_pages=int(j == 0),
+                recent_pages=int(j == shards - 1)))]], axis=-1)
+        on_shard = np.stack([((one // (chunk // PAGE)) == j).sum(-1) for j in range(shards)])
+        quota = budget // shards // PAGE
+        rows.append(dict(budget=budget, items=w.position.size,
+                         global_hits=int(w.page_hits(one, PAGE).sum()),
+                         shard_hits=int(w.page_hits(per_shard, PAGE).sum()),
+                         global_mass=covered(mass, one), shard_mass=covered(mass, per_shard),
+                         busiest=int(on_shard.max()), quota=quota))
+    return rows
+
+
+def write(memory_rows, byte_rows, balance, batch, lengths, seconds, quest_rows, quest_history):
     gib = lambda x: f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / MiB:.1f} MiB"
     lines = [
         "# Attention on a device mesh: measured",
@@ -355,6 +409,32 @@ def write(memory_rows, byte_rows, balance, batch, lengths, seconds):
                      f"({gain_xla:.1f}x by cost_analysis); collective bytes per device "
                      f"{gib(today[mode]['bytes'])} -> {gib(ours[mode]['bytes'])} -> "
                      f"**{'met' if met else 'missed'}** (target >= 4x).")
+    lines += [
+        "",
+        f"## 5. Quest across context shards ({quest_history // 1024}K-token histories, "
+        f"{N} shards)",
+        "",
+        "`serving.attend(..., budget=)` runs on batch shards, where each user's pages are whole "
+        "(identical to one device). With the history split over context shards there are two "
+        "designs; this measures their selections (planted-item test of benchmarks/SERVING.md, "
+        "`gqa='group'`): *global* = each shard scores its pages, the scores are all-gathered "
+        "(pages x T x Hkv floats) and one top-k over all pages picks them, i.e. one device's "
+        "selection; *per shard* = each shard keeps budget / N tokens of its own pages, no "
+        "communication before the partial results are merged.",
+        "",
+        "| budget (tokens) | planted items found: global | per shard | attention mass covered: "
+        "global | per shard | global: most selected pages on one shard (its quota per shard) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in quest_rows:
+        lines.append(f"| {r['budget']} | {r['global_hits']}/{r['items']} | "
+                     f"{r['shard_hits']}/{r['items']} | {r['global_mass']:.3f} | "
+                     f"{r['shard_mass']:.3f} | {r['busiest']} ({r['quota']}) |")
+    lines += ["", "Global selection finds what one device finds but lets one shard hold many "
+                  "more selected pages than its share (the busiest shard gathers that many pages "
+                  "while others idle); a fixed budget per shard balances the gathers but misses "
+                  "relevant pages that crowd into one part of the history. Not implemented on "
+                  "the mesh yet: `attend` raises RA215 for a budget with context axes."]
     OUT.write_text("\n".join(lines) + "\n")
 
 
@@ -362,6 +442,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[262144, 1048576])
     parser.add_argument("--balance-length", type=int, default=262144)
+    parser.add_argument("--quest-history", type=int, default=16384)
+    parser.add_argument("--quest-budgets", type=int, nargs="+", default=[512, 1024, 2048])
     args = parser.parse_args()
     assert jax.device_count() >= N, "set XLA_FLAGS=--xla_force_host_platform_device_count=8"
     start = time.perf_counter()
@@ -371,7 +453,10 @@ def main():
     balance = dict(load_balance(args.balance_length), seq=args.balance_length)
     print("batch-only sharding", flush=True)
     batch = batch_only()
-    write(memory_rows, byte_rows, balance, batch, args.lengths, time.perf_counter() - start)
+    print("quest across context shards", flush=True)
+    quest_rows = quest_on_shards(args.quest_history, args.quest_budgets)
+    write(memory_rows, byte_rows, balance, batch, args.lengths, time.perf_counter() - start,
+          quest_rows, args.quest_history)
     print(OUT.read_text())
     return 0
 

@@ -1,4 +1,4 @@
-"""Runs tests/distributed/ (attention on 8 fake CPU devices) in a subprocess.
+"""Runs tests/distributed/ (attention and serving on 8 fake CPU devices) in a subprocess.
 
 JAX fixes the number of CPU devices when its backend starts, so those tests run in
 their own interpreter with XLA_FLAGS=--xla_force_host_platform_device_count=8; their
