@@ -430,11 +430,16 @@ def write(memory_rows, byte_rows, balance, batch, lengths, seconds, quest_rows, 
         lines.append(f"| {r['budget']} | {r['global_hits']}/{r['items']} | "
                      f"{r['shard_hits']}/{r['items']} | {r['global_mass']:.3f} | "
                      f"{r['shard_mass']:.3f} | {r['busiest']} ({r['quota']}) |")
-    lines += ["", "Global selection finds what one device finds but lets one shard hold many "
-                  "more selected pages than its share (the busiest shard gathers that many pages "
-                  "while others idle); a fixed budget per shard balances the gathers but misses "
-                  "relevant pages that crowd into one part of the history. Not implemented on "
-                  "the mesh yet: `attend` raises RA215 for a budget with context axes."]
+    lines += ["", "Reading: global selection is one device's selection, but the pages it picks "
+                  "are not spread evenly: the busiest shard holds the number in the last column "
+                  "against its quota, and the step waits for that shard's gathers. A budget per "
+                  "shard keeps every shard's gathers equal and needs no communication before the "
+                  "merge; on this workload (one relevant page per candidate, at a uniformly random "
+                  "place) it finds the same items and covers the same mass. It can only lose when "
+                  "more of a query's relevant pages sit on one shard than that shard's quota, "
+                  "which this workload does not test. Neither runs on the mesh yet: `attend` "
+                  "raises RA215 for a budget with context axes; per shard is the simpler next "
+                  "step (each shard runs today's selection with budget / N)."]
     OUT.write_text("\n".join(lines) + "\n")
 
 
