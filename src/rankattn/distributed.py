@@ -205,8 +205,8 @@ def local_call(call: AttentionCall, sharding: Sharding, strategy: str | None) ->
 
     if not sharding.context:
         return dataclasses.replace(call, q=local(call.q), k=local(call.k), v=local(call.v))
-    keys = call.k.shape[1] if strategy == "all_gather" else None
-    q, k = local(call.q), local(call.k, keys)
+    key_length = call.k.shape[1] if strategy == "all_gather" else None  # gathered: all of S
+    q, k = local(call.q), local(call.k, key_length)
     queries = jax.ShapeDtypeStruct(q.shape[:2], jnp.int32)
     keys = jax.ShapeDtypeStruct(k.shape[:2], jnp.int32)
     return dataclasses.replace(call, q=q, k=k, v=local(call.v, k.shape[1]),
@@ -243,8 +243,11 @@ def _rows(x):
     return jnp.swapaxes(x, 1, 2)[..., None]
 
 
-def own_key_partial(call: AttentionCall, q, k, v, segment_ids):
+def own_key_partial(call, q, k, v, segment_ids):
     """Each candidate's logit on its own key, as a partial (out, lse) for merge_partials.
+
+    ``call`` gives scale, softcap and softcap_method (an AttentionCall, or serving's
+    plan for a candidate's self term).
 
     q [B, S, Hq, D], k / v [B, S, Hkv, D / Dv] of the same tokens. For a candidate
     (segment id < 0) out = its own v and lse = its capped, scaled logit; other tokens

@@ -162,3 +162,16 @@ def test_auto_strategy_follows_the_gathered_size(monkeypatch):
     assert distributed.choose_strategy(call, sharding) == "all_gather"
     monkeypatch.setattr(distributed, "ASSUMED_DEVICE_BYTES", 8 * S * HKV * 2 * D * 4 - 8)
     assert distributed.choose_strategy(call, sharding) == "ring"
+
+
+def test_a_plan_is_split_over_the_batch():
+    """Batch sharding passes a plan's per-row lists through the shard_map; context sharding
+    keeps only its segment ids. Both equal the call with the mask itself."""
+    q, k, v, _, _ = inputs(8, 5)
+    seg = edge_rows(8, 5)
+    plan = rankattn.plan(segment_ids=seg, causal=True)
+    want = np.asarray(rankattn.attention(q, k, v, segment_ids=seg, causal=True))
+    for sharding in (rankattn.Sharding(mesh(data=8), batch="data"),
+                     rankattn.Sharding(mesh(data=2, ctx=4), batch="data", context="ctx")):
+        got = np.asarray(rankattn.attention(q, k, v, plan=plan, sharding=sharding))
+        assert np.abs(got - want).max() <= 1e-5
