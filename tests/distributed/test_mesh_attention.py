@@ -99,9 +99,15 @@ CONTEXT_MESHES = {
 }
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-@pytest.mark.parametrize("mesh_name", list(CONTEXT_MESHES))
+# Every mesh runs both strategies and both masks; the 8-shard mesh every combination.
+CONTEXT_CASES = [("context8", c, s) for c in (False, True) for s in ("all_gather", "ring")] + [
+    ("data2-context4", True, "ring"), ("data2-context4", False, "all_gather"),
+    ("data2-heads2-context2", True, "all_gather"), ("data2-heads2-context2", False, "ring")]
+
+
+@pytest.mark.parametrize("mesh_name, causal, strategy", CONTEXT_CASES,
+                         ids=[f"{m}-{'causal' if c else 'bidirectional'}-{s}"
+                              for m, c, s in CONTEXT_CASES])
 def test_context_sharding_matches_one_device(mesh_name, causal, strategy):
     base = CONTEXT_MESHES[mesh_name]()
     sharding = rankattn.Sharding(base.mesh, batch=base.batch, heads=base.heads,
