@@ -347,7 +347,8 @@ def write(memory_rows, byte_rows, balance, batch, lengths, seconds, quest_rows, 
         "",
         "Formula (K and V only): (N - 1) / N * 2 * S * Hkv * D * 4 bytes. The measured bytes "
         "also carry the keys' segment ids and positions (int32, 8 bytes per token against "
-        f"{2 * HKV * D * 4} of K / V) and, backwards, dK / dV.",
+        f"{2 * HKV * D * 4} of K / V) and, backwards, dK / dV; the ring's backward passes K / V "
+        "n times (not n - 1) and dK / dV n times.",
         "",
         "| tokens | strategy | forward measured | forward / formula | forward + backward "
         "measured | by kind (forward + backward) |",
@@ -423,7 +424,7 @@ def write(memory_rows, byte_rows, balance, batch, lengths, seconds, quest_rows, 
         "communication before the partial results are merged.",
         "",
         "| budget (tokens) | planted items found: global | per shard | attention mass covered: "
-        "global | per shard | global: most selected pages on one shard (its quota per shard) |",
+        "global | per shard | global: most of one query's pages on one shard (quota) |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in quest_rows:
