@@ -33,7 +33,9 @@ causal and S is a multiple of 2N, queries are moved to the dual-chunk order
 (2N chunks; device i holds chunks i and 2N - 1 - i) by two collective-permutes
 at the start of the call and the results moved back at its end (the ring moves
 K / V too, so each ring step is balanced). Positions carry the original order,
-so results are identical; the user never sees the reorder.
+so results are identical; the user never sees the reorder. A model can instead
+reorder its tokens once per batch (``x[:, balanced_order(S, N)]``) and pass
+``Sharding(..., balanced_layout=True)``, so that no layer moves them again.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -92,6 +95,11 @@ class Sharding:
       strategy: how context shards see each other's keys: 'all_gather', 'ring' or
         'auto' (all_gather while the gathered K / V take at most 1/8 of a device's
         memory, else ring; see :func:`choose_strategy`).
+      balanced_layout: the sequence axis of q, k, v and the segment ids is already in
+        the dual-chunk order, ``x[:, balanced_order(S, N)]`` (N = the context shards),
+        and out / lse come back in that order. A model reorders its tokens once per
+        batch this way; every causal layer then skips the in-call reorder (two
+        collective-permutes of q and the segment ids in, of out and lse out).
 
     Results come back split the same way: out [B, S, Hq, Dv] as q, lse [B, Hq, S] over
     (batch, heads, context). Inputs may be sharded any way or not at all.
@@ -102,6 +110,7 @@ class Sharding:
     heads: str | Axes | None = None
     context: str | Axes | None = None
     strategy: str = "auto"
+    balanced_layout: bool = False
 
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):
@@ -124,6 +133,13 @@ class Sharding:
         if not isinstance(self.strategy, str) or self.strategy not in STRATEGIES:
             raise fail("RA121", f"Sharding(strategy={self.strategy!r}); use one of "
                                 f"{', '.join(map(repr, STRATEGIES))}.")
+        if not isinstance(self.balanced_layout, bool):
+            raise fail("RA116", f"Sharding(balanced_layout={self.balanced_layout!r}); pass "
+                                "True or False.")
+        if self.balanced_layout and not self.context:
+            raise fail("RA121", "Sharding(balanced_layout=True) without context axes: the "
+                                "dual-chunk order is an order of context shards. Add "
+                                "context='<axis>' or drop balanced_layout.")
         if self.strategy != "auto" and not self.context:
             raise fail("RA121", f"Sharding(strategy={self.strategy!r}) without context axes: "
                                 "the strategy says how sequence shards exchange keys, and "
@@ -176,6 +192,11 @@ def check_sharding(call: AttentionCall, sharding) -> None:
                                     + " x ".join(f"{a}={sharding.mesh.shape[a]}" for a in axes)
                                     + f"), which does not divide {what} = "
                                     f"{', '.join(map(str, sizes))}: {fix}.")
+    n = sharding.size(sharding.context)
+    if sharding.balanced_layout and sq % (2 * n):
+        raise fail("RA120", f"balanced_layout=True splits S into 2 x {n} chunks, but S = {sq}: "
+                            f"pad the sequence with segment id 0 to {-(-sq // (2 * n)) * 2 * n} "
+                            f"(a multiple of {2 * n}) before reordering it.")
     if sharding.context and sq != skv:
         raise fail("RA121", f"context={sharding.context!r} splits one sequence, but q has "
                             f"length {sq} and k {skv}. Context sharding is for self-attention; "
@@ -279,6 +300,18 @@ def _contiguous_home(chunk: int, n: int):
 def _balanced_home(chunk: int, n: int):
     """(device, slot) of chunk c of 2n in the dual-chunk order: device i holds i, 2n - 1 - i."""
     return (chunk, 0) if chunk < n else (2 * n - 1 - chunk, 1)
+
+
+def balanced_order(seq_len: int, n: int):
+    """int numpy [seq_len]: the dual-chunk order of a sequence split over n devices.
+
+    ``x[:, balanced_order(S, n)]`` puts chunk i and chunk 2n - 1 - i of 2n on device
+    i; ``np.argsort`` of it restores the original order. For
+    ``Sharding(..., balanced_layout=True)``.
+    """
+    c = seq_len // (2 * n)
+    chunks = [[i, 2 * n - 1 - i] for i in range(n)]
+    return np.concatenate([np.arange(j * c, (j + 1) * c) for pair in chunks for j in pair])
 
 
 def balanced_positions(index, n: int, local_len: int):
@@ -466,7 +499,8 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
 
     n = sharding.size(context)
     b, s = call.q.shape[:2]
-    balance = call.causal and n > 1 and s % (2 * n) == 0
+    # Reorder inside this call: causal, divisible, and not already in the balanced order.
+    balance = (call.causal and n > 1 and s % (2 * n) == 0 and not sharding.balanced_layout)
     kernel = _history_kernel(backend, call)
     history = ring_history if strategy == "ring" else gathered_history
     segment_ids = call.segment_ids
@@ -478,8 +512,10 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
         local = q.shape[1]
         rows = lambda pos: jnp.broadcast_to(pos, seg.shape)
         contiguous = rows(index * local + jnp.arange(local, dtype=jnp.int32))
-        if not balance:
-            part = history(kernel, context, n, q, seg, contiguous, k, v, seg, contiguous)
+        if not balance:  # each device's tokens sit where the layout says
+            pos = rows(balanced_positions(index, n, local)) if sharding.balanced_layout \
+                else contiguous
+            part = history(kernel, context, n, q, seg, pos, k, v, seg, pos)
             return add_own_keys(call, part, q, k, v, seg)
         q_b, seg_b = to_balanced(q, context, n), to_balanced(seg, context, n)
         pos_b = rows(balanced_positions(index, n, local))
@@ -524,6 +560,7 @@ def compiled_collectives(hlo_text: str) -> dict[str, int]:
 
 __all__ = [
     "Sharding",
+    "balanced_order",
     "choose_strategy",
     "compiled_collectives",
     "from_balanced",

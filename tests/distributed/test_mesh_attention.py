@@ -181,3 +181,27 @@ def test_a_plan_is_split_over_the_batch():
                      rankattn.Sharding(mesh(data=2, ctx=4), batch="data", context="ctx")):
         got = np.asarray(rankattn.attention(q, k, v, plan=plan, sharding=sharding))
         assert np.abs(got - want).max() <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_tokens_reordered_once_per_batch(strategy):
+    """balanced_layout=True: the caller reorders the sequence once; results in that order."""
+    from rankattn.distributed import balanced_order
+
+    sharding = rankattn.Sharding(mesh(ctx=8), context="ctx", strategy=strategy,
+                                 balanced_layout=True)
+    q, k, v, d_out, d_lse = inputs(2, 4)
+    seg = edge_rows(2, 4)
+    order = balanced_order(S, 8)
+    back = np.argsort(order)
+    want = run(None, True, None)(q, k, v, seg, d_out, d_lse)
+    got = run(sharding, True, None)(q[:, order], k[:, order], v[:, order], seg[:, order],
+                                    d_out[:, order], d_lse[:, :, order])
+    for name, w, g in zip(("out", "lse", "dq", "dk", "dv"), want, got):
+        g = np.asarray(g)[:, :, back] if name == "lse" else np.asarray(g)[:, back]
+        w = np.asarray(w)
+        if name == "lse":
+            assert np.array_equal(np.isneginf(w), np.isneginf(g))
+            w, g = np.where(np.isneginf(w), 0, w), np.where(np.isneginf(g), 0, g)
+        bound = 1e-5 if name in ("out", "lse") else 1e-4 * np.abs(w).max()
+        assert np.abs(w - g).max() <= bound, name
