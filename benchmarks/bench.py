@@ -279,9 +279,10 @@ def peak_rss_gib(name: str) -> float:
 
 
 def primitives(repeats: int) -> list[dict]:
-    """Per-round ratios torch / XLA of the operations a short call is made of.
+    """Per-round ratios torch / XLA of the operations rankattn's programs are made of.
 
-    At the short-fwd shape (B=2, 4 heads, S=320, D=128): the logits matmul,
+    The batched matmul of one nano-fwd step, then at the short-fwd shape (B=2,
+    4 heads, S=320, D=128): the logits matmul,
     exp over the logits, and unmasked dense softmax attention (two matmuls and
     a softmax) against torch SDPA without a mask. These bound what any XLA
     program can do at that shape, rankattn's included.
@@ -302,7 +303,13 @@ def primitives(repeats: int) -> list[dict]:
         return jnp.einsum("bhqk,bhkd->bhqd", p, v, precision="highest")
 
     dense = jax.jit(dense)
-    pairs = [("logits matmul [2,4,320,128] x [2,4,128,320]", lambda: logits(q, k),
+    # nano-fwd's block matmul: 4 units x 2 kv heads, (2 query heads x 128 queries) x 512 keys.
+    a_blk, b_blk = (jax.random.normal(key, (8, n, d)) for key, n in zip(keys[:2], (256, 512)))
+    ta_blk, tb_blk = torch.from_numpy(np.array(a_blk)), torch.from_numpy(np.array(b_blk))
+    block = jax.jit(lambda a, b: jnp.einsum("crd,ckd->crk", a, b, precision="highest"))
+    pairs = [("block matmul [8,256,128] x [8,128,512] (nano's step)",
+              lambda: block(a_blk, b_blk), lambda: torch.bmm(ta_blk, tb_blk.transpose(1, 2))),
+             ("logits matmul [2,4,320,128] x [2,4,128,320]", lambda: logits(q, k),
               lambda: tq @ tk.transpose(-1, -2)),
              ("exp over [2,4,320,320]", lambda: exp(s0), lambda: torch.exp(ts0)),
              ("dense attention, no mask (XLA softmax vs torch SDPA)", lambda: dense(q, k, v),
@@ -358,12 +365,12 @@ def best_peer(rows: list[dict], workload: str, peers_: tuple[str, ...] | None = 
 # --- Reports, generated from results/*.json only. ------------------------------------
 
 
-def load_runs() -> list[dict]:
-    return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(RESULTS_DIR, "run-*.json")))]
+def load_runs(results_dir: str = RESULTS_DIR) -> list[dict]:
+    return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(results_dir, "run-*.json")))]
 
 
-def load_sweep() -> dict | None:
-    path = os.path.join(RESULTS_DIR, "sweep.json")
+def load_sweep(results_dir: str = RESULTS_DIR) -> dict | None:
+    path = os.path.join(results_dir, "sweep.json")
     return json.load(open(path)) if os.path.exists(path) else None
 
 
@@ -478,8 +485,9 @@ def results_markdown(runs: list[dict], sweep: dict | None, profile: list[dict]) 
     if notes:
         lines += ["", "Notes from the runs:", ""] + [f"- {n}" for n in notes]
     if profile:
-        lines += ["", "## What limits the short calls", "",
-                  "XLA:CPU's own primitives against torch's at the short-fwd shape (per-round "
+        lines += ["", "## What limits the misses", "",
+                  "XLA:CPU's own primitives against torch's at the shapes of nano-fwd's steps "
+                  "and of short-fwd (per-round "
                   "ratio torch / XLA; < 1 means torch is faster). Every XLA program, rankattn "
                   "and the dense peers alike, is built from these operations.", "",
                   "| operation | XLA ms | torch ms | torch / XLA |", "|---|---:|---:|---:|"]
@@ -610,23 +618,25 @@ def readme_block(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_reports():
-    runs, sweep = load_runs(), load_sweep()
-    profile = [p for run in runs for p in run.get("primitives", [])][-3:]
+def write_reports(results_dir: str = RESULTS_DIR, out_dir: str = HERE,
+                  readme: str = os.path.join(os.path.dirname(HERE), "README.md"),
+                  draw: bool = True):
+    """RESULTS.md, SWEEP.md, the README's results block and (``draw``) the PNGs, from JSON."""
+    runs, sweep = load_runs(results_dir), load_sweep(results_dir)
+    profile = runs[-1].get("primitives", []) if runs else []
     if runs:
-        with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
+        with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
             f.write(results_markdown(runs, sweep, profile))
-        readme = os.path.join(os.path.dirname(HERE), "README.md")
         text = open(readme).read()
         pattern = re.escape(README_BEGIN) + ".*?" + re.escape(README_END)
-        if re.search(pattern, text, flags=re.S):
-            with open(readme, "w") as f:
-                f.write(re.sub(pattern, lambda _: readme_block(runs), text, flags=re.S))
+        with open(readme, "w") as f:
+            f.write(re.sub(pattern, lambda _: readme_block(runs), text, flags=re.S))
     if sweep:
-        with open(os.path.join(HERE, "SWEEP.md"), "w") as f:
+        with open(os.path.join(out_dir, "SWEEP.md"), "w") as f:
             f.write(sweep_markdown(sweep))
-        sweep_heatmap(sweep, os.path.join(HERE, "sweep.png"))
-        history_plot(sweep, os.path.join(HERE, "time_vs_history.png"))
+        if draw:
+            sweep_heatmap(sweep, os.path.join(out_dir, "sweep.png"))
+            history_plot(sweep, os.path.join(out_dir, "time_vs_history.png"))
     print(f"wrote the reports from {len(runs)} runs{' and the sweep' if sweep else ''}")
 
 
