@@ -21,6 +21,11 @@ in the same run on a 2048^3 XLA matmul, counting only visible query-key pairs
 (forward 4*D flops per pair and head; forward+backward 3.5x that). "temp MiB"
 is XLA's compiled scratch memory for the JAX implementations.
 
+Every process runs with glibc's default heap settings, as users get them. (An
+earlier version turned heap trimming off and padded the heap top by 1 GiB:
+that made torch SDPA about 5x slower on short-fwd, 3.4 -> 16 ms, and
+rankattn 1.5x slower, which flattered rankattn's ratios.)
+
 A full run writes benchmarks/results/run-*.json; the sweep writes
 results/sweep.json. RESULTS.md, SWEEP.md, the two PNGs and the README's
 results block are generated from those files only (--report redoes it), so
@@ -238,6 +243,13 @@ def runners(w: Workload, dense_limit: int, failures: list[str]) -> tuple[dict, d
     return fns, temps
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process), since boot / start."""
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:8]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK"), sum(os.times()[:2])
+
+
 def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
                  dense_limit: int = DENSE_LIMIT_BYTES) -> list[dict]:
     """One row per implementation: medians, per-round ratios to rankattn and their quartiles."""
@@ -247,7 +259,12 @@ def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
         jax.block_until_ready(fn())
     one_round = time.perf_counter() - start
     rounds = int(np.clip(ROUND_BUDGET_S // max(one_round, 1e-9), 3, repeats))
+    (busy0, own0), wall0 = cpu_seconds(), time.perf_counter()
     times = peers.interleaved_times(fns, rounds)
+    (busy1, own1), wall1 = cpu_seconds(), time.perf_counter()
+    # Other processes' share of the machine while this workload was timed: torch's OpenMP
+    # pools stall when a core is taken from them, so its times suffer most from it.
+    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / ((wall1 - wall0) * os.cpu_count())
     rows = []
     for name, t in times.items():
         ratios = t / times[OURS]
@@ -255,7 +272,7 @@ def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
                          ratio=float(np.median(ratios)),
                          ratio_q1=float(np.percentile(ratios, 25)),
                          ratio_q3=float(np.percentile(ratios, 75)), rounds=rounds,
-                         mm=w.flops / float(np.median(t)) / rate,
+                         mm=w.flops / float(np.median(t)) / rate, others=others,
                          temp_mib=temps[name] / 2 ** 20 if name in temps else None))
     return rows
 
@@ -269,9 +286,8 @@ def matmul_rate(repeats: int) -> float:
 
 def peak_rss_gib(name: str) -> float:
     """Peak RSS of a fresh process that runs only rankattn on one workload (inputs included)."""
-    env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}  # glibc's default heap
     out = subprocess.run([sys.executable, __file__, "--rss-child", name], check=True,
-                         capture_output=True, text=True, env=env).stdout
+                         capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
 
 
@@ -321,6 +337,34 @@ def primitives(repeats: int) -> list[dict]:
                          torch_ms=float(np.median(t["torch"])) * 1e3,
                          ratio=float(np.median(t["torch"] / t["xla"]))))
     return rows
+
+
+def load_sensitivity(repeats: int) -> list[dict]:
+    """rankattn and torch SDPA on short-fwd and nano-fwd, alone and beside one busy process.
+
+    What makes full runs vary: another process taking a core slows torch's
+    OpenMP kernels far more than XLA's thread pool, so the ratios move with
+    the machine's background load. Measured here, both ways, in one run.
+    """
+    if torch is None:
+        return []
+    out = []
+    for w in (w for w in WORKLOADS if w.name in ("short-fwd", "nano-fwd")):
+        fns = {OURS: jax_runner(w, ours)[0], "torch sdpa (dense mask)": torch_sdpa(w)}
+        for label in ("alone", "beside one busy process"):
+            spinner = None
+            if label != "alone":
+                spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            try:
+                t = peers.interleaved_times(fns, repeats)
+            finally:
+                if spinner is not None:
+                    spinner.kill()
+                    spinner.wait()
+            ours_ms, sdpa_ms = (float(np.median(x)) * 1e3 for x in t.values())
+            out.append(dict(workload=w.name, load=label, ours_ms=ours_ms, sdpa_ms=sdpa_ms,
+                            ratio=float(np.median(t["torch sdpa (dense mask)"] / t[OURS]))))
+    return out
 
 
 # --- The shape sweep. ----------------------------------------------------------------
@@ -470,7 +514,7 @@ def results_markdown(runs: list[dict], sweep: dict | None, profile: list[dict]) 
         lines.append(f"| {target} | {measured} | {verdict} |")
     lines += ["", "## Every workload", "",
               "| workload | impl | median ms | peer / rankattn | quartiles of the ratio | % mm "
-              "| temp MiB |", "|---|---|---:|---:|---:|---:|---:|"]
+              "| temp MiB | other load |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     keys = list(dict.fromkeys((r["workload"], r["impl"]) for run in runs for r in run["rows"]))
     for workload, impl in keys:
         rows = [r for run in runs for r in run["rows"]
@@ -480,10 +524,25 @@ def results_markdown(runs: list[dict], sweep: dict | None, profile: list[dict]) 
                                                   for r in rows)
         lines.append(f"| {workload} | {impl} | {span([r['ms'] for r in rows], '{:.1f}')} | {ratio} "
                      f"| {quart} | {span([r['mm'] for r in rows], '{:.0%}')} "
-                     f"| {span([r['temp_mib'] for r in rows], '{:.0f}')} |")
+                     f"| {span([r['temp_mib'] for r in rows], '{:.0f}')} "
+                     f"| {span([r.get('others') for r in rows], '{:.0%}')} |")
     notes = sorted({n for run in runs for n in run["meta"]["notes"]})
     if notes:
         lines += ["", "Notes from the runs:", ""] + [f"- {n}" for n in notes]
+    sensitivity = [x for run in runs for x in run.get("sensitivity", [])]
+    if sensitivity:
+        lines += ["", "## What makes runs vary", "",
+                  "\"other load\" above is the share of the machine's cores that other "
+                  "processes used while a workload was timed. torch's OpenMP kernels stall "
+                  "when a core is taken from them, XLA's thread pool much less, so ratios to "
+                  "torch move with that load. Each run measures it directly, alone and beside "
+                  "one process spinning on a core:", "",
+                  "| run | workload | load | rankattn ms | torch SDPA ms | SDPA / rankattn |",
+                  "|---|---|---|---:|---:|---:|"]
+        for i, run in enumerate(runs):
+            lines += [f"| {i + 1} | {x['workload']} | {x['load']} | {x['ours_ms']:.1f} "
+                      f"| {x['sdpa_ms']:.1f} | {x['ratio']:.2f} |"
+                      for x in run.get("sensitivity", [])]
     if profile:
         lines += ["", "## What limits the misses", "",
                   "XLA:CPU's own primitives against torch's at the shapes of nano-fwd's steps "
@@ -656,12 +715,13 @@ def meta(rate: float, notes: list[str]) -> dict:
 
 
 def print_rows(rows: list[dict]) -> str:
-    lines = ["| workload | impl | median ms | peer / rankattn | quartiles | % mm | temp MiB |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| workload | impl | median ms | peer / rankattn | quartiles | % mm | temp MiB "
+             "| other load |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         temp = "" if r["temp_mib"] is None else f"{r['temp_mib']:.0f}"
         lines.append(f"| {r['workload']} | {r['impl']} | {r['ms']:.1f} | {r['ratio']:.2f} | "
-                     f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | {r['mm']:.0%} | {temp} |")
+                     f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | {r['mm']:.0%} | {temp} "
+                     f"| {r['others']:.0%} |")
     return "\n".join(lines)
 
 
@@ -680,13 +740,18 @@ def full_run(workloads: list[Workload], repeats: int, save: str | None):
         profile = primitives(max(repeats, 15))
         for p in profile:
             print(f"{p['op']}: XLA {p['xla_ms']:.2f} ms, torch {p['torch_ms']:.2f} ms", flush=True)
+        sensitivity = load_sensitivity(repeats)
+        for x in sensitivity:
+            print(f"{x['workload']} {x['load']}: rankattn {x['ours_ms']:.1f} ms, torch SDPA "
+                  f"{x['sdpa_ms']:.1f} ms, ratio {x['ratio']:.2f}", flush=True)
         name = "long-history-fwdbwd"
         rss = peak_rss_gib(name)
         notes.append(f"{name}: peak RSS of a process running only rankattn (inputs included) "
                      f"{rss:.2f} GiB in this run; one dense float32 [S, S] tensor is "
                      f"{32896 ** 2 * 4 / 2 ** 30:.1f} GiB per head")
         with open(save, "w") as f:
-            json.dump(dict(meta=meta(rate, notes), rows=rows, primitives=profile), f, indent=1)
+            json.dump(dict(meta=meta(rate, notes), rows=rows, primitives=profile,
+                           sensitivity=sensitivity), f, indent=1)
         print(f"saved {save}")
 
 
@@ -710,18 +775,7 @@ def sweep_run(repeats: int):
         json.dump(dict(meta=meta(rate, notes), cells=cells), f, indent=1)
 
 
-# glibc hands freed heap memory back to the OS; then whichever implementation
-# runs after a peer that freed hundreds of MiB page-faults its buffers in anew.
-# Measured here (nano-fwd, interleaved with the dense peers): rankattn 214 ms
-# with the default, 152 ms with trimming off; the peers ran the same or faster
-# (torch SDPA 174 -> 164 ms, reference 301 -> 294 ms). So the benchmark runs
-# with trimming off, for every implementation alike.
-MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(64 << 30), "MALLOC_TOP_PAD_": str(1 << 30)}
-
-
 def main():
-    if "--rss-child" not in sys.argv and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2,
                         help="full runs, each in a fresh process (default 2)")
