@@ -1,12 +1,16 @@
-"""rankattn against what a user would run instead, on ranking-attention workloads.
+"""rankattn against what a user would run instead, on ranking-attention workloads (CPU).
 
-    .venv/bin/python benchmarks/bench.py                 # every workload, the plot, RESULTS table
-    .venv/bin/python benchmarks/bench.py --only nano-fwd # one workload
-    .venv/bin/python benchmarks/bench.py --quick         # fewer repeats, no plot
+    .venv/bin/python benchmarks/bench.py                  # 2 full runs -> results/, RESULTS.md
+    .venv/bin/python benchmarks/bench.py --sweep          # the shape sweep -> SWEEP.md, sweep.png
+    .venv/bin/python benchmarks/bench.py --report         # rewrite the reports from results/
+    .venv/bin/python benchmarks/bench.py --only nano-fwd  # print one workload, write nothing
 
-For each workload every implementation runs in this process, interleaved
-round-robin, and the median is reported with the ratio peer time / rankattn
-time (> 1 means rankattn is faster). Peers: the dense reference,
+Every implementation of a workload runs in this process, round-robin, each
+round in the reverse order of the last (rankattn.peers.interleaved_times).
+The ratio "peer / rankattn" (> 1 means rankattn is faster) is taken per round
+and its median over rounds reported, with the quartiles: both sides of a
+ratio ran under the same machine state, so the ratio is much steadier than
+either time on this noisy 2-core machine. Peers: the dense reference,
 jax.nn.dot_product_attention (XLA) with the equivalent dense mask, and when
 PyTorch is installed (pip install '.[bench]' torch) torch SDPA with a dense
 boolean mask and compiled FlexAttention with a mask_mod and block mask
@@ -16,13 +20,28 @@ boolean mask and compiled FlexAttention with a mask_mod and block mask
 in the same run on a 2048^3 XLA matmul, counting only visible query-key pairs
 (forward 4*D flops per pair and head; forward+backward 3.5x that). "temp MiB"
 is XLA's compiled scratch memory for the JAX implementations.
+
+Every process runs with glibc's default heap settings, as users get them. (An
+earlier version turned heap trimming off and padded the heap top by 1 GiB:
+that made torch SDPA about 5x slower on short-fwd, 3.4 -> 16 ms, and
+rankattn 1.5x slower, which flattered rankattn's ratios.)
+
+A full run writes benchmarks/results/run-*.json; the sweep writes
+results/sweep.json. RESULTS.md, SWEEP.md, the two PNGs and the README's
+results block are generated from those files only (--report redoes it), so
+no number in them is typed by hand.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import glob
+import json
 import os
+import platform
+import re
 import resource
 import subprocess
 import sys
@@ -42,6 +61,10 @@ try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # the torch peers are optional
     torch = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_DIR = os.path.join(HERE, "results")
+COMMAND = ".venv/bin/python benchmarks/bench.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,21 +100,29 @@ class Workload:
 
 
 NANO = ((1024, 128),)  # 2 prefix + 1022 history, 128 candidates
+SHORT = ((256, 64),)   # 2 prefix + 254 history, 64 candidates: a short call
 PACKED = tuple((960, 64) for _ in range(8))  # 8 sessions of 1024 tokens in one 8192-token row
 WORKLOADS = [
     Workload("nano-fwd", 8, NANO, 4, 2, 128),
-    Workload("prod-heads-fwd", 2, NANO, 20, 4, 128),
-    Workload("packed-fwd", 1, PACKED, 4, 2, 128),
+    Workload("nano-fwd-bf16", 8, NANO, 4, 2, 128, dtype="bfloat16"),
     Workload("nano-fwdbwd", 4, NANO, 4, 2, 128, backward=True),
+    Workload("nano-fwdbwd-bf16", 4, NANO, 4, 2, 128, backward=True, dtype="bfloat16"),
+    Workload("prod-heads-fwd", 2, NANO, 20, 4, 128),
+    Workload("short-fwd", 2, SHORT, 4, 2, 128),
+    Workload("short-fwdbwd", 2, SHORT, 4, 2, 128, backward=True),
+    Workload("packed-fwd", 1, PACKED, 4, 2, 128),
+    Workload("packed-fwd-bf16", 1, PACKED, 4, 2, 128, dtype="bfloat16"),
     Workload("packed-fwdbwd", 1, PACKED, 4, 2, 128, backward=True),
     Workload("long-history-fwd", 1, ((32768, 128),), 4, 2, 64),
     Workload("long-history-fwdbwd", 1, ((32768, 128),), 4, 2, 64, backward=True),
-    Workload("nano-fwd-bf16", 8, NANO, 4, 2, 128, dtype="bfloat16"),
-    Workload("packed-fwd-bf16", 1, PACKED, 4, 2, 128, dtype="bfloat16"),
 ]
-FAILURES: list[str] = []  # peers that could not run, printed with the results
-# Dense-mask peers are skipped where their S x S tensors would not fit comfortably.
+# Dense-mask XLA peers form B x H x S x S float32 logits; they are skipped past this size.
 DENSE_LIMIT_BYTES = 6 << 30
+# Rounds stop early once a workload's implementations have used this much time in total.
+ROUND_BUDGET_S = 60.0
+
+
+# --- Implementations. ---------------------------------------------------------------
 
 
 def inputs(w: Workload, seed: int = 0):
@@ -161,7 +192,7 @@ def torch_runner(w: Workload, attend, q, k, v, d_out):
 def torch_sdpa(w: Workload, device: str = "cpu"):
     q, k, v, seg, d_out = torch_inputs(w, device)
     seg_j = jnp.asarray(seg.cpu().numpy())
-    mask = torch.from_numpy(np.asarray(rankattn.semantics.dense_mask(seg_j, seg_j, False)))
+    mask = torch.from_numpy(np.array(rankattn.semantics.dense_mask(seg_j, seg_j, False)))
     mask = mask[:, None].to(device)
     return torch_runner(w, lambda: torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, enable_gqa=True), q, k, v, d_out)
@@ -180,6 +211,72 @@ def torch_flex(w: Workload, device: str = "cpu"):
                         q, k, v, d_out)
 
 
+OURS = "rankattn"
+OURS_F32 = "rankattn, float32 inputs"  # beside a bf16 workload: is bf16 at least as fast?
+DENSE_MASK_PEERS = ("dense reference", "jax.nn.dpa (xla, dense mask)", "torch sdpa (dense mask)")
+FLEX = "torch flex (compiled)"
+
+
+def runners(w: Workload, dense_limit: int, failures: list[str]) -> tuple[dict, dict]:
+    """{name: zero-argument callable} of every implementation that runs on ``w``, and temps."""
+    fns, temps = {}, {}
+    fns[OURS], temps[OURS] = jax_runner(w, ours)
+    if w.dtype != "float32":
+        f32 = dataclasses.replace(w, dtype="float32")
+        fns[OURS_F32], temps[OURS_F32] = jax_runner(f32, ours)
+    if w.batch * w.q_heads * w.seq_len ** 2 * 4 <= dense_limit:
+        fns["dense reference"], temps["dense reference"] = jax_runner(w, reference)
+        fns[DENSE_MASK_PEERS[1]], temps[DENSE_MASK_PEERS[1]] = jax_runner(
+            w, peers.jax_nn_attention)
+    if torch is not None and w.batch * w.seq_len ** 2 <= dense_limit:  # SDPA: a bool mask
+        fns["torch sdpa (dense mask)"] = torch_sdpa(w)
+    if torch is not None and not w.backward:  # block-sparse, so no dense-size limit
+        fns[FLEX] = torch_flex(w)
+    for name in [n for n in fns if n.startswith("torch")]:
+        try:  # a peer that fails to compile is reported, not fatal
+            fns[name]()
+        except Exception as e:  # noqa: BLE001
+            del fns[name]
+            failures.append(f"{w.name}: {name} failed: {type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0][:160]}")
+            print(failures[-1], flush=True)
+    return fns, temps
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process), since boot / start."""
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:8]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK"), sum(os.times()[:2])
+
+
+def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
+                 dense_limit: int = DENSE_LIMIT_BYTES) -> list[dict]:
+    """One row per implementation: medians, per-round ratios to rankattn and their quartiles."""
+    fns, temps = runners(w, dense_limit, failures)
+    start = time.perf_counter()
+    for fn in fns.values():  # warm-up, and the time one round takes
+        jax.block_until_ready(fn())
+    one_round = time.perf_counter() - start
+    rounds = int(np.clip(ROUND_BUDGET_S // max(one_round, 1e-9), 3, repeats))
+    (busy0, own0), wall0 = cpu_seconds(), time.perf_counter()
+    times = peers.interleaved_times(fns, rounds)
+    (busy1, own1), wall1 = cpu_seconds(), time.perf_counter()
+    # Other processes' share of the machine while this workload was timed: torch's OpenMP
+    # pools stall when a core is taken from them, so its times suffer most from it.
+    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / ((wall1 - wall0) * os.cpu_count())
+    rows = []
+    for name, t in times.items():
+        ratios = t / times[OURS]
+        rows.append(dict(workload=w.name, impl=name, ms=float(np.median(t)) * 1e3,
+                         ratio=float(np.median(ratios)),
+                         ratio_q1=float(np.percentile(ratios, 25)),
+                         ratio_q3=float(np.percentile(ratios, 75)), rounds=rounds,
+                         mm=w.flops / float(np.median(t)) / rate, others=others,
+                         temp_mib=temps[name] / 2 ** 20 if name in temps else None))
+    return rows
+
+
 def matmul_rate(repeats: int) -> float:
     a = jax.random.normal(jax.random.PRNGKey(0), (2048, 2048), jnp.float32)
     mm = jax.jit(lambda a: a @ a)
@@ -189,101 +286,364 @@ def matmul_rate(repeats: int) -> float:
 
 def peak_rss_gib(name: str) -> float:
     """Peak RSS of a fresh process that runs only rankattn on one workload (inputs included)."""
-    env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}  # glibc's default heap
     out = subprocess.run([sys.executable, __file__, "--rss-child", name], check=True,
-                         capture_output=True, text=True, env=env).stdout
+                         capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
 
 
-def run_workload(w: Workload, repeats: int, rate: float) -> list[dict]:
-    dense_bytes = w.batch * w.q_heads * w.seq_len ** 2 * 4
-    fns, temps = {}, {}
-    fns["rankattn"], temps["rankattn"] = jax_runner(w, ours)
-    if dense_bytes <= DENSE_LIMIT_BYTES:
-        fns["dense reference"], temps["dense reference"] = jax_runner(w, reference)
-        fns["jax.nn.dpa (xla, dense mask)"], temps["jax.nn.dpa (xla, dense mask)"] = jax_runner(
-            w, peers.jax_nn_attention)
-        if torch is not None:
-            fns["torch sdpa (dense mask)"] = torch_sdpa(w)
-    if torch is not None and not w.backward:  # block-sparse, so no dense-size limit
-        fns["torch flex (compiled)"] = torch_flex(w)
-    for name in [n for n in fns if n.startswith("torch")]:
-        try:  # a peer that fails to compile is reported, not fatal
-            fns[name]()
-        except Exception as e:  # noqa: BLE001
-            del fns[name]
-            FAILURES.append(f"{w.name}: {name} failed: {type(e).__name__}: "
-                            f"{str(e).strip().splitlines()[0][:160]}")
-            print(FAILURES[-1], flush=True)
-    # Long workloads take tens of seconds a run: 3 interleaved runs bound their noise well enough.
-    times = peers.interleaved_medians(fns, min(repeats, 3) if w.seq_len > 16384 else repeats)
-    flops = w.flops
+# --- What limits the small shapes: XLA:CPU's primitives against torch's. -------------
+
+
+def primitives(repeats: int) -> list[dict]:
+    """Per-round ratios torch / XLA of the operations rankattn's programs are made of.
+
+    The batched matmul of one nano-fwd step, then at the short-fwd shape (B=2,
+    4 heads, S=320, D=128): the logits matmul,
+    exp over the logits, and unmasked dense softmax attention (two matmuls and
+    a softmax) against torch SDPA without a mask. These bound what any XLA
+    program can do at that shape, rankattn's included.
+    """
+    if torch is None:
+        return []
+    b, h, s, d = 2, 4, 320, 128
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (b, h, s, d)) for key in keys)
+    tq, tk, tv = (torch.from_numpy(np.array(x)) for x in (q, k, v))
+    logits = jax.jit(lambda q, k: jnp.einsum("bhqd,bhkd->bhqk", q, k, precision="highest"))
+    s0 = logits(q, k)
+    ts0 = torch.from_numpy(np.array(s0))
+    exp = jax.jit(jnp.exp)
+
+    def dense(q, k, v):
+        p = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k, precision="highest"), -1)
+        return jnp.einsum("bhqk,bhkd->bhqd", p, v, precision="highest")
+
+    dense = jax.jit(dense)
+    # nano-fwd's block matmul: 4 units x 2 kv heads, (2 query heads x 128 queries) x 512 keys.
+    a_blk, b_blk = (jax.random.normal(key, (8, n, d)) for key, n in zip(keys[:2], (256, 512)))
+    ta_blk, tb_blk = torch.from_numpy(np.array(a_blk)), torch.from_numpy(np.array(b_blk))
+    block = jax.jit(lambda a, b: jnp.einsum("crd,ckd->crk", a, b, precision="highest"))
+    pairs = [("block matmul [8,256,128] x [8,128,512] (nano's step)",
+              lambda: block(a_blk, b_blk), lambda: torch.bmm(ta_blk, tb_blk.transpose(1, 2))),
+             ("logits matmul [2,4,320,128] x [2,4,128,320]", lambda: logits(q, k),
+              lambda: tq @ tk.transpose(-1, -2)),
+             ("exp over [2,4,320,320]", lambda: exp(s0), lambda: torch.exp(ts0)),
+             ("dense attention, no mask (XLA softmax vs torch SDPA)", lambda: dense(q, k, v),
+              lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv))]
     rows = []
-    for name, t in times.items():
-        rows.append(dict(workload=w.name, impl=name, ms=t * 1e3, ratio=t / times["rankattn"],
-                         mm=flops / t / rate, temp_mib=temps.get(name, float("nan")) / 2 ** 20))
+    for name, xla_fn, torch_fn in pairs:
+        t = peers.interleaved_times({"xla": xla_fn, "torch": torch_fn}, repeats)
+        rows.append(dict(op=name, xla_ms=float(np.median(t["xla"])) * 1e3,
+                         torch_ms=float(np.median(t["torch"])) * 1e3,
+                         ratio=float(np.median(t["torch"] / t["xla"]))))
     return rows
 
 
-def print_rows(rows: list[dict]) -> str:
-    lines = ["| workload | impl | median ms | peer / rankattn | % mm | temp MiB |",
-             "|---|---|---:|---:|---:|---:|"]
-    for r in rows:
-        temp = "" if np.isnan(r["temp_mib"]) else f"{r['temp_mib']:.0f}"
-        ratio = "1.00 (ours)" if r["impl"] == "rankattn" else f"{r['ratio']:.2f}"
-        lines.append(f"| {r['workload']} | {r['impl']} | {r['ms']:.1f} | {ratio} | "
-                     f"{r['mm']:.0%} | {temp} |")
-    return "\n".join(lines)
+def load_sensitivity(repeats: int) -> list[dict]:
+    """rankattn and torch SDPA on short-fwd and nano-fwd, alone and beside one busy process.
+
+    What makes full runs vary: another process taking a core slows torch's
+    OpenMP kernels far more than XLA's thread pool, so the ratios move with
+    the machine's background load. Measured here, both ways, in one run.
+    """
+    if torch is None:
+        return []
+    out = []
+    for w in (w for w in WORKLOADS if w.name in ("short-fwd", "nano-fwd")):
+        fns = {OURS: jax_runner(w, ours)[0], "torch sdpa (dense mask)": torch_sdpa(w)}
+        for label in ("alone", "beside one busy process"):
+            spinner = None
+            if label != "alone":
+                spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            try:
+                t = peers.interleaved_times(fns, repeats)
+            finally:
+                if spinner is not None:
+                    spinner.kill()
+                    spinner.wait()
+            ours_ms, sdpa_ms = (float(np.median(x)) * 1e3 for x in t.values())
+            out.append(dict(workload=w.name, load=label, ours_ms=ours_ms, sdpa_ms=sdpa_ms,
+                            ratio=float(np.median(t["torch sdpa (dense mask)"] / t[OURS]))))
+    return out
 
 
-DENSE_MASK_PEERS = ("dense reference", "jax.nn.dpa (xla, dense mask)", "torch sdpa (dense mask)")
+# --- The shape sweep. ----------------------------------------------------------------
 
 
-def targets(rows: list[dict]) -> str:
-    """The performance issue's targets, met or not, from this run's rows."""
-    lines = []
-    for name in dict.fromkeys(r["workload"] for r in rows):
-        mine = {r["impl"]: r for r in rows if r["workload"] == name}
-        others = {k: r["ratio"] for k, r in mine.items() if k != "rankattn"}
-        if not others:
-            lines.append(f"- {name}: no peer ran (dense peers would need over "
-                         f"{DENSE_LIMIT_BYTES >> 30} GiB)")
+SWEEP_BASE = Workload("base", 2, ((1024, 64),), 4, 2, 128)
+# One dimension varies at a time around SWEEP_BASE; values as shown in the table.
+SWEEP_DIMENSIONS = {
+    "head dim": {str(d): dict(head_dim=d) for d in (32, 64, 80, 96, 128, 192, 256)},
+    "q/kv heads": {f"{q}/{kv}": dict(q_heads=q, kv_heads=kv)
+                   for q, kv in ((4, 4), (4, 2), (8, 2), (10, 2), (16, 2), (8, 1))},
+    "batch": {str(b): dict(batch=b) for b in (1, 2, 8, 32)},
+    "history": {str(h): dict(sessions=((h, 64),)) for h in (128, 256, 1024, 2048, 8192)},
+    "candidates": {str(c): dict(sessions=((1024, c),)) for c in (1, 16, 64, 256)},
+    "row": {"1 session": {}, "4 packed": dict(sessions=((256, 16),) * 4)},
+    "dtype": {"float32": {}, "bfloat16": dict(dtype="bfloat16")},
+}
+SWEEP_REPEATS = 5
+SWEEP_DENSE_LIMIT = 1 << 30  # keeps the sweep's dense XLA peers to minutes
+
+
+def sweep_cells():
+    """(dimension, value, workload) for every cell, forward then forward + backward."""
+    for backward in (False, True):
+        for dim, values in SWEEP_DIMENSIONS.items():
+            for value, change in values.items():
+                name = f"{dim}={value} {'fwdbwd' if backward else 'fwd'}"
+                yield dim, value, dataclasses.replace(SWEEP_BASE, name=name, backward=backward,
+                                                      **change)
+
+
+def best_peer(rows: list[dict], workload: str, peers_: tuple[str, ...] | None = None):
+    """(name, row) of the peer with the smallest peer / rankattn ratio, or (None, None)."""
+    candidates = [r for r in rows if r["workload"] == workload and r["impl"] not in (OURS, OURS_F32)
+                  and (peers_ is None or r["impl"] in peers_)]
+    if not candidates:
+        return None, None
+    row = min(candidates, key=lambda r: r["ratio"])
+    return row["impl"], row
+
+
+# --- Reports, generated from results/*.json only. ------------------------------------
+
+
+def load_runs(results_dir: str = RESULTS_DIR) -> list[dict]:
+    return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(results_dir, "run-*.json")))]
+
+
+def load_sweep(results_dir: str = RESULTS_DIR) -> dict | None:
+    path = os.path.join(results_dir, "sweep.json")
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def span(values, fmt="{:.2f}") -> str:
+    """'a' or 'a-b' (min-max over runs)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
+
+
+def run_header(run: dict) -> str:
+    m = run["meta"]
+    return (f"{m['date']}: jax {m['jax']} ({m['backend']}), torch {m['torch']}, "
+            f"{m['cpu']} ({m['cores']} cores), fp32 matmul rate {m['rate'] / 1e9:.0f} GFLOP/s")
+
+
+def targets(runs: list[dict], sweep: dict | None) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for every target of the performance issues, over all runs."""
+    out = []
+
+    def per_run(fn):
+        return [fn(run["rows"]) for run in runs]
+
+    names = list(dict.fromkeys(r["workload"] for run in runs for r in run["rows"]))
+    for name in names:
+        best = per_run(lambda rows: best_peer(rows, name))
+        values = [row["ratio"] for _, row in best if row]
+        if not values:
+            out.append((f"{name} >= 1.0x the best peer", "no peer ran", None))
             continue
-        best = min(others, key=others.get)
-        need = 1.5 if "fwdbwd" in name else 1.0
-        line = f"- {name}: {others[best]:.2f}x the best peer ({best}); target >= {need}"
-        line += " MET" if others[best] >= need else " MISSED"
-        dense = {k: v for k, v in others.items() if k in DENSE_MASK_PEERS}
-        if name.startswith("packed") and dense:
-            best_dense = min(dense.values())
-            line += (f"; {best_dense:.2f}x the best dense-mask peer, target >= 2 "
-                     f"{'MET' if best_dense >= 2 else 'MISSED'}")
-        if name == "nano-fwd":
-            frac = mine["rankattn"]["mm"]
-            line += f"; {frac:.0%} of the matmul rate, target >= 60% {'MET' if frac >= 0.6 else 'MISSED'}"
-        lines.append(line)
-    return "\n".join(lines)
+        peer = best[0][0]
+        need = 1 / 1.2 if name == "short-fwd" else 1.0
+        label = ("short-fwd within 1.2x the best peer's time (ratio >= 0.83)"
+                 if name == "short-fwd" else f"{name} >= 1.0x the best peer")
+        out.append((label, f"{span(values)}x ({peer})", min(values) >= need))
+        if name.startswith("packed"):
+            dense = [row["ratio"] for _, row in per_run(
+                lambda rows: best_peer(rows, name, DENSE_MASK_PEERS)) if row]
+            if dense:
+                out.append((f"{name} >= 2x the best dense-mask peer", f"{span(dense)}x",
+                            min(dense) >= 2))
+        if name in ("nano-fwd", "nano-fwdbwd"):
+            mm = [r["mm"] for run in runs for r in run["rows"]
+                  if r["workload"] == name and r["impl"] == OURS]
+            out.append((f"{name} >= 70% of the matmul rate", span(mm, "{:.0%}"), min(mm) >= 0.7))
+        f32 = [r["ratio"] for run in runs for r in run["rows"]
+               if r["workload"] == name and r["impl"] == OURS_F32]
+        if f32:
+            out.append((f"{name}: bf16 at least as fast as float32 (f32 time / bf16 time >= 1)",
+                        f"{span(f32)}x", min(f32) >= 1.0))
+    if sweep:
+        for direction in ("fwd", "fwdbwd"):
+            cells = [c for c in sweep_table(sweep) if c["direction"] == direction]
+            met = [c for c in cells if c["ratio"] is not None and c["ratio"] >= 1.0]
+            worst = min((c for c in cells if c["ratio"] is not None), key=lambda c: c["ratio"])
+            out.append((f"every sweep cell, {direction}, >= 1.0x the best peer",
+                        f"{len(met)} of {len(cells)} cells; lowest {worst['ratio']:.2f}x "
+                        f"({worst['dim']}={worst['value']}, {worst['peer']})",
+                        len(met) == len(cells)))
+    return out
 
 
-def plot(path: str, repeats: int):
+def sweep_table(sweep: dict) -> list[dict]:
+    cells = []
+    for cell in sweep["cells"]:
+        peer, row = best_peer(cell["rows"], cell["workload"])
+        ours_row = next(r for r in cell["rows"] if r["impl"] == OURS)
+        cells.append(dict(dim=cell["dim"], value=cell["value"], direction=cell["direction"],
+                          ours_ms=ours_row["ms"], peer=peer,
+                          peer_ms=row["ms"] if row else None,
+                          ratio=row["ratio"] if row else None,
+                          q1=row["ratio_q1"] if row else None, q3=row["ratio_q3"] if row else None))
+    return cells
+
+
+def results_markdown(runs: list[dict], sweep: dict | None, profile: list[dict]) -> str:
+    lines = ["# Core attention benchmark results", "",
+             "Generated by `benchmarks/bench.py` from `benchmarks/results/*.json`; do not edit",
+             "by hand (`bench.py --report` regenerates it). Reproduce with", "",
+             "    .venv/bin/pip install -q -e '.[bench]' torch==2.13.0",
+             f"    {COMMAND}            # {len(runs)} full runs, each in a fresh process",
+             f"    {COMMAND} --sweep    # the shape sweep", "",
+             "Runs:", ""]
+    lines += [f"- run {i + 1}: {run_header(run)}" for i, run in enumerate(runs)]
+    lines += ["", "\"peer / rankattn\" > 1 means rankattn is faster. It is the median over "
+              "rounds of the per-round ratio (each round runs every implementation once, "
+              "alternating the order), shown as the range of that median over the runs. "
+              "\"% mm\" counts only visible query-key pairs; \"temp MiB\" is XLA's compiled "
+              "scratch memory. \"rankattn, float32 inputs\" beside a bf16 workload is rankattn "
+              "on the same shape in float32, so its ratio says how much faster bf16 is.", "",
+              "## Targets", "", "| target | measured (range over runs) | verdict |",
+              "|---|---|---|"]
+    for target, measured, met in targets(runs, sweep):
+        verdict = "not measured" if met is None else ("MET" if met else "MISSED")
+        lines.append(f"| {target} | {measured} | {verdict} |")
+    lines += ["", "## Every workload", "",
+              "| workload | impl | median ms | peer / rankattn | quartiles of the ratio | % mm "
+              "| temp MiB | other load |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    keys = list(dict.fromkeys((r["workload"], r["impl"]) for run in runs for r in run["rows"]))
+    for workload, impl in keys:
+        rows = [r for run in runs for r in run["rows"]
+                if r["workload"] == workload and r["impl"] == impl]
+        ratio = "1 (ours)" if impl == OURS else span([r["ratio"] for r in rows])
+        quart = "" if impl == OURS else "; ".join(f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}"
+                                                  for r in rows)
+        lines.append(f"| {workload} | {impl} | {span([r['ms'] for r in rows], '{:.1f}')} | {ratio} "
+                     f"| {quart} | {span([r['mm'] for r in rows], '{:.0%}')} "
+                     f"| {span([r['temp_mib'] for r in rows], '{:.0f}')} "
+                     f"| {span([r.get('others') for r in rows], '{:.0%}')} |")
+    notes = sorted({n for run in runs for n in run["meta"]["notes"]})
+    if notes:
+        lines += ["", "Notes from the runs:", ""] + [f"- {n}" for n in notes]
+    sensitivity = [x for run in runs for x in run.get("sensitivity", [])]
+    if sensitivity:
+        lines += ["", "## What makes runs vary", "",
+                  "\"other load\" above is the share of the machine's cores that other "
+                  "processes used while a workload was timed. torch's OpenMP kernels stall "
+                  "when a core is taken from them, XLA's thread pool much less, so ratios to "
+                  "torch move with that load. Each run measures it directly, alone and beside "
+                  "one process spinning on a core:", "",
+                  "| run | workload | load | rankattn ms | torch SDPA ms | SDPA / rankattn |",
+                  "|---|---|---|---:|---:|---:|"]
+        for i, run in enumerate(runs):
+            lines += [f"| {i + 1} | {x['workload']} | {x['load']} | {x['ours_ms']:.1f} "
+                      f"| {x['sdpa_ms']:.1f} | {x['ratio']:.2f} |"
+                      for x in run.get("sensitivity", [])]
+    if profile:
+        lines += ["", "## What limits the misses", "",
+                  "XLA:CPU's own primitives against torch's at the shapes of nano-fwd's steps "
+                  "and of short-fwd (per-round "
+                  "ratio torch / XLA; < 1 means torch is faster). Every XLA program, rankattn "
+                  "and the dense peers alike, is built from these operations.", "",
+                  "| operation | XLA ms | torch ms | torch / XLA |", "|---|---:|---:|---:|"]
+        lines += [f"| {p['op']} | {p['xla_ms']:.2f} | {p['torch_ms']:.2f} | {p['ratio']:.2f} |"
+                  for p in profile]
+    if sweep:
+        lines += ["", "## The shape sweep", "",
+                  f"[SWEEP.md](SWEEP.md) has every cell; [sweep.png](sweep.png) is the heat map "
+                  f"of the best peer / rankattn ratio. {sweep_summary(sweep)}", "",
+                  "![best peer / rankattn over the sweep](sweep.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def sweep_summary(sweep: dict) -> str:
+    m = sweep["meta"]
+    b = SWEEP_BASE
+    return (f"Base cell: B={b.batch}, history {b.sessions[0][0]} + {b.sessions[0][1]} candidates, "
+            f"{b.q_heads}/{b.kv_heads} heads, D={b.head_dim}, float32; one dimension varies at a "
+            f"time. Sweep run: {m['date']}, {SWEEP_REPEATS} rounds per cell (fewer past "
+            f"{ROUND_BUDGET_S:.0f} s), dense XLA peers up to {SWEEP_DENSE_LIMIT >> 30} GiB of "
+            f"logits.")
+
+
+def sweep_markdown(sweep: dict) -> str:
+    lines = ["# Shape sweep", "", "Generated by `benchmarks/bench.py --sweep` (from "
+             "`benchmarks/results/sweep.json`); do not edit by hand.", "",
+             sweep_summary(sweep), "", "\"best peer / rankattn\" > 1 means rankattn is faster; "
+             "the quartiles are those of the per-round ratio.", "",
+             "| dimension | value | direction | rankattn ms | best peer | its ms "
+             "| best peer / rankattn | quartiles |", "|---|---|---|---:|---|---:|---:|---:|"]
+    for c in sweep_table(sweep):
+        if c["peer"] is None:
+            lines.append(f"| {c['dim']} | {c['value']} | {c['direction']} | {c['ours_ms']:.1f} "
+                         f"| none ran | | | |")
+            continue
+        lines.append(f"| {c['dim']} | {c['value']} | {c['direction']} | {c['ours_ms']:.1f} | "
+                     f"{c['peer']} | {c['peer_ms']:.1f} | {c['ratio']:.2f} | "
+                     f"{c['q1']:.2f}-{c['q3']:.2f} |")
+    failures = sweep["meta"]["notes"]
+    if failures:
+        lines += ["", "Peers that could not run:", ""] + [f"- {f}" for f in failures]
+    return "\n".join(lines) + "\n"
+
+
+def sweep_heatmap(sweep: dict, path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    cells = sweep_table(sweep)
+    dims = list(SWEEP_DIMENSIONS)
+    width = max(len(v) for v in SWEEP_DIMENSIONS.values())
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.2))
+    norm = LogNorm(vmin=0.25, vmax=4)
+    for ax, direction in zip(axes, ("fwd", "fwdbwd")):
+        grid = np.full((len(dims), width), np.nan)
+        for c in cells:
+            if c["direction"] == direction and c["ratio"] is not None:
+                i = dims.index(c["dim"])
+                j = list(SWEEP_DIMENSIONS[c["dim"]]).index(c["value"])
+                grid[i, j] = c["ratio"]
+                ax.text(j, i, f"{c['value']}\n{c['ratio']:.2f}", ha="center", va="center",
+                        fontsize=7)
+        image = ax.imshow(np.clip(grid, 0.25, 4), cmap="RdYlGn", norm=norm, aspect="auto")
+        ax.set_yticks(range(len(dims)), dims)
+        ax.set_xticks([])
+        ax.set_title(f"{'forward' if direction == 'fwd' else 'forward + backward'}: "
+                     f"best peer / rankattn (> 1: rankattn faster)", fontsize=9)
+    fig.colorbar(image, ax=axes, shrink=0.8)
+    fig.suptitle(sweep_summary(sweep)[:110] + "...", fontsize=8)
+    fig.savefig(path, dpi=110)
+
+
+def history_plot(sweep: dict, path: str):
+    """Forward time against history length, from the sweep's history cells."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    histories = [256, 512, 1024, 2048, 4096]
-    series: dict[str, list[float]] = {}
-    for h in histories:
-        w = Workload(f"history-{h}", 2, ((h, 128),), 4, 2, 128)
-        rows = run_workload(w, repeats, rate=1.0)
-        for r in rows:
-            series.setdefault(r["impl"], []).append(r["ms"])
-        print(f"  plot: history {h} done", flush=True)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for cell in sweep["cells"]:
+        if cell["dim"] == "history" and cell["direction"] == "fwd":
+            for r in cell["rows"]:
+                series.setdefault(r["impl"], []).append((int(cell["value"]), r["ms"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, ms in series.items():
-        ax.plot(histories[:len(ms)], ms, marker="o", label=name, lw=2.5 if name == "rankattn" else 1.2)
-    ax.set(xscale="log", yscale="log", xlabel="history length (+128 candidates), B=2, 4/2 heads, D=128",
-           ylabel="forward time, median ms", title="Candidate-isolation attention on this CPU")
+    for name, points in series.items():
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", label=name, lw=2.5 if name == OURS else 1.2)
+    histories = sorted({x for points in series.values() for x, _ in points})
+    b = SWEEP_BASE
+    ax.set(xscale="log", yscale="log",
+           xlabel=f"history length (+64 candidates), B={b.batch}, {b.q_heads}/{b.kv_heads} "
+                  f"heads, D={b.head_dim}", ylabel="forward time, median ms",
+           title="Candidate-isolation attention on this CPU (bench.py --sweep)")
     ax.minorticks_off()
     ax.set_xticks(histories, [str(h) for h in histories])
     ax.grid(alpha=0.3)
@@ -292,25 +652,139 @@ def plot(path: str, repeats: int):
     fig.savefig(path, dpi=110)
 
 
-# glibc hands freed heap memory back to the OS; then whichever implementation
-# runs after a peer that freed hundreds of MiB page-faults its buffers in anew.
-# Measured here (nano-fwd, interleaved with the dense peers): rankattn 214 ms
-# with the default, 152 ms with trimming off; the peers ran the same or faster
-# (torch SDPA 174 -> 164 ms, reference 301 -> 294 ms). So the benchmark runs
-# with trimming off, for every implementation alike.
-MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(64 << 30), "MALLOC_TOP_PAD_": str(1 << 30)}
+README_BEGIN, README_END = "<!-- bench.py results: begin -->", "<!-- bench.py results: end -->"
+HEADLINE = ("nano-fwd", "nano-fwdbwd", "prod-heads-fwd", "short-fwd", "packed-fwd",
+            "packed-fwdbwd", "long-history-fwd")
+
+
+def readme_block(runs: list[dict]) -> str:
+    lines = [README_BEGIN,
+             f"Headline numbers from [benchmarks/RESULTS.md](benchmarks/RESULTS.md) "
+             f"({len(runs)} full runs of `{COMMAND}`; ranges are over the runs; ratio = peer "
+             f"time / rankattn time, the median of per-round ratios):", "",
+             "| workload | rankattn ms | best peer | peer / rankattn |", "|---|---:|---|---:|"]
+    for name in HEADLINE:
+        mine = [r["ms"] for run in runs for r in run["rows"]
+                if r["workload"] == name and r["impl"] == OURS]
+        best = [best_peer(run["rows"], name) for run in runs]
+        best = [(p, row) for p, row in best if row]
+        if not mine:
+            continue
+        peer = best[0][0] if best else "none ran"
+        lines.append(f"| {name} | {span(mine, '{:.0f}')} | {peer} | "
+                     f"{span([row['ratio'] for _, row in best])} |")
+    lines.append(README_END)
+    return "\n".join(lines)
+
+
+def write_reports(results_dir: str = RESULTS_DIR, out_dir: str = HERE,
+                  readme: str = os.path.join(os.path.dirname(HERE), "README.md"),
+                  draw: bool = True):
+    """RESULTS.md, SWEEP.md, the README's results block and (``draw``) the PNGs, from JSON."""
+    runs, sweep = load_runs(results_dir), load_sweep(results_dir)
+    profile = runs[-1].get("primitives", []) if runs else []
+    if runs:
+        with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
+            f.write(results_markdown(runs, sweep, profile))
+        text = open(readme).read()
+        pattern = re.escape(README_BEGIN) + ".*?" + re.escape(README_END)
+        with open(readme, "w") as f:
+            f.write(re.sub(pattern, lambda _: readme_block(runs), text, flags=re.S))
+    if sweep:
+        with open(os.path.join(out_dir, "SWEEP.md"), "w") as f:
+            f.write(sweep_markdown(sweep))
+        if draw:
+            sweep_heatmap(sweep, os.path.join(out_dir, "sweep.png"))
+            history_plot(sweep, os.path.join(out_dir, "time_vs_history.png"))
+    print(f"wrote the reports from {len(runs)} runs{' and the sweep' if sweep else ''}")
+
+
+# --- Entry points. --------------------------------------------------------------------
+
+
+def meta(rate: float, notes: list[str]) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return dict(date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), jax=jax.__version__,
+                backend=jax.default_backend(), torch=torch.__version__ if torch else "not installed",
+                cpu=cpu, cores=os.cpu_count(), rate=rate, notes=notes)
+
+
+def print_rows(rows: list[dict]) -> str:
+    lines = ["| workload | impl | median ms | peer / rankattn | quartiles | % mm | temp MiB "
+             "| other load |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        temp = "" if r["temp_mib"] is None else f"{r['temp_mib']:.0f}"
+        lines.append(f"| {r['workload']} | {r['impl']} | {r['ms']:.1f} | {r['ratio']:.2f} | "
+                     f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | {r['mm']:.0%} | {temp} "
+                     f"| {r['others']:.0%} |")
+    return "\n".join(lines)
+
+
+def full_run(workloads: list[Workload], repeats: int, save: str | None):
+    rate = matmul_rate(repeats)
+    print(f"jax {jax.__version__} on {jax.default_backend()}, torch "
+          f"{torch.__version__ if torch else 'not installed'}, fp32 matmul rate "
+          f"{rate / 1e9:.0f} GFLOP/s\n", flush=True)
+    notes, rows = [], []
+    for w in workloads:
+        start = time.perf_counter()
+        new = run_workload(w, repeats, rate, notes)
+        rows += new
+        print(print_rows(new), f"\n({time.perf_counter() - start:.0f} s)\n", flush=True)
+    if save:
+        profile = primitives(max(repeats, 15))
+        for p in profile:
+            print(f"{p['op']}: XLA {p['xla_ms']:.2f} ms, torch {p['torch_ms']:.2f} ms", flush=True)
+        sensitivity = load_sensitivity(repeats)
+        for x in sensitivity:
+            print(f"{x['workload']} {x['load']}: rankattn {x['ours_ms']:.1f} ms, torch SDPA "
+                  f"{x['sdpa_ms']:.1f} ms, ratio {x['ratio']:.2f}", flush=True)
+        name = "long-history-fwdbwd"
+        rss = peak_rss_gib(name)
+        notes.append(f"{name}: peak RSS of a process running only rankattn (inputs included) "
+                     f"{rss:.2f} GiB in this run; one dense float32 [S, S] tensor is "
+                     f"{32896 ** 2 * 4 / 2 ** 30:.1f} GiB per head")
+        with open(save, "w") as f:
+            json.dump(dict(meta=meta(rate, notes), rows=rows, primitives=profile,
+                           sensitivity=sensitivity), f, indent=1)
+        print(f"saved {save}")
+
+
+def sweep_run(repeats: int):
+    rate = matmul_rate(repeats)
+    notes, cells, measured = [], [], {}
+    for dim, value, w in sweep_cells():
+        start = time.perf_counter()
+        shape = dataclasses.replace(w, name="")  # the base cell recurs in every dimension
+        if shape not in measured:
+            measured[shape] = run_workload(w, repeats, rate, notes, dense_limit=SWEEP_DENSE_LIMIT)
+        rows = [dict(r, workload=w.name) for r in measured[shape]]
+        cells.append(dict(dim=dim, value=value, direction="fwdbwd" if w.backward else "fwd",
+                          workload=w.name, rows=rows))
+        peer, row = best_peer(rows, w.name)
+        print(f"{w.name}: rankattn {rows[0]['ms']:.1f} ms, best peer {peer} "
+              f"{row['ratio'] if row else float('nan'):.2f}x ({time.perf_counter() - start:.0f} s)",
+              flush=True)
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    with open(os.path.join(RESULTS_DIR, "sweep.json"), "w") as f:
+        json.dump(dict(meta=meta(rate, notes), cells=cells), f, indent=1)
 
 
 def main():
-    if "--rss-child" not in sys.argv and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", help="workload names")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="3 repeats, no plot")
-    parser.add_argument("--plot", default="benchmarks/time_vs_history.png")
+    parser.add_argument("--runs", type=int, default=2,
+                        help="full runs, each in a fresh process (default 2)")
+    parser.add_argument("--sweep", action="store_true", help="the shape sweep")
+    parser.add_argument("--report", action="store_true", help="only rewrite the reports")
+    parser.add_argument("--only", nargs="*", help="print these workloads; write nothing")
+    parser.add_argument("--repeats", type=int, default=9, help="rounds per workload at most")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers")
-    parser.add_argument("--plot-only", action="store_true", help="only the time-vs-history plot")
+    parser.add_argument("--save", help=argparse.SUPPRESS)  # one full run, into this file
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     by_name = {w.name: w for w in WORKLOADS}
@@ -319,37 +793,27 @@ def main():
         run, _ = jax_runner(by_name[args.rss_child], ours)
         jax.block_until_ready(run())
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20)
-        return
-
-    repeats = 3 if args.quick else args.repeats
-    if args.plot_only:
-        plot(args.plot, repeats)
-        print(f"wrote {args.plot}")
-        return
-    print(f"jax {jax.__version__} on {jax.default_backend()}, torch "
-          f"{torch.__version__ if torch else 'not installed'}, {repeats} interleaved repeats")
-    rate = matmul_rate(repeats)
-    print(f"fp32 matmul rate (2048^3, XLA): {rate / 1e9:.0f} GFLOP/s\n")
-    all_rows = []
-    for w in WORKLOADS:
-        if args.only and w.name not in args.only:
-            continue
-        start = time.perf_counter()
-        rows = run_workload(w, repeats, rate)
-        all_rows += rows
-        print(print_rows(rows), f"\n({time.perf_counter() - start:.0f} s)\n", flush=True)
-    for name in ("long-history-fwdbwd",):
-        if not args.only or name in args.only:
-            print(f"{name}: peak RSS of rankattn alone {peak_rss_gib(name):.2f} GiB "
-                  f"(a dense [S, S] float32 mask-sized tensor per head would be "
-                  f"{by_name[name].seq_len ** 2 * 4 / 2 ** 30:.1f} GiB)")
-    print("\nAll workloads:\n" + print_rows(all_rows))
-    print("\nTargets (ratio = best peer time / rankattn time):\n" + targets(all_rows))
-    if FAILURES:
-        print("\nPeers that failed:\n" + "\n".join(f"- {f}" for f in FAILURES))
-    if not args.quick and not args.only:
-        plot(args.plot, repeats)
-        print(f"wrote {args.plot}")
+    elif args.report:
+        write_reports()
+    elif args.sweep:
+        sweep_run(min(args.repeats, SWEEP_REPEATS))
+        write_reports()
+    elif args.only is not None or args.save:
+        unknown = set(args.only or ()) - set(by_name)
+        if unknown:
+            parser.error(f"unknown workloads {sorted(unknown)}; choose from {sorted(by_name)}")
+        chosen = [w for w in WORKLOADS if not args.only or w.name in args.only]
+        full_run(chosen, args.repeats, args.save)
+    else:
+        os.makedirs(RESULTS_DIR, exist_ok=True)
+        for old in glob.glob(os.path.join(RESULTS_DIR, "run-*.json")):
+            os.remove(old)  # a record is the runs of one invocation, never a mix
+        for i in range(args.runs):
+            print(f"=== full run {i + 1} of {args.runs} (a fresh process) ===", flush=True)
+            extra = ["--no-torch"] if args.no_torch else []
+            subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), *extra,
+                            "--save", os.path.join(RESULTS_DIR, f"run-{i + 1}.json")], check=True)
+        write_reports()
 
 
 if __name__ == "__main__":

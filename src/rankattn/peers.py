@@ -16,17 +16,29 @@ def jax_nn_attention(q, k, v, segment_ids, causal: bool = False, implementation:
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
-def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
-    """Median wall time (s) of each zero-argument function, run round-robin so drift hits all alike.
+def interleaved_times(fns: dict, repeats: int) -> dict[str, np.ndarray]:
+    """Wall times (s) per round of each zero-argument function, run round-robin.
 
-    Each function is called once first to compile; results are waited for with block_until_ready.
+    Each function is called once first to compile and warm up. Every round
+    runs each function once, in the reverse order of the previous round, so
+    drift and whatever one function leaves behind (a peer's spinning thread
+    pool, a freed heap) hit all alike. Results are waited for with
+    block_until_ready. Returns one array of ``repeats`` times per name; the
+    ratio of two functions is best taken per round (same machine state), then
+    its median over rounds.
     """
     for fn in fns.values():
         jax.block_until_ready(fn())
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for round_ in range(repeats):
+        for name in names if round_ % 2 == 0 else names[::-1]:
             start = time.perf_counter()
-            jax.block_until_ready(fn())
+            jax.block_until_ready(fns[name]())
             times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return {name: np.array(t) for name, t in times.items()}
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median wall time (s) of each function, from :func:`interleaved_times`."""
+    return {name: float(np.median(t)) for name, t in interleaved_times(fns, repeats).items()}

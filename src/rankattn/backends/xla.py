@@ -19,7 +19,10 @@ How it works:
    softmax at the end.
 5. Backward: the same plan and the saved log-sum-exp; dq accumulates in
    place, dk/dv scatter-add into the visited key blocks. No S x S tensor is
-   formed, forward or backward.
+   formed, forward or backward. Recomputing p measured faster on CPU than
+   keeping the forward's p (a slot per visited block, 256 MiB cap): nano
+   fwd+bwd (B=4) took 1.09x the time with kept p, the short call (B=2, 320
+   tokens) the same; the memory traffic costs what the matmul and exp save.
 
 Precision: on CPU every operand is up-cast to float32 (float64 stays float64)
 and the dots run at "highest" precision, which measured faster there than
@@ -46,10 +49,23 @@ from rankattn.validate import AttentionCall
 
 # The xla backend's default blocks; see STEP_LOGITS_BYTES for the measurements behind them.
 DEFAULT_BLOCK_SIZES = BlockSizes(128, 512)
+# With the default blocks, queries up to this long form a single query block: fewer, larger
+# steps. Measured (benchmarks/bench.py shapes, forward, median of per-round ratios to
+# 128-query blocks): B=2 and B=16 with 2 + 254 history + 64 candidates 0.66x and 0.74x the
+# time, 20/4 heads 0.67x, 128 + 16 tokens 0.57x, fwd+bwd at B=4 0.78x.
+SHORT_QUERY_LEN = 512
 
 
-def plan_sizes(sizes: BlockSizes, q_len: int, kv_len: int) -> BlockSizes:
-    """Blocks no longer than the sequences (rounded up to 8), so short calls pad little."""
+def plan_sizes(sizes: BlockSizes | None, q_len: int, kv_len: int) -> BlockSizes:
+    """Blocks no longer than the sequences (rounded up to 8), so short calls pad little.
+
+    ``None`` means the defaults chosen per shape: DEFAULT_BLOCK_SIZES, with a
+    single query block for queries of at most SHORT_QUERY_LEN tokens.
+    """
+    if sizes is None:
+        short = q_len <= SHORT_QUERY_LEN
+        sizes = BlockSizes(round_up(q_len, 8) if short else DEFAULT_BLOCK_SIZES.block_q,
+                           DEFAULT_BLOCK_SIZES.block_k)
     return BlockSizes(min(sizes.block_q, round_up(q_len, 8)), min(sizes.block_k, round_up(kv_len, 8)))
 
 
@@ -62,6 +78,21 @@ def plan_sizes(sizes: BlockSizes, q_len: int, kv_len: int) -> BlockSizes:
 # 155, 256x128 2 MiB 444; packed-fwd and long-history-fwd agree (128x512 4 MiB
 # 134 ms vs 215 ms at 128x128 1 MiB; 9.2 s vs 13.0 s).
 STEP_LOGITS_BYTES = 4 << 20
+# Two exceptions, measured the same way (median of per-round ratios against the 4 MiB rule):
+# - a step holds at least two units: with 20/4 heads a 128 x 512 unit is 5 MiB, and two per
+#   step took 0.74x the time of one (nano, B=2);
+# - single-query-block calls (SHORT_QUERY_LEN) take 16 MiB steps: 0.76x the time of 4 MiB at
+#   B=16 with 2 + 254 history + 64 candidates, 0.58x with 20/4 heads at B=2.
+SHORT_STEP_LOGITS_BYTES = 16 << 20
+
+
+def units_per_step(units: int, unit_bytes: int, n_q: int, step_logits_bytes: int | None) -> int:
+    """How many units (query blocks of a row) one scan step processes, as evenly as possible."""
+    limit = step_logits_bytes or (SHORT_STEP_LOGITS_BYTES if n_q == 1 else STEP_LOGITS_BYTES)
+    steps = -(-units * unit_bytes // limit)
+    if step_logits_bytes is None:
+        steps = min(steps, max(units // 2, 1))
+    return -(-units // steps)  # as even as possible, so little padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +130,9 @@ class _Units(NamedTuple):
 
 
 def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
-                    softcap_method: str, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+                    softcap_method: str, block_sizes: BlockSizes | None = None,
                     block_plan: BlockPlan | None = None, mixed_precision: bool = False,
-                    step_logits_bytes: int = STEP_LOGITS_BYTES,
+                    step_logits_bytes: int | None = None,
                     shard_mask: semantics.ShardMask | None = None):
     """Blocked attention; arguments and results as :func:`rankattn.attention` (checked).
 
@@ -129,10 +160,8 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
         pos_k = pad_positions(shard_mask.kv_positions, bk)
 
     n_q, n_k = seg_q.shape[1] // bq, seg_k.shape[1] // bk
-    unit_bytes = hq * bq * bk * 4
-    n_chunks = -(-b * n_q * unit_bytes // step_logits_bytes)
-    chunk = -(-b * n_q // n_chunks)  # as even as possible, so little padding
-    n_units = chunk * n_chunks
+    chunk = units_per_step(b * n_q, hq * bq * bk * 4, n_q, step_logits_bytes)
+    n_units = round_up(b * n_q, chunk)
     accumulate = compute_dtype(q.dtype)
     operands = q.dtype if mixed_precision else accumulate
     if not mixed_precision:
@@ -397,21 +426,23 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 class Xla(Backend):
     """The blocked backend in plain JAX, for any platform.
 
-    ``Xla(BlockSizes(64, 64))`` picks other block sizes. ``mixed_precision``:
+    ``block_sizes``: None (default) chooses them per shape (DEFAULT_BLOCK_SIZES,
+    one query block for short queries: see plan_sizes); ``Xla(BlockSizes(64, 64))``
+    fixes them. ``mixed_precision``:
     None (default) feeds bf16 / f16 operands to the dots as they are, with
     float32 accumulation, everywhere but on CPU, where up-casting measured
     faster; True or False forces either path (True on CPU is how the tests
     check the GPU / TPU numerics). ``step_logits_bytes``: the logits one scan
-    step may hold (query blocks are processed that many at a time; see
-    STEP_LOGITS_BYTES).
+    step may hold (query blocks are processed that many at a time); None
+    (default) chooses it per shape, see STEP_LOGITS_BYTES.
     """
 
     name = "xla"
     takes_shard_mask = True
 
-    def __init__(self, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+    def __init__(self, block_sizes: BlockSizes | None = None,
                  mixed_precision: bool | None = None,
-                 step_logits_bytes: int = STEP_LOGITS_BYTES):
+                 step_logits_bytes: int | None = None):
         self.block_sizes = block_sizes
         self.mixed_precision = mixed_precision
         self.step_logits_bytes = step_logits_bytes
@@ -434,5 +465,5 @@ class Xla(Backend):
                                shard_mask=call.shard_mask)
 
     def __repr__(self) -> str:
-        return (f"<rankattn backend 'xla' {self.block_sizes}"
+        return (f"<rankattn backend 'xla' {self.block_sizes or 'blocks per shape'}"
                 f"{'' if self.mixed_precision is None else f' mixed_precision={self.mixed_precision}'}>")
