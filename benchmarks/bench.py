@@ -243,11 +243,15 @@ def runners(w: Workload, dense_limit: int, failures: list[str]) -> tuple[dict, d
     return fns, temps
 
 
-def cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process), since boot / start."""
-    fields = [int(x) for x in open("/proc/stat").readline().split()[1:8]]
-    idle = fields[3] + fields[4]  # idle and iowait
-    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK"), sum(os.times()[:2])
+def cpu_seconds() -> tuple[float, float, float]:
+    """CPU seconds since boot: busy (all processes), this process's own, and stolen by the host.
+
+    Steal is time the hypervisor gave this VM's cores to other guests.
+    """
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = sum(fields[:7]) - fields[3] - fields[4]  # without idle and iowait
+    return busy / tick, sum(os.times()[:2]), fields[7] / tick
 
 
 def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
@@ -259,12 +263,15 @@ def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
         jax.block_until_ready(fn())
     one_round = time.perf_counter() - start
     rounds = int(np.clip(ROUND_BUDGET_S // max(one_round, 1e-9), 3, repeats))
-    (busy0, own0), wall0 = cpu_seconds(), time.perf_counter()
+    (busy0, own0, steal0), wall0 = cpu_seconds(), time.perf_counter()
     times = peers.interleaved_times(fns, rounds)
-    (busy1, own1), wall1 = cpu_seconds(), time.perf_counter()
-    # Other processes' share of the machine while this workload was timed: torch's OpenMP
-    # pools stall when a core is taken from them, so its times suffer most from it.
-    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / ((wall1 - wall0) * os.cpu_count())
+    (busy1, own1, steal1), wall1 = cpu_seconds(), time.perf_counter()
+    # The share of the machine that other processes (or, as steal, other guests of the host)
+    # took while this workload was timed: torch's OpenMP pools stall when a core is taken
+    # from them, so its times suffer most from it.
+    core_seconds = (wall1 - wall0) * os.cpu_count()
+    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / core_seconds
+    steal = (steal1 - steal0) / core_seconds
     rows = []
     for name, t in times.items():
         ratios = t / times[OURS]
@@ -272,7 +279,7 @@ def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
                          ratio=float(np.median(ratios)),
                          ratio_q1=float(np.percentile(ratios, 25)),
                          ratio_q3=float(np.percentile(ratios, 75)), rounds=rounds,
-                         mm=w.flops / float(np.median(t)) / rate, others=others,
+                         mm=w.flops / float(np.median(t)) / rate, others=others, steal=steal,
                          temp_mib=temps[name] / 2 ** 20 if name in temps else None))
     return rows
 
@@ -514,7 +521,7 @@ def results_markdown(runs: list[dict], sweep: dict | None, profile: list[dict]) 
         lines.append(f"| {target} | {measured} | {verdict} |")
     lines += ["", "## Every workload", "",
               "| workload | impl | median ms | peer / rankattn | quartiles of the ratio | % mm "
-              "| temp MiB | other load |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| temp MiB | other load | steal |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     keys = list(dict.fromkeys((r["workload"], r["impl"]) for run in runs for r in run["rows"]))
     for workload, impl in keys:
         rows = [r for run in runs for r in run["rows"]
@@ -525,7 +532,8 @@ def results_markdown(runs: list[dict], sweep: dict | None, profile: list[dict]) 
         lines.append(f"| {workload} | {impl} | {span([r['ms'] for r in rows], '{:.1f}')} | {ratio} "
                      f"| {quart} | {span([r['mm'] for r in rows], '{:.0%}')} "
                      f"| {span([r['temp_mib'] for r in rows], '{:.0f}')} "
-                     f"| {span([r.get('others') for r in rows], '{:.0%}')} |")
+                     f"| {span([r.get('others') for r in rows], '{:.0%}')} "
+                     f"| {span([r.get('steal') for r in rows], '{:.0%}')} |")
     notes = sorted({n for run in runs for n in run["meta"]["notes"]})
     if notes:
         lines += ["", "Notes from the runs:", ""] + [f"- {n}" for n in notes]
@@ -533,7 +541,8 @@ def results_markdown(runs: list[dict], sweep: dict | None, profile: list[dict]) 
     if sensitivity:
         lines += ["", "## What makes runs vary", "",
                   "\"other load\" above is the share of the machine's cores that other "
-                  "processes used while a workload was timed. torch's OpenMP kernels stall "
+                  "processes used while a workload was timed, \"steal\" the share the host "
+                  "gave to other virtual machines. torch's OpenMP kernels stall "
                   "when a core is taken from them, XLA's thread pool much less, so ratios to "
                   "torch move with that load. Each run measures it directly, alone and beside "
                   "one process spinning on a core:", "",
@@ -716,12 +725,12 @@ def meta(rate: float, notes: list[str]) -> dict:
 
 def print_rows(rows: list[dict]) -> str:
     lines = ["| workload | impl | median ms | peer / rankattn | quartiles | % mm | temp MiB "
-             "| other load |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| other load | steal |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         temp = "" if r["temp_mib"] is None else f"{r['temp_mib']:.0f}"
         lines.append(f"| {r['workload']} | {r['impl']} | {r['ms']:.1f} | {r['ratio']:.2f} | "
                      f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} | {r['mm']:.0%} | {temp} "
-                     f"| {r['others']:.0%} |")
+                     f"| {r['others']:.0%} | {r['steal']:.0%} |")
     return "\n".join(lines)
 
 
