@@ -247,10 +247,16 @@ def merge_partials(parts):
     m = max lse_i, w_i = exp(lse_i - m): out = sum w_i out_i / sum w_i and lse = m +
     log(sum w_i). A part whose lse is -inf (its keys are all masked for that query)
     gets weight 0; a query no part sees gets out 0 and lse -inf, with zero gradients.
+    A query poisoned in any part (lse NaN: it saw a non-finite input, see
+    rankattn.semantics) gets out and lse NaN and passes no gradient to any part.
     Returns float32 (float64 for float64 parts) out and lse.
     """
     acc = jnp.promote_types(parts[0][0].dtype, jnp.float32)
     lse = jnp.stack([lse for _, lse in parts]).astype(acc)
+    poisoned = jnp.isnan(lse).any(0)                      # [B, H, S]
+    # Poisoned rows are merged as if they saw nothing, then set to NaN by a where, so no
+    # NaN reaches another row or any gradient.
+    lse = jnp.where(poisoned, -jnp.inf, lse)
     # m only shifts the exponentials; its own gradient cancels, so it is stopped.
     m = jax.lax.stop_gradient(lse.max(0))
     m = jnp.where(jnp.isfinite(m), m, 0)
@@ -258,8 +264,10 @@ def merge_partials(parts):
     total = weights.sum(0)
     seen = total > 0
     safe = jnp.where(seen, total, 1)
-    out = sum(_rows(w) * o.astype(acc) for w, (o, _) in zip(weights, parts)) / _rows(safe)
-    return out, jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+    out = sum(_rows(w) * jnp.where(_rows(poisoned), 0, o.astype(acc))
+              for w, (o, _) in zip(weights, parts)) / _rows(safe)
+    lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+    return jnp.where(_rows(poisoned), jnp.nan, out), jnp.where(poisoned, jnp.nan, lse)
 
 
 def _rows(x):
@@ -275,17 +283,22 @@ def own_key_partial(call, q, k, v, segment_ids):
 
     q [B, S, Hq, D], k / v [B, S, Hkv, D / Dv] of the same tokens. For a candidate
     (segment id < 0) out = its own v and lse = its capped, scaled logit; other tokens
-    get out 0 and lse -inf (the history part covers them).
+    get out 0 and lse -inf (the history part covers them). A candidate whose q (in
+    that head), own k or own v holds a non-finite value gets lse NaN (poisoned, see
+    rankattn.semantics); the math runs on finite values, so gradients stay finite.
     """
     b, s, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv, group = k.shape[2], hq // k.shape[2]
     acc = jnp.promote_types(q.dtype, jnp.float32)
-    grouped = q.astype(acc).reshape(b, s, hkv, hq // hkv, d)
-    logits = (grouped * k.astype(acc)[:, :, :, None]).sum(-1).reshape(b, s, hq) * call.scale
+    (q, q_bad), (k, k_bad), (v, v_bad) = (
+        (semantics.finite(x).astype(acc), semantics.nonfinite(x)) for x in (q, k, v))
+    grouped = q.reshape(b, s, hkv, group, d)
+    logits = (grouped * k[:, :, :, None]).sum(-1).reshape(b, s, hq) * call.scale
     logits = semantics.softcap(logits, call.softcap, call.softcap_method)
+    bad = q_bad | jnp.repeat(k_bad | v_bad, group, axis=2)          # [B, S, Hq]
     is_cand = (segment_ids < 0)[:, :, None]
-    lse = jnp.where(is_cand, logits, -jnp.inf).transpose(0, 2, 1)
-    own_v = jnp.repeat(v.astype(acc), hq // hkv, axis=2)  # [B, S, Hq, Dv]: one row per token
+    lse = jnp.where(is_cand, jnp.where(bad, jnp.nan, logits), -jnp.inf).transpose(0, 2, 1)
+    own_v = jnp.repeat(v, group, axis=2)  # [B, S, Hq, Dv]: one row per token
     return jnp.where(is_cand[..., None], own_v, 0), lse
 
 
@@ -439,10 +452,13 @@ def ring_history(kernel, axes: Axes, n: int, q, seg_q, pos_q, k, v, seg_k, pos_k
             k_b, v_b, seg_b, pos_b = block
             (out_t, lse_t), pullback = jax.vjp(
                 lambda q, k, v: kernel(q, seg_q, pos_q, k, v, seg_b, pos_b), q, k_b, v_b)
-            w = jnp.where(lse_t == -jnp.inf, 0.0, jnp.exp(lse_t - lse))
-            d_out_t = _rows(w) * d_out
+            # Rows that see nothing here (lse_t -inf) or are poisoned (lse NaN: they pass
+            # no gradient) get weight 0, and where() keeps their NaNs out of the products.
+            used = (lse_t != -jnp.inf) & ~jnp.isnan(lse)
+            w = jnp.where(used, jnp.exp(jnp.where(used, lse_t - lse, 0)), 0.0)
+            d_out_t = jnp.where(_rows(used), _rows(w) * d_out, 0)
             d_out_dot_out_t = jnp.swapaxes((d_out * out_t.astype(d_out.dtype)).sum(-1), 1, 2)
-            d_lse_t = w * (d_lse + d_out_dot_out_t - d_out_dot_out)
+            d_lse_t = jnp.where(used, w * (d_lse + d_out_dot_out_t - d_out_dot_out), 0)
             return pullback((d_out_t.astype(out_t.dtype), d_lse_t))
 
         acc = jnp.promote_types(k.dtype, jnp.float32)

@@ -205,3 +205,24 @@ def test_tokens_reordered_once_per_batch(strategy):
             w, g = np.where(np.isneginf(w), 0, w), np.where(np.isneginf(g), 0, g)
         bound = 1e-5 if name in ("out", "lse") else 1e-4 * np.abs(w).max()
         assert np.abs(w - g).max() <= bound, name
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_non_finite_inputs_poison_the_same_rows(strategy):
+    """rankattn.semantics: a NaN / inf in q or in a key a query sees makes that query's out and
+    lse NaN, every other result is unchanged and every gradient finite, on shards as on one
+    device (a candidate's own key, a query of a history token)."""
+    sharding = rankattn.Sharding(mesh(ctx=8), context="ctx", strategy=strategy)
+    q, k, v, d_out, d_lse = inputs(2, 0)
+    seg = edge_rows(2)
+    k[0, 41, 0, 0] = np.nan  # a candidate's own key (session 2)
+    q[1, 20, 1, 0] = np.inf  # a history query (session 5)
+    want = run(None, True, None)(q, k, v, seg, d_out, d_lse)
+    got = run(sharding, True, None)(q, k, v, seg, d_out, d_lse)
+    for name, w, g in zip(("out", "lse", "dq", "dk", "dv"), want, got):
+        w, g = np.asarray(w), np.asarray(g)
+        assert np.array_equal(np.isnan(w), np.isnan(g)), name
+        assert np.isnan(w).any() == (name in ("out", "lse")), name
+        finite = np.isfinite(w) & np.isfinite(g)
+        bound = 1e-5 if name in ("out", "lse") else 1e-4 * np.abs(w[finite]).max()
+        assert np.abs(w[finite] - g[finite]).max() <= bound, name
