@@ -264,7 +264,7 @@ def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
     one_round = time.perf_counter() - start
     rounds = int(np.clip(ROUND_BUDGET_S // max(one_round, 1e-9), 3, repeats))
     (busy0, own0, steal0), wall0 = cpu_seconds(), time.perf_counter()
-    times = peers.interleaved_times(fns, rounds)
+    times = peers.interleaved_times(fns, rounds, warm_up=False)
     (busy1, own1, steal1), wall1 = cpu_seconds(), time.perf_counter()
     # The share of the machine that other processes (or, as steal, other guests of the host)
     # took while this workload was timed: torch's OpenMP pools stall when a core is taken

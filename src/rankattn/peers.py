@@ -16,10 +16,11 @@ def jax_nn_attention(q, k, v, segment_ids, causal: bool = False, implementation:
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
-def interleaved_times(fns: dict, repeats: int) -> dict[str, np.ndarray]:
+def interleaved_times(fns: dict, repeats: int, warm_up: bool = True) -> dict[str, np.ndarray]:
     """Wall times (s) per round of each zero-argument function, run round-robin.
 
-    Each function is called once first to compile and warm up. Every round
+    Each function is called once first to compile and warm up (unless the
+    caller already did: ``warm_up=False``). Every round
     runs each function once, in the reverse order of the previous round, so
     drift and whatever one function leaves behind (a peer's spinning thread
     pool, a freed heap) hit all alike. Results are waited for with
@@ -27,8 +28,9 @@ def interleaved_times(fns: dict, repeats: int) -> dict[str, np.ndarray]:
     ratio of two functions is best taken per round (same machine state), then
     its median over rounds.
     """
-    for fn in fns.values():
-        jax.block_until_ready(fn())
+    if warm_up:
+        for fn in fns.values():
+            jax.block_until_ready(fn())
     times = {name: [] for name in fns}
     names = list(fns)
     for round_ in range(repeats):
