@@ -1,0 +1,115 @@
+"""Serving: history K/V cached per layer once, candidates scored against the caches.
+
+``cached_logits`` is what a ranking service runs per request: the history-only
+forward pass fills one ``rankattn.serving`` cache per layer (done once per user
+and history), then the candidate tokens alone go through the layers, each
+attending to its cache and to its own key. With a ``budget`` every layer keeps
+only the history pages Quest's bound ranks highest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rankattn import serving
+
+from examples.ranker import evaluate
+from examples.ranker.config import ACTIONS, MAIN_ACTION
+from examples.ranker.packing import CANDIDATE, Batch, pack
+from examples.ranker.world import Sessions, auc
+
+PAGE_SIZE = 16
+
+
+def history_only(sessions: Sessions) -> Sessions:
+    """The same sessions without candidates (what the history forward pass sees)."""
+    empty = lambda a: a[:, :0]  # noqa: E731
+    return dataclasses.replace(sessions, cand_item=empty(sessions.cand_item),
+                               cand_author=empty(sessions.cand_author),
+                               labels=empty(sessions.labels), probs=empty(sessions.probs))
+
+
+def candidate_batch(sessions: Sessions, anchor: int) -> Batch:
+    """The candidates of every session as a [N, C] batch of candidate tokens at the anchor."""
+    shape = sessions.cand_item.shape
+    zeros = np.zeros(shape, np.int32)
+    return Batch(kind=np.full(shape, CANDIDATE, np.int32), segment_ids=np.full(shape, -1, np.int32),
+                 positions=np.full(shape, anchor, np.int32), user=zeros, context=zeros,
+                 item=sessions.cand_item.astype(np.int32), author=sessions.cand_author.astype(np.int32),
+                 actions=np.zeros(shape + sessions.labels.shape[-1:], np.float32),
+                 labels=sessions.labels, session=zeros, candidate=zeros)
+
+
+@jax.jit
+def _caches(graphdef, params, batch: Batch, lengths):
+    kv = nnx.merge(graphdef, params).history_kv(batch)
+    return [serving.cache_from_history(k, v, lengths, PAGE_SIZE) for k, v in kv]
+
+
+def build_caches(graphdef, params, sessions: Sessions, anchor: int):
+    """One serving cache per layer; cache user u is session u's [user token, history]."""
+    rows = 1 + sessions.history_item.shape[1]
+    batch, _ = pack(history_only(sessions), rows, anchor, one_per_row=True)
+    return _caches(graphdef, params, batch, jnp.asarray(1 + sessions.history_len, jnp.int32))
+
+
+def _score(graphdef, params, candidates: Batch, caches, budget, gqa):
+    users = jnp.arange(candidates.item.shape[0])
+    return nnx.merge(graphdef, params).score_cached(candidates, caches, users, budget, gqa)
+
+
+score = jax.jit(_score, static_argnames=("budget", "gqa"))
+
+
+def cached_logits(graphdef, params, sessions: Sessions, anchor: int, budget: int | None = None,
+                  gqa: str = "group", caches=None):
+    """Logits [N, C, A] of every session's candidates, scored against cached histories."""
+    caches = build_caches(graphdef, params, sessions, anchor) if caches is None else caches
+    return score(graphdef, params, candidate_batch(sessions, anchor), caches, budget, gqa)
+
+
+def pages_kept(sessions: Sessions, budget: int) -> float:
+    """Mean fraction of a history's pages that a query keeps under ``budget`` tokens."""
+    pages = np.ceil((1 + sessions.history_len) / PAGE_SIZE)
+    return float(np.minimum(1.0, (budget // PAGE_SIZE) / pages).mean())
+
+
+def report(graphdef, params, world, preset, sessions: int = 256) -> dict:
+    """Serving on long histories: cached = full, isolation, and Quest's AUC per budget.
+
+    Returns ``cached_vs_full_max_abs_diff`` (largest |cached - full| logit),
+    ``isolation_bit_identical`` (candidate 0's logits unchanged, bit for bit,
+    when every other candidate of its request is replaced) and ``quest``: per
+    token budget, the fraction of history pages a query keeps and the AUC of
+    the main action (``budget=None``: exact).
+    """
+    rng = np.random.default_rng([preset.train.seed, 1 << 31])
+    long = world.sample(rng, sessions, long=True)
+    anchor = preset.model.max_position
+    caches = build_caches(graphdef, params, long, anchor)
+    exact = np.asarray(cached_logits(graphdef, params, long, anchor, caches=caches))
+    t = preset.train
+    full = evaluate.full_logits(graphdef, params, long, t.row_tokens, t.rows, anchor)
+    others = long.cand_item.copy()
+    others[:, 1:] = rng.integers(1, world.config.items + 1, size=others[:, 1:].shape)
+    swapped = dataclasses.replace(long, cand_item=others, cand_author=world.item_author[others])
+    again = np.asarray(cached_logits(graphdef, params, swapped, anchor, caches=caches))
+    a = ACTIONS.index(MAIN_ACTION)
+    labels = long.labels[..., a]
+    quest = [dict(budget=None, pages_kept=1.0, auc=auc(labels, exact[..., a]))]
+    max_pages = int(np.ceil((1 + long.history_item.shape[1]) / PAGE_SIZE))
+    for pages in (3, 6, 12, 24, 48):  # 3: the least a budget can be (sink, recent, one scored)
+        if pages < max_pages:
+            budget = pages * PAGE_SIZE
+            logits = np.asarray(cached_logits(graphdef, params, long, anchor, budget, caches=caches))
+            quest.append(dict(budget=budget, pages_kept=pages_kept(long, budget),
+                              auc=auc(labels, logits[..., a])))
+    return dict(sessions=sessions, mean_history=float(long.history_len.mean()),
+                cached_vs_full_max_abs_diff=float(np.abs(exact - full).max()),
+                isolation_bit_identical=bool((exact[:, 0] == again[:, 0]).all()),
+                oracle_auc=auc(labels, long.probs[..., a]), quest=quest)
