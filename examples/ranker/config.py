@@ -63,9 +63,11 @@ class Preset:
 
 
 PRESETS = {
-    "tiny": Preset(WorldConfig(users=20000, items=1000, authors=100),
-                   ModelConfig(),
-                   TrainConfig()),
+    "tiny": Preset(WorldConfig(users=20000, items=500, authors=50, candidates=16,
+                               history_median=32, history_max=128),
+                   ModelConfig(ffn_mult=2),
+                   TrainConfig(row_tokens=256, steps=2800, learning_rate=5e-3, warmup=50,
+                               eval_sessions=2000)),
     "small": Preset(WorldConfig(users=200000, items=20000, authors=1000, latent_dim=8,
                                 history_median=200, history_max=1022, candidates=32),
                     ModelConfig(width=256, layers=4, q_heads=8, kv_heads=2, head_dim=32,
