@@ -5,6 +5,7 @@
           isolation, Quest AUC per budget; writes DIR/serving.json
   bench   train step against jax.nn with a dense mask, serving latency; DIR/bench.json
   report  rewrite the results block of examples/ranker/README.md from DIR/*.json
+          (and the bench.json of each --also DIR)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from examples.ranker.config import ACTIONS, PRESETS
 from examples.ranker.world import World
 
 README = os.path.join(os.path.dirname(__file__), "README.md")
+SERVING = f"{bench.SERVING_HISTORY} history events and {bench.SERVING_CANDIDATES} candidates"
 BEGIN, END = "<!-- ranker results: begin -->", "<!-- ranker results: end -->"
 
 
@@ -35,6 +37,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, help="train: total steps (default: the preset's)")
     parser.add_argument("--repeats", type=int, default=7, help="bench: interleaved rounds")
     parser.add_argument("--no-progress", action="store_true", help="train: no progress bar")
+    parser.add_argument("--also", nargs="*", default=[],
+                        help="report: more run directories whose bench.json to include")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     os.makedirs(args.out, exist_ok=True)
@@ -52,7 +56,7 @@ def main(argv=None):
         result = dict(train_step=bench.train_step(preset, args.repeats),
                       serving=bench.serving(preset, args.repeats))
     else:
-        write_readme(args.out, args.preset)
+        write_readme(args.out, args.preset, args.also)
         return
     result = dict(result, preset=args.preset, seconds=time.perf_counter() - start, meta=meta())
     name = {"train": "metrics", "serve": "serving"}.get(args.command, args.command)
@@ -67,10 +71,15 @@ def meta() -> dict:
                 cpus=os.cpu_count(), machine=platform.machine(), python=sys.version.split()[0])
 
 
-def write_readme(out: str, preset: str):
+def load_json(directory: str, name: str) -> dict:
+    with open(os.path.join(directory, name)) as f:
+        return json.load(f)
+
+
+def write_readme(out: str, preset: str, also: list[str]):
     """The README's results block, from DIR/metrics.json, serving.json and bench.json."""
-    load = lambda name: json.load(open(os.path.join(out, name)))  # noqa: E731
-    metrics, serving, timing = load("metrics.json"), load("serving.json"), load("bench.json")
+    metrics, serving, timing = (load_json(out, n) for n in ("metrics.json", "serving.json",
+                                                             "bench.json"))
     m = metrics["meta"]
     lines = [BEGIN, "", f"Preset `{preset}`, measured {m['date']} on {m['cpus']} CPU cores "
              f"({m['machine']}, jax {m['jax']}, {m['backend']}) by the commands above.", "",
@@ -94,17 +103,25 @@ def write_readme(out: str, preset: str):
               "| budget (tokens) | pages kept | AUC |", "|---|---:|---:|"]
     for q in serving["quest"]:
         lines.append(f"| {q['budget'] or 'exact'} | {q['pages_kept']:.2f} | {q['auc']:.4f} |")
-    step, srv = timing["train_step"], timing["serving"]
-    shape = step.pop("shape")
-    lines += ["", f"**Train step** ({shape['rows']} rows of {shape['row_tokens']} tokens, "
-              f"{shape['sessions_per_row']:.1f} sessions per row; ratio = its time / rankattn's, "
-              "median over interleaved rounds):", "", "| attention | ms | ratio |", "|---|---:|---:|"]
-    lines += [f"| {name} | {r['ms']:.1f} | {r['ratio']:.2f} |" for name, r in step.items()]
-    shape = srv.pop("shape")
-    lines += ["", f"**Serving latency** (one request: {shape['history']} history events, "
-              f"{shape['candidates']} candidates; ratio = its time / cached scoring's):", "",
-              "| path | ms | ratio |", "|---|---:|---:|"]
-    lines += [f"| {name} | {r['ms']:.2f} | {r['ratio']:.2f} |" for name, r in srv.items()]
+    benches = [timing] + [load_json(d, "bench.json") for d in also]
+    lines += ["", "**Train step**: ratio = the jax.nn model's time / rankattn's, median over "
+              "interleaved rounds (soft cap off in both).", "",
+              "| preset | rows x tokens | sessions per row | rankattn ms | jax.nn dense mask ms "
+              "| ratio |", "|---|---|---:|---:|---:|---:|"]
+    for b in benches:
+        step, shape = b["train_step"], b["train_step"]["shape"]
+        lines.append(f"| {b['preset']} | {shape['rows']} x {shape['row_tokens']} | "
+                     f"{shape['sessions_per_row']:.1f} | {step['rankattn']['ms']:.1f} | "
+                     f"{step['jax.nn dense mask']['ms']:.1f} | "
+                     f"{step['jax.nn dense mask']['ratio']:.2f} |")
+    lines += ["", f"**Serving latency**, one request of {SERVING} (ratio = its time / cached "
+              "scoring's):", "", "| preset | cached ms | full forward ms | ratio | history "
+              "forward ms (once per user and history) |", "|---|---:|---:|---:|---:|"]
+    for b in benches:
+        srv = b["serving"]
+        lines.append(f"| {b['preset']} | {srv['cached']['ms']:.2f} | "
+                     f"{srv['full forward']['ms']:.2f} | {srv['full forward']['ratio']:.2f} | "
+                     f"{srv['history forward (once per user)']['ms']:.2f} |")
     lines += ["", END]
     text = open(README).read()
     head, rest = text.split(BEGIN)
