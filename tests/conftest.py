@@ -21,8 +21,13 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # XLA_FLAGS=--xla_force_host_platform_device_count=8 and RANKATTN_MESH_TESTS=1; this
 # process, which sees one device, leaves it alone. (No conftest.py in that folder: its
 # module name would shadow this one for the tests that import from it.)
+# tests/ranker/ (the example's tests) imports flax, optax and orbax, which start threads
+# and an event loop of their own; tests/test_ranker.py runs it in a subprocess so that
+# nothing of theirs stays in this process.
 if os.environ.get("RANKATTN_MESH_TESTS") != "1":
     collect_ignore_glob = ["distributed/*"]
+if os.environ.get("RANKATTN_RANKER_TESTS") != "1":
+    collect_ignore_glob = [*globals().get("collect_ignore_glob", []), "ranker/*"]
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
