@@ -114,19 +114,26 @@ class Ranker(nnx.Module):
         return jnp.where(kind == USER, user, jnp.where(
             kind == HISTORY, history, jnp.where(kind == CANDIDATE, candidate, 0.0)))
 
-    def attention(self, q, k, v, plan):
-        return rankattn.attention(q, k, v, plan=plan, softcap=self.config.softcap)
+    def layers(self, batch: Batch, attention=None):
+        """(x, kv): the last block's output [B, S, W] and every layer's (k, v) [B, S, Hkv, D].
 
-    def __call__(self, batch: Batch, attention=None):
-        """Logits [B, S, A]. ``attention(q, k, v, segment_ids)`` replaces rankattn (benchmarks)."""
+        ``attention(q, k, v, segment_ids)`` replaces rankattn (benchmarks); by
+        default one ``rankattn.plan`` of the batch serves every layer.
+        """
         if attention is None:
-            plan = rankattn.plan(segment_ids=batch.segment_ids)  # one plan for every layer
-            attention = lambda q, k, v, _: self.attention(q, k, v, plan)  # noqa: E731
-        x = self.embed(batch)
+            plan = rankattn.plan(segment_ids=batch.segment_ids)
+            attention = lambda q, k, v, _: rankattn.attention(  # noqa: E731
+                q, k, v, plan=plan, softcap=self.config.softcap)
+        x, kv = self.embed(batch), []
         for block in self.blocks:
             q, k, v = block.qkv(x, batch.positions)
+            kv.append((k, v))
             x = block.finish(x, attention(q, k, v, batch.segment_ids))
-        return self.heads(self.final_norm(x))
+        return x, kv
+
+    def __call__(self, batch: Batch, attention=None):
+        """Logits [B, S, A] of every token (see :meth:`layers` for ``attention``)."""
+        return self.heads(self.final_norm(self.layers(batch, attention)[0]))
 
     def history_kv(self, batch: Batch):
         """Per layer, (k, v) [B, S, Hkv, D] of a batch holding one history per row.
@@ -135,13 +142,7 @@ class Ranker(nnx.Module):
         the keys and values are exactly those the full forward pass computes for
         these tokens, since history never sees candidates.
         """
-        plan = rankattn.plan(segment_ids=batch.segment_ids)
-        x, kv = self.embed(batch), []
-        for block in self.blocks:
-            q, k, v = block.qkv(x, batch.positions)
-            kv.append((k, v))
-            x = block.finish(x, self.attention(q, k, v, plan))
-        return kv
+        return self.layers(batch)[1]
 
     def score_cached(self, candidates: Batch, caches, users, budget: int | None = None,
                      gqa: str = "group"):
