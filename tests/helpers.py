@@ -12,11 +12,25 @@ from hypothesis import strategies as st
 
 import oracle
 import rankattn
-from tolerances import assert_close_f32, assert_low_precision_close
+from rankattn import errors
+from tolerances import FIELDS, assert_matches
 
 LSE_WEIGHT = 0.1  # loss = sum(out * w) + LSE_WEIGHT * sum(finite(lse) ** 2)
-FIELDS = ("out", "lse", "dq", "dk", "dv")
 LOW_PRECISION = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+# --- Errors. ---------------------------------------------------------------------
+
+
+def message_body(err: rankattn.RankattnError) -> str:
+    """The message of ``err`` as a user would paste it without its code."""
+    return str(err).split("\n  (rankattn explain")[0].split("] ", 1)[1]
+
+
+def assert_explained(err: rankattn.RankattnError) -> None:
+    """``rankattn explain`` resolves the message of ``err``, pasted without its code, to its code."""
+    got = errors.best_match(message_body(err))
+    assert got == err.code, f"explain resolves {message_body(err)!r} to {got}, not {err.code}"
 
 
 # --- Random values. -------------------------------------------------------------
@@ -145,6 +159,7 @@ class Case:
     softcap_method: str = "tanh"
     scale: float | None = None
     seed: int = 0
+    positive: bool = False             # q and the loss weight w drawn as |N(0, std)|
 
     def __post_init__(self):
         assert self.mask in MASKS, self.mask
@@ -156,8 +171,9 @@ class Case:
         return dataclasses.replace(self, mask_values=to_tuple(values))
 
     def values(self):
-        return random_qkv(self.seed, self.batch, self.seq, self.heads_q, self.heads_kv, self.dim,
-                          self.dim_v, self.kv_seq)
+        q, k, v, w = random_qkv(self.seed, self.batch, self.seq, self.heads_q, self.heads_kv,
+                                self.dim, self.dim_v, self.kv_seq)
+        return (np.abs(q), k, v, np.abs(w)) if self.positive else (q, k, v, w)
 
     def mask_arg(self):
         """(keyword, int32 numpy array) for rankattn.attention, or (None, None)."""
@@ -234,24 +250,64 @@ def attention_vjp(q, k, v, d_out, d_lse, segment_ids=None, bounds=None, **kwargs
     return (out, lse, *vjp((d_out.astype(out.dtype), d_lse)))
 
 
+def rounded_values(case: Case):
+    """(q, k, v, w) as float32 numpy, each rounded to the case's dtype: what a backend sees."""
+    case_dtype = np.dtype(jnp.dtype(case.dtype))
+    wide = np.float64 if case_dtype == np.float64 else np.float32
+    # Casts in numpy (ml_dtypes), so that no eager XLA op is compiled per shape.
+    return tuple(x.astype(case_dtype).astype(wide) for x in case.values())
+
+
 def run(case: Case, impl, dtype=None) -> dict[str, np.ndarray]:
     """out, lse and the loss gradients of ``impl`` on ``case`` (inputs cast to ``dtype``).
 
     The values are made in float32, rounded to the case's dtype, then cast to
     ``dtype`` (default: the case's dtype), so a float32 run on a bf16 case sees
-    exactly the bf16 values.
+    exactly the bf16 values. The loss weight w is rounded the same way, so the
+    cotangent of out is exactly w in every dtype.
     """
-    q, k, v, w = case.values()
     case_dtype = np.dtype(jnp.dtype(case.dtype))
     run_dtype = case_dtype if dtype is None else np.dtype(jnp.dtype(dtype))
-    # Casts in numpy (ml_dtypes), so that no eager XLA op is compiled per shape.
-    q, k, v = (x.astype(case_dtype).astype(run_dtype) for x in (q, k, v))
+    q, k, v, w = rounded_values(case)
+    q, k, v = (x.astype(run_dtype) for x in (q, k, v))
     mask_kw, mask = case.mask_arg()
     res = _outputs_and_grads(q, k, v, w, mask, impl=impl, mask_kw=mask_kw, **case.options())
     for name, x in res.items():
         want = np.float32 if name == "lse" else run_dtype
         assert x.dtype == want, f"{name} has dtype {x.dtype}, expected {want}"
-    return {name: np.asarray(x).astype(np.float32) for name, x in res.items()}
+    return {name: np.asarray(x).astype(np.float64) for name, x in res.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def oracle_results(case: Case) -> dict:
+    """The float64 oracle on the case's rounded values, with magnitudes (tests/tolerances.py)."""
+    q, k, v, w = rounded_values(case)
+    return oracle.attention(q, k, v, case.dense_mask(), w=w, lse_weight=LSE_WEIGHT,
+                            scale=case.scale, softcap_value=case.softcap,
+                            softcap_method=case.softcap_method, magnitudes=True)
+
+
+def n_terms(case: Case) -> int:
+    """How many terms any one result element sums, at most (tests/tolerances.py's floor)."""
+    return case.seq + (case.kv_seq or case.seq)
+
+
+def check_results(case: Case, got: dict, fields=FIELDS) -> None:
+    """``got`` (out, lse, dq, dk, dv of ``case``) within tests/tolerances.py of the oracle."""
+    want = oracle_results(case)
+    for name in fields:
+        assert_matches(name, got[name], want[name], case.dtype, want["terms"][name],
+                       want["amplified"][name], n_terms(case))
+
+
+def check_against_oracle(case: Case, impl) -> None:
+    """Forward out, lse and dq, dk, dv of ``impl`` agree with the float64 oracle on ``case``."""
+    got = run(case, impl)
+    check_results(case, got)
+    # Outputs of queries that see nothing are exactly zero, and so are their gradients.
+    blind = ~case.dense_mask().any(-1)                         # [B, Sq]
+    assert np.all(got["out"][blind] == 0) and np.all(got["dq"][blind] == 0)
+    assert np.all(np.isneginf(got["lse"].transpose(0, 2, 1)[blind]))
 
 
 # --- A naive low-precision attention: what losing the float32 math would give. ----
@@ -285,27 +341,9 @@ def _naive(q, k, v, w, mask, *, scale, softcap, softcap_method):
 
 
 def run_naive(case: Case) -> dict[str, np.ndarray]:
-    q, k, v, w = case.values()
+    q, k, v, w = rounded_values(case)
     dt = np.dtype(LOW_PRECISION[case.dtype])
     scale = case.scale if case.scale is not None else 1 / np.sqrt(case.dim)
     res = _naive(q.astype(dt), k.astype(dt), v.astype(dt), w, case.dense_mask(), scale=float(scale),
                  softcap=case.softcap, softcap_method=case.softcap_method)
-    return {name: np.asarray(x).astype(np.float32) for name, x in res.items()}
-
-
-def check_against_reference(case: Case, impl) -> None:
-    """Forward out, lse and dq, dk, dv of ``impl`` agree with impl='reference' on ``case``."""
-    got = run(case, impl)
-    if case.dtype == "float32":
-        want = run(case, "reference")
-        for name in FIELDS:
-            assert_close_f32(got[name], want[name], name)
-    else:
-        want = run(case, "reference", dtype=jnp.float32)
-        assert_close_f32(got["lse"], want["lse"], "lse")
-        for name in ("out", "dq", "dk", "dv"):
-            assert_low_precision_close(got[name], want[name], case.dtype, name)
-    # Outputs of queries that see nothing are exactly zero, and so are their gradients.
-    blind = ~case.dense_mask().any(-1)                         # [B, Sq]
-    assert np.all(got["out"][blind] == 0) and np.all(got["dq"][blind] == 0)
-    assert np.all(np.isneginf(got["lse"].transpose(0, 2, 1)[blind]))
+    return {name: np.asarray(x).astype(np.float64) for name, x in res.items()}

@@ -147,3 +147,112 @@ def finite_difference_grads(q, k, v, mask, w, lse_weight, eps=1e-6, **kwargs):
             g[idx] = (plus - minus) / (2 * eps)
         grads.append(g)
     return grads
+
+
+# --- The vectorised oracle: forward, analytic backward and error magnitudes. ----------------
+#
+# The same rules as `attention_loops`, as float64 numpy array expressions, so that every
+# backend can be checked against it directly at the suite's shapes (S up to ~1100). Its
+# backward is the analytic gradient of the spec's softmax, written out below and checked
+# against finite differences of the loop (tests/test_oracle.py).
+
+
+def softcap_grad(s, cap, method: str):
+    """d softcap(s) / d s, elementwise."""
+    if cap is None:
+        return np.ones_like(s)
+    if method == "tanh":
+        return 1 - np.tanh(s / cap) ** 2
+    return 1 / (1 + np.abs(s) / cap) ** 2
+
+
+def _softcap_array(s, cap, method: str):
+    if cap is None:
+        return s
+    if method == "tanh":
+        return cap * np.tanh(s / cap)
+    return s / (1 + np.abs(s) / cap)
+
+
+def attention(q, k, v, mask, *, w=None, lse_weight: float = 0.0, d_lse=None, scale=None,
+              softcap_value=None, softcap_method="tanh", magnitudes: bool = False):
+    """Forward and (with ``w``) backward in float64, vectorised; a dict of numpy arrays.
+
+    q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], mask bool [B, Sq, Skv].
+    ``w`` is the cotangent of out, and the lse cotangent is ``2 * lse_weight * lse`` on rows
+    that see a key (the derivative of ``loss``), plus ``d_lse`` [B, Hq, Sq] when given.
+    Keys: out, lse (and dq, dk, dv with ``w``). With ``magnitudes``, also ``terms`` and
+    ``amplified``: for each result, per element, the sum of the absolute values of the terms
+    that form it (see tests/tolerances.py for how they bound rounding error).
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, sq, hq, d = q.shape
+    skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = hq // hkv
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    qg = q.reshape(b, sq, hkv, g, d)
+    m4 = np.asarray(mask, bool)[:, None, None]                          # [B, 1, 1, Sq, Skv]
+
+    s = scale * np.einsum("bihgd,bjhd->bhgij", qg, k)
+    c = _softcap_array(s, softcap_value, softcap_method)
+    m = np.where(m4, c, -np.inf).max(-1, keepdims=True)
+    seen = np.isfinite(m)
+    m = np.where(seen, m, 0.0)
+    e = np.where(m4, np.exp(np.where(m4, c, m) - m), 0.0)
+    l = e.sum(-1, keepdims=True)
+    p = e / np.where(seen, l, 1.0)                                      # [B, Hkv, G, Sq, Skv]
+    lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)[..., 0]  # [B, Hkv, G, Sq]
+    out = np.einsum("bhgij,bjhd->bihgd", p, v)
+    res = dict(out=out.reshape(b, sq, hq, dv), lse=lse.reshape(b, hq, sq))
+    if w is None:
+        return res
+
+    do = np.asarray(w, np.float64).reshape(b, sq, hkv, g, dv)
+    dl = np.where(seen[..., 0], 2 * lse_weight * np.where(seen[..., 0], lse, 0.0), 0.0)
+    if d_lse is not None:
+        dl = dl + np.asarray(d_lse, np.float64).reshape(b, hkv, g, sq)
+    # d out_i / d c_ij = p_ij (v_j - out_i) and d lse_i / d c_ij = p_ij, so with
+    # dp_ij = do_i . v_j and delta_i = do_i . out_i the logit cotangent is
+    # p_ij (dp_ij - delta_i + dlse_i), times the cap's derivative for s.
+    dp = np.einsum("bihgd,bjhd->bhgij", do, v)
+    delta = np.einsum("bihgd,bihgd->bhgi", do, out)
+    cg = softcap_grad(s, softcap_value, softcap_method)
+    ds = p * (dp - delta[..., None] + dl[..., None]) * cg
+    res["dq"] = (scale * np.einsum("bhgij,bjhd->bihgd", ds, k)).reshape(b, sq, hq, d)
+    res["dk"] = scale * np.einsum("bhgij,bihgd->bjhd", ds, qg)
+    res["dv"] = np.einsum("bhgij,bihgd->bjhd", p, do)
+    if not magnitudes:
+        return res
+
+    # Magnitudes. A computed logit is off by about u * L_ij (u: the unit roundoff of the
+    # math) where L_ij = scale * |q_i| . |k_j| sums the products forming it, scaled by the
+    # cap's slope; the lse by about u * the p-weighted mean of those. So each p_ij carries a
+    # relative error of about u * (1 + E_ij), E_ij = L_ij + mean_j' L_ij'. "terms" leaves
+    # that amplification out (errors of rounding the operands and results once each),
+    # "amplified" puts it in (errors of the float math itself).
+    aq, ak, av, ado = np.abs(qg), np.abs(k), np.abs(v), np.abs(do)
+    big_l = scale * np.einsum("bihgd,bjhd->bhgij", aq, ak)
+    lc = np.where(m4, big_l * np.abs(cg), 0.0)
+    lbar = (p * lc).sum(-1)
+    amp = 1 + lc + lbar[..., None]
+    if softcap_value is not None:  # the cap's slope moves by up to 2 / cap per unit of logit
+        amp = amp + 2 * big_l / softcap_value
+    dp_t = np.einsum("bihgd,bjhd->bhgij", ado, av)
+    delta_t = np.einsum("bihgd,bihgd->bhgi", ado, np.abs(out))
+    # ds itself, plus what rounding out moves it by (through delta); the float math's
+    # error of dp - delta + dlse is in the amplified magnitude, which keeps all its terms.
+    ds_t = np.abs(ds) + p * delta_t[..., None] * np.abs(cg)
+    ds_a = p * (dp_t + delta_t[..., None] + np.abs(dl)[..., None]) * np.abs(cg) * amp
+
+    def fields(pw, dsw, lse_t):
+        return dict(
+            out=np.einsum("bhgij,bjhd->bihgd", pw, av).reshape(b, sq, hq, dv),
+            lse=np.where(seen[..., 0], lse_t, 0.0).reshape(b, hq, sq),
+            dq=(scale * np.einsum("bhgij,bjhd->bihgd", dsw, ak)).reshape(b, sq, hq, d),
+            dk=scale * np.einsum("bhgij,bihgd->bjhd", dsw, aq),
+            dv=np.einsum("bhgij,bihgd->bjhd", pw, ado))
+
+    abs_lse = np.abs(np.where(seen[..., 0], lse, 0.0))
+    res["terms"] = fields(p, ds_t, 1 + abs_lse)
+    res["amplified"] = fields(p * amp, ds_a, 1 + abs_lse + lbar)
+    return res

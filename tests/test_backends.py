@@ -1,4 +1,4 @@
-"""Every backend against impl='reference' (itself checked against the oracle in test_oracle.py).
+"""Every backend, the reference included, against the float64 oracle (tests/oracle.py).
 
 `BackendTests` holds the comparisons; each subclass names one implementation
 and the configurations it runs. Compiling is what costs (each shape or static
@@ -28,10 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import SMALL_BLOCKS, SMALL_TRITON
-import jax.numpy as jnp
-from helpers import (FIELDS, Case, bounds, case_id, check_against_reference, random_segments, run,
-                     run_naive, segment_ids)
-from tolerances import assert_low_precision_close
+from helpers import FIELDS, Case, bounds, case_id, check_against_oracle, run, segment_ids
 from rankattn.backends import BlockSizes, PallasTriton, Xla
 
 C = Case
@@ -89,7 +86,7 @@ def pytest_generate_tests(metafunc):
 
 
 class BackendTests:
-    """Comparisons of `impl` with impl='reference' on `configs` and `long_configs`."""
+    """Comparisons of `impl` with the float64 oracle on `configs` and `long_configs`."""
 
     impl = None
     configs = CONFIGS
@@ -98,16 +95,23 @@ class BackendTests:
     # Per configuration; the profile's count (conftest.py) scales all of them.
     @settings(max_examples=settings.default.max_examples // 2)
     @given(data=st.data())
-    def test_matches_reference(self, config, data):
+    def test_matches_oracle(self, config, data):
         case = dataclasses.replace(config, mask_values=data.draw(mask_values(config), "mask"),
                                    seed=data.draw(st.integers(0, 2**16), "seed"))
-        check_against_reference(case, self.impl)
+        check_against_oracle(case, self.impl)
 
     @settings(max_examples=max(1, settings.default.max_examples // 3))
     @given(data=st.data())
-    def test_long_sequence_matches_reference(self, long_config, data):
+    def test_long_sequence_matches_oracle(self, long_config, data):
         case = dataclasses.replace(long_config, mask_values=data.draw(mask_values(long_config)))
-        check_against_reference(case, self.impl)
+        check_against_oracle(case, self.impl)
+
+
+class TestReference(BackendTests):
+    """The dense reference: the other backends' tests once compared with it, now all with the
+    oracle directly."""
+
+    impl = "reference"
 
 
 class TestXla(BackendTests):
@@ -213,18 +217,3 @@ class TestPallasTritonDefaultBlocks(BackendTests):
     impl = PallasTriton(interpret=True)
     configs = TRITON_CONFIGS[5::6]
     long_configs = TRITON_LONG_CONFIGS
-
-
-@pytest.mark.parametrize("bf16", [c for c in CONFIGS if c.dtype == "bfloat16" and c.mask == SEG],
-                         ids=case_id)
-def test_naive_low_precision_attention_fails_the_rule(bf16):
-    """The bf16 rule has teeth: attention computed wholly in bf16 (softmax included) breaks it."""
-    case = bf16.with_mask(random_segments(3, bf16.batch, bf16.seq, "packed"))
-    want, naive = run(case, "reference", dtype=jnp.float32), run_naive(case)
-    failures = 0
-    for name in ("out", "dq", "dk", "dv"):
-        try:
-            assert_low_precision_close(naive[name], want[name], case.dtype, name)
-        except AssertionError:
-            failures += 1
-    assert failures, "an all-bf16 attention passes the bf16 rule: the rule is too loose"

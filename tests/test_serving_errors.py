@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import rankattn
+from helpers import assert_explained
 from rankattn import errors, serving
 
 HKV, D, DV, P = 2, 8, 6, 4
@@ -50,6 +51,7 @@ class _Raises:
         assert isinstance(err, rankattn.RankattnError)
         for fragment in self.fragments:
             assert fragment in str(err), f"{fragment!r} not in {str(err)!r}"
+        assert_explained(err)
         return out
 
 
@@ -86,7 +88,7 @@ def test_query_not_an_array(cache):
 
 
 def test_empty_query_axis(cache):
-    with raises("RA202", "(2, 0, 4, 8)", ">= 1"):
+    with raises("RA202", "(2, 0, 4, 8)", ">= 1", "scored query"):
         serving.attend(q4(t=0), cache, USERS)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import rankattn
+from helpers import assert_explained
 from rankattn import serving
 
 P, HKV, HQ, D = 4, 2, 4, 8
@@ -129,3 +130,4 @@ def test_append_rejects_a_value_the_cache_dtype_cannot_hold():
     with pytest.raises(rankattn.RankattnValueError, match="RA214") as err:
         serving.append(cache, np.array([0]), k, np.ones_like(k), np.array([2]))
     assert "100000" in str(err.value) and "float16" in str(err.value)
+    assert_explained(err.value)

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import Mesh
 
 import rankattn
+from helpers import assert_explained
 from rankattn import serving
 
 USERS, LENGTH, HQ, HKV, D, T, P = 16, 100, 4, 2, 8, 3, 4
@@ -77,5 +78,6 @@ def test_a_user_on_another_shard_is_refused():
     cache = serving.sharded_cache_from_history(k, v, lengths, sharding, page_size=P)
     users = routed_users(len(q), 8)
     users[3] = 0  # row 3 sits on shard 3; user 0 lives on shard 0
-    with pytest.raises(rankattn.RankattnError, match="RA216"):
+    with pytest.raises(rankattn.RankattnError, match="RA216") as info:
         serving.attend(q, cache, users, sharding=sharding)
+    assert_explained(info.value)

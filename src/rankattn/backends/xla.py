@@ -412,12 +412,17 @@ def _flash_bwd(static, residuals, cotangents):
         return (dk, dv), (dq, d_own)
 
     xs = _chunks(static, (qu, own_kv, seg_qu, plan, d_out, delta, lse_safe))
-    zeros = (jnp.zeros(kb.shape, acc_dtype), jnp.zeros(vb.shape, acc_dtype))
-    (dk, dv), (dq, d_own) = jax.lax.scan(chunk, zeros, xs)
+    (dk, dv), (dq, d_own) = jax.lax.scan(chunk, _key_grad_accumulators(static, kb, vb), xs)
     # Cotangents in the primal dtypes (bf16 / f16 operands on the mixed-precision path).
     like = lambda grads, primals: jax.tree.map(lambda g, x: g.astype(x.dtype), grads, primals)
     return (like(_unchunk(dq), qu), like(dk, kb), like(dv, vb), like(_unchunk(d_own), own_kv),
             None, None, None, None, None)
+
+
+def _key_grad_accumulators(static: _Static, kb, vb):
+    """Zero dk, dv in the accumulation dtype: every query block adds into them, so in bf16
+    (the operands' dtype on the mixed-precision path) each addition would round."""
+    return jnp.zeros(kb.shape, static.accumulate), jnp.zeros(vb.shape, static.accumulate)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -256,7 +256,8 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_p
                             f"or [B, Hq*D] with D = {d} (the cache's head dim).")
     b, t, hq, dq = q4.shape
     if 0 in q4.shape:
-        raise fail("RA202", f"q has shape {shape}; every axis must be >= 1.")
+        raise fail("RA202", f"{where}: the query q has shape {shape}; every axis of a scored "
+                            "query must be >= 1 (skip requests with no candidates).")
     if dq != d:
         raise fail("RA205", f"q has head dim {dq} (shape {shape}) but the cache holds keys of "
                             f"head dim {d}. Pass queries of the cache's layer.")
