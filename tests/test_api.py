@@ -12,7 +12,7 @@ import pytest
 
 import oracle
 import rankattn
-from helpers import Case, attention_jit, check_against_reference, random_qkv
+from helpers import Case, attention_jit, check_against_oracle, random_qkv
 from rankattn.backends import Reference, Xla
 from tolerances import assert_close_f32
 
@@ -124,7 +124,7 @@ def test_float16(impl):
     case = Case(batch=2, seq=24, heads_q=4, heads_kv=2, dim=16, dtype="float16",
                 mask="segment_ids", mask_values=tuple(map(tuple, np.tile(PACKED, (1, 2))[:, :24])),
                 causal=True, softcap=2.0)
-    check_against_reference(case, impl)
+    check_against_oracle(case, impl)
 
 
 def test_unmasked_call_runs_eagerly(impl):

@@ -158,14 +158,6 @@ class TestXlaSmallSlab(BackendTests):
     long_configs = DEFAULT_BLOCK_LENGTHS[-1:] + LONG_CONFIGS[:1]
 
 
-class TestAuto(BackendTests):
-    """impl='auto' end to end (which backend it picks: test_api.py)."""
-
-    impl = "auto"
-    configs = CONFIGS[1::4]
-    long_configs = LONG_CONFIGS[:1]
-
-
 class TestXlaMixedPrecision(BackendTests):
     """The GPU / TPU numerics of the xla backend (bf16 / f16 operands into the dots), on CPU."""
 

@@ -131,3 +131,32 @@ def test_append_rejects_a_value_the_cache_dtype_cannot_hold():
         serving.append(cache, np.array([0]), k, np.ones_like(k), np.array([2]))
     assert "100000" in str(err.value) and "float16" in str(err.value)
     assert_explained(err.value)
+
+
+@pytest.mark.parametrize("gqa, group_rule", [("per_head", "standardised"), ("mean", "standardised"),
+                                             *[("group", r) for r in serving.GROUP_RULES]])
+def test_a_page_with_a_bad_key_is_selected_first(gqa, group_rule):
+    """Quest ranks a page whose key stats are not finite above every scored page: its bound is
+    unknown, and skipping it would hide the bad value from exact-path semantics. The bad key
+    sits on page 4 of 10, neither sink nor recent, under a budget of 3 pages (sink + recent +
+    one scored); every other page outranks page 4 on its finite keys, so without the rule
+    page 4 would never be read."""
+    k, v = _history(5, 1, 10 * P)
+    q, _, _ = _queries(6, 1, 2)
+    k[0, 4 * P:5 * P] *= 0.01                    # page 4 alone would score last
+    k[0, 4 * P + 1, 0, 3] = np.nan               # kv head 0 only
+    cache = serving.cache_from_history(k, v, np.array([10 * P]), page_size=P)
+    kw = dict(budget=3 * P, gqa=gqa, group_rule=group_rule, sink_pages=1, recent_pages=1)
+    pages = np.asarray(serving.select_pages(q, cache, np.array([0]), **kw))  # [1, T, Hq, 3]
+    g = HQ // HKV
+    assert (pages[0, :, :g] == 4).any(-1).all(), pages[0, :, :g]      # kv head 0 reads page 4
+    out = np.asarray(serving.attend(q, cache, np.array([0]), **kw))
+    assert np.isnan(out[0, :, :g]).all() and np.isfinite(out[0, :, g:]).all()
+    # Kv head 1 never saw the bad value: bit-identical to the run without it.
+    k_clean = k.copy()
+    k_clean[0, 4 * P + 1, 0, 3] = 0.0
+    clean = serving.cache_from_history(k_clean, v, np.array([10 * P]), page_size=P)
+    np.testing.assert_array_equal(out[0, :, g:],
+                                  np.asarray(serving.attend(q, clean, np.array([0]), **kw))[0, :, g:])
+    clean_pages = np.asarray(serving.select_pages(q, clean, np.array([0]), **kw))
+    assert not (clean_pages[0, :, :g] == 4).any(), "page 4 is chosen on its finite keys anyway"

@@ -3,8 +3,9 @@
 Hypothesis drives sequences of append / release / attend on one small cache (page sizes 1,
 3 and 4, so pages fill partly and are recycled) and checks after every step that each
 user's tokens, page min/max and the free list match a plain-Python model of each user's
-history, and that attend (exact, and with a budget covering the history) equals a float64
-numpy softmax over that model history plus the self key.
+history, and that attend (exact, or Quest with a budget of fewer pages than the history
+holds) equals a float64 numpy softmax over that model history (over the selected pages) plus
+the self key.
 """
 
 from __future__ import annotations
@@ -19,12 +20,23 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import rankattn
 from rankattn import serving
 from test_serving import assert_cache_matches
+from tolerances import assert_close_f32
 
 USERS, PAGES, MAX_PAGES, HKV, HQ, D, T = 3, 8, 5, 1, 2, 2, 4
 # Subnormals excluded: XLA:CPU flushes them to 0 in the min/max scatter (a bound error
 # under 1e-38).
 tokens = st.lists(st.floats(-3, 3, allow_nan=False, allow_subnormal=False, width=32), min_size=T * HKV * D,
                   max_size=T * HKV * D).map(lambda x: np.array(x, np.float32).reshape(1, T, HKV, D))
+
+
+def quest_bounds(keys, q_scaled, page_size: int):
+    """Per page: sum_i max(q_i * max_i, q_i * min_i) over the page's keys [n, D] (float64)."""
+    n_pages = -(-len(keys) // page_size)
+    out = np.empty(n_pages)
+    for j in range(n_pages):
+        page = keys[j * page_size:(j + 1) * page_size].astype(np.float64)
+        out[j] = np.maximum(q_scaled * page.max(0), q_scaled * page.min(0)).sum()
+    return out
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -58,23 +70,51 @@ class CacheMachine(RuleBasedStateMachine):
         self.model[user] = (np.zeros((0, HKV, D), np.float32),) * 2
 
     @rule(users=st.lists(st.integers(0, USERS - 1), min_size=2, max_size=2),
-          seed=st.integers(0, 2 ** 16), budgeted=st.booleans())
-    def attend(self, users, seed, budgeted):
+          seed=st.integers(0, 2 ** 16), pages=st.none() | st.integers(2, MAX_PAGES),
+          gqa=st.sampled_from(serving.GQA_MODES))
+    def attend(self, users, seed, pages, gqa):
+        """Exact (pages None) or Quest with a budget of ``pages`` pages (recent_pages=1, no
+        sink): fewer pages than a long history holds, so selection runs. The expected value is a
+        float64 softmax over the model's tokens on the pages select_pages reports (all pages
+        when exact) plus the self key; with gqa='per_head' those pages must also be the recent
+        page plus the best Quest bounds, recomputed here from the model's keys."""
         rng = np.random.default_rng(seed)
         q = rng.normal(0, 1, (2, 1, HQ, D)).astype(np.float32)
         ks, vs = (rng.normal(0, 1, (2, 1, HKV, D)).astype(np.float32) for _ in range(2))
-        budget = MAX_PAGES * self.p if budgeted else None      # covers every history
-        got = np.asarray(serving.attend(q, self.cache, np.array(users), (ks, vs), budget=budget,
-                                        sink_pages=0, recent_pages=1))
+        kw = dict(budget=None if pages is None else pages * self.p, gqa=gqa, sink_pages=0,
+                  recent_pages=1)
+        users = np.array(users)
+        got = np.asarray(serving.attend(q, self.cache, users, (ks, vs), **kw))
+        chosen = None
+        if pages is not None:
+            chosen = np.asarray(serving.select_pages(q, self.cache, users, **kw))  # [2, 1, HQ, n]
         for b, u in enumerate(users):
             hk, hv = self.model[u]
+            n_pages = -(-len(hk) // self.p)
+            page_of = np.arange(len(hk)) // self.p
             for h in range(HQ):
-                keys = np.concatenate([hk[:, h // (HQ // HKV)], ks[b, 0, h // (HQ // HKV)][None]])
-                vals = np.concatenate([hv[:, h // (HQ // HKV)], vs[b, 0, h // (HQ // HKV)][None]])
-                logits = keys.astype(np.float64) @ q[b, 0, h] / math.sqrt(D)
-                w = np.exp(logits - logits.max())
-                np.testing.assert_allclose(got[b, 0, h], w @ vals / w.sum(), rtol=1e-5,
-                                           atol=1e-5, err_msg=f"user {u} head {h}")
+                kv = h // (HQ // HKV)
+                logits_hist = hk[:, kv].astype(np.float64) @ q[b, 0, h] / math.sqrt(D)
+                if chosen is None:
+                    read = np.ones(len(hk), bool)
+                else:
+                    picked = set(chosen[b, 0, h][chosen[b, 0, h] >= 0].tolist())
+                    assert picked <= set(range(n_pages)), (picked, n_pages)
+                    assert len(picked) == min(pages, n_pages), (picked, pages, n_pages)
+                    if n_pages:
+                        assert n_pages - 1 in picked, "the recent page is always kept"
+                    if gqa == "per_head" and n_pages > pages:
+                        bound = quest_bounds(hk[:, kv], q[b, 0, h] / math.sqrt(D), self.p)
+                        scored = [j for j in range(n_pages - 1)]
+                        kept = [j for j in scored if j in picked]
+                        dropped = [j for j in scored if j not in picked]
+                        assert min(bound[kept]) >= max(bound[dropped]) - 1e-5, (bound, picked)
+                    read = np.isin(page_of, sorted(picked))
+                keys = np.concatenate([logits_hist[read],
+                                       [ks[b, 0, kv].astype(np.float64) @ q[b, 0, h] / math.sqrt(D)]])
+                vals = np.concatenate([hv[read, kv], vs[b, 0, kv][None]])
+                w = np.exp(keys - keys.max())
+                assert_close_f32(got[b, 0, h], w @ vals / w.sum(), f"user {u} head {h} pages {pages}")
 
     @invariant()
     def cache_matches_the_model(self):

@@ -53,7 +53,7 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
 
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, and with return_lse also
-      lse [B, Hq, Sq] float32. A query that sees no key gets out = 0,
+      lse [B, Hq, Sq] float32 (float64 for float64 inputs). A query that sees no key gets out = 0,
       lse = -inf and zero gradients (never NaN).
 
     Mask arrays may be traced (under jit the plan is rebuilt from the new

@@ -550,7 +550,7 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
 
 
 def add_own_keys(call: AttentionCall, history, q, k, v, segment_ids):
-    """The final (out in q's dtype, lse float32): the history part merged with the own keys.
+    """The final (out in q's dtype, lse float32 or float64): the history part merged with the own keys.
 
     Under jax.checkpoint, so the backward recomputes these elementwise terms instead of
     keeping them: otherwise autodiff would save the own-key partial's out, a
@@ -559,7 +559,7 @@ def add_own_keys(call: AttentionCall, history, q, k, v, segment_ids):
     @jax.checkpoint
     def merged(history, q, k, v, segment_ids):
         out, lse = merge_partials([history, own_key_partial(call, q, k, v, segment_ids)])
-        return out.astype(call.q.dtype), lse.astype(jnp.float32)
+        return out.astype(call.q.dtype), lse.astype(jnp.promote_types(call.q.dtype, jnp.float32))
 
     return merged(history, q, k, v, segment_ids)
 

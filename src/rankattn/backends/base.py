@@ -42,7 +42,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def __call__(self, call: AttentionCall):
-        """(out [B, S, Hq, Dv] in q's dtype, lse [B, Hq, S] float32)."""
+        """(out [B, S, Hq, Dv] in q's dtype, lse [B, Hq, S] in compute_dtype(q.dtype))."""
 
     def __repr__(self) -> str:
         return f"<rankattn backend {self.name!r}>"

@@ -60,7 +60,7 @@ def reference_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
     sees_poison = (mask & jnp.isnan(key_poison)).any(-1)                  # [B, Hq, Sq]
     lse = jnp.where(sees_poison, jnp.nan, lse)
     out = jnp.where(sees_poison.transpose(0, 2, 1)[..., None], jnp.nan, out)
-    return semantics.poison_rows(out.astype(q.dtype), lse.astype(jnp.float32), q_poison)
+    return semantics.poison_rows(out.astype(q.dtype), lse.astype(dtype), q_poison)
 
 
 class Reference(Backend):

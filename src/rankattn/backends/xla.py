@@ -209,7 +209,7 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     out = out[:b * n_q].reshape(b, n_q, hq, bq, -1).transpose(0, 1, 3, 2, 4)
     out = out.reshape(b, n_q * bq, hq, -1)[:, :sq]
     lse = lse[:b * n_q].reshape(b, n_q, hq, bq).transpose(0, 2, 1, 3).reshape(b, hq, -1)[:, :, :sq]
-    return out.astype(dtype), lse.astype(jnp.float32)
+    return out.astype(dtype), lse.astype(compute_dtype(dtype))
 
 
 def _chunks(static: _Static, tree):
