@@ -16,6 +16,12 @@ SMALL = BlockSizes(16, 8)
 SMALL_XLA = Xla(SMALL)
 
 
+def reference(q, k, v, return_lse=False, **mask):
+    """impl='reference' under jit (one compile instead of one per eager op)."""
+    return jax.jit(lambda q, k, v, mask: rankattn.attention(
+        q, k, v, impl="reference", return_lse=return_lse, **mask))(q, k, v, mask)
+
+
 def _segments(seed=0, batch=2, seq=53):
     return jnp.asarray(random_segments(seed, batch, seq, "packed"))
 
@@ -25,9 +31,10 @@ def test_plan_is_bit_identical_to_passing_the_mask(causal):
     seg = _segments()
     q, k, v, _ = random_qkv(1, 2, 53, 4, 2, 16)
     plan = rankattn.plan(segment_ids=seg, causal=causal, impls=[SMALL_XLA])
-    with_plan = rankattn.attention(q, k, v, plan=plan, return_lse=True, impl=SMALL_XLA)
-    without = rankattn.attention(q, k, v, segment_ids=seg, causal=causal, impl=SMALL_XLA,
-                                 return_lse=True)
+    with_plan = jax.jit(lambda p: rankattn.attention(q, k, v, plan=p, return_lse=True,
+                                                     impl=SMALL_XLA))(plan)
+    without = jax.jit(lambda s: rankattn.attention(q, k, v, segment_ids=s, causal=causal,
+                                                   impl=SMALL_XLA, return_lse=True))(seg)
     for a, b in zip(with_plan, without):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -36,8 +43,8 @@ def test_plan_from_bounds_equals_segment_ids():
     bounds = jnp.array([[0, 30, 30, 41], [5, 20, 25, 53]], jnp.int32)
     q, k, v, _ = random_qkv(2, 2, 53, 2, 2, 8)
     plan = rankattn.plan(bounds=bounds, seq_len=53)
-    want = rankattn.attention(q, k, v, bounds=bounds, impl="reference")
-    assert_close_f32(rankattn.attention(q, k, v, plan=plan), want, "out")
+    want = reference(q, k, v, bounds=bounds)
+    assert_close_f32(jax.jit(lambda p: rankattn.attention(q, k, v, plan=p))(plan), want, "out")
 
 
 def test_one_plan_serves_every_layer_and_the_backward_pass():
@@ -78,7 +85,7 @@ def test_jitted_plan_sees_new_segment_values():
 
     for seed in (6, 7):
         seg = _segments(seed)
-        want = rankattn.attention(q, k, v, segment_ids=seg, impl="reference")
+        want = reference(q, k, v, segment_ids=seg)
         assert_close_f32(run(seg), want, f"out (segments of seed {seed})")
 
 
@@ -87,7 +94,7 @@ def test_plan_passes_through_jit_boundaries_as_a_pytree():
     plan = jax.jit(lambda s: rankattn.plan(segment_ids=s, impls=[SMALL_XLA]))(seg)
     q, k, v, _ = random_qkv(9, 2, 53, 2, 2, 8)
     got = jax.jit(lambda q, k, v, p: rankattn.attention(q, k, v, plan=p, impl=SMALL_XLA))(q, k, v, plan)
-    assert_close_f32(got, rankattn.attention(q, k, v, segment_ids=seg, impl="reference"), "out")
+    assert_close_f32(got, reference(q, k, v, segment_ids=seg), "out")
 
 
 def test_plan_blocks_follow_the_backend_classification():
@@ -112,13 +119,14 @@ def test_ragged_last_query_block_is_full_despite_internal_padding():
     np.testing.assert_array_equal(np.asarray(plan.block_plans[0].full_count), [[4, 4, 4]])
     np.testing.assert_array_equal(np.asarray(plan.block_plans[0].count), [[4, 4, 4]])
     q, k, v, _ = random_qkv(10, 1, 44, 2, 1, 8)
-    want = rankattn.attention(q, k, v, segment_ids=seg, impl="reference", return_lse=True)
-    got = rankattn.attention(q, k, v, plan=plan, return_lse=True, impl=SMALL_XLA)
+    want = reference(q, k, v, segment_ids=seg, return_lse=True)
+    got = jax.jit(lambda p: rankattn.attention(q, k, v, plan=p, return_lse=True,
+                                               impl=SMALL_XLA))(plan)
     for name, a, b in zip(("out", "lse"), got, want):
         assert_close_f32(a, b, name)
-    grads = [jax.grad(lambda q, k, v, kw=kw: (rankattn.attention(q, k, v, **kw) ** 2).sum(),
-                      argnums=(0, 1, 2))(q, k, v)
-             for kw in (dict(plan=plan), dict(segment_ids=seg, impl="reference"))]
+    grads = [jax.jit(jax.grad(lambda q, k, v, kw=kw: (rankattn.attention(q, k, v, **kw) ** 2).sum(),
+                              argnums=(0, 1, 2)))(q, k, v)
+             for kw in (dict(plan=plan, impl=SMALL_XLA), dict(segment_ids=seg, impl="reference"))]
     for name, a, b in zip(("dq", "dk", "dv"), *grads):
         assert_close_f32(a, b, name)
 

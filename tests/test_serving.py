@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import oracle
-from tolerances import assert_close_f32, assert_matches
+from tolerances import FEW_KEYS_TOL, assert_close_f32, assert_matches
 
 import rankattn
 from rankattn import serving
@@ -338,7 +338,7 @@ def test_selected_pages_are_what_attend_reads(gqa):
                 logits = kk @ q[b, t, h] / math.sqrt(8)
                 w = np.exp(logits - logits.max())
                 want = w @ vv / w.sum()
-                np.testing.assert_allclose(out[b, t, h], want, atol=1e-5, rtol=1e-5)
+                assert_close_f32(out[b, t, h], want, f"row {b} {t} {h}", tol=FEW_KEYS_TOL)
 
 
 @pytest.mark.parametrize("gqa", serving.GQA_MODES)
@@ -441,8 +441,8 @@ def test_attend_jits_once_for_changing_users_and_lengths():
                     keys = np.concatenate([history[u, tokens, h // 2], np.asarray(ks)[b, t, h // 2][None]])
                     logits = keys.astype(np.float64) @ np.asarray(q)[b, t, h] / math.sqrt(8)
                     w = np.exp(logits - logits.max())
-                    np.testing.assert_allclose(got[b, t, h], w @ keys / w.sum(), atol=1e-5,
-                                               rtol=1e-5, err_msg=f"step {step} row {b} {t} {h}")
+                    assert_close_f32(got[b, t, h], w @ keys / w.sum(),
+                                     f"step {step} row {b} {t} {h}", tol=FEW_KEYS_TOL)
     assert len(traces) == 2          # one per static configuration, none per step
 
 

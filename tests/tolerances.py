@@ -146,6 +146,17 @@ def assert_matches(name, actual, expected, dtype, terms, amplified, n_terms: int
 # entry is ~800 float32 ulps, room for sums of a few thousand terms in another order.
 
 F32_TOL = 1e-4
+# Serving rows against a float64 numpy softmax over the same few keys (tens to hundreds, values
+# of size ~1): a few float32 ulps; 1e-5 is ~80 ulps at 1.0.
+FEW_KEYS_TOL = 1e-5
+# The same per-user computation on one device and on a mesh shard: only XLA's fusion differs.
+SAME_MATH_TOL = 1e-6
+# One device against a mesh whose shards' partial results merge by log-sum-exp: the same float32
+# sums split in another place, a few ulps at values of size ~1.
+SHARDED_TOL = 1e-5
+# The reference ranker's cached serving against its full forward pass: the example's documented
+# target (examples/ranker/README.md), a few layers of float32 attention in two orders.
+RANKER_CACHED_TOL = 1e-5
 
 
 def assert_close_f32(actual, expected, name: str = "value", tol: float = F32_TOL):

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import Mesh
 
 import rankattn
+from tolerances import SHARDED_TOL, assert_close_f32
 
 S, HQ, HKV, D = 64, 4, 2, 8  # with 8 context shards a shard holds 8 tokens, 4 per causal chunk
 
@@ -180,7 +181,7 @@ def test_a_plan_is_split_over_the_batch():
     for sharding in (rankattn.Sharding(mesh(data=8), batch="data"),
                      rankattn.Sharding(mesh(data=2, ctx=4), batch="data", context="ctx")):
         got = np.asarray(rankattn.attention(q, k, v, plan=plan, sharding=sharding))
-        assert np.abs(got - want).max() <= 1e-5
+        assert_close_f32(got, want, f"plan under {sharding}", tol=SHARDED_TOL)
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+from tolerances import RANKER_CACHED_TOL
 
 from examples.ranker import __main__ as cli
 from examples.ranker import evaluate, serve
@@ -95,7 +96,7 @@ def test_cached_scores_equal_full_forward_and_are_isolated(sessions, world, soft
     full = evaluate.full_logits(graphdef, params, sessions, 96, 4, ANCHOR)
     caches = serve.build_caches(graphdef, params, sessions, ANCHOR)
     cached = np.asarray(serve.cached_logits(graphdef, params, sessions, ANCHOR, caches=caches))
-    np.testing.assert_allclose(cached, full, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(cached, full, atol=RANKER_CACHED_TOL, rtol=0)
     assert np.abs(full).max() > 0.1  # a real comparison, not of zeros
 
     # Replace every other candidate: candidate 0's logits stay bit for bit, in both paths.
@@ -117,10 +118,10 @@ def test_quest_with_every_page_kept_is_exact(sessions):
     budget = pages * serve.PAGE_SIZE
     assert serve.pages_kept(sessions, budget) == 1.0
     kept = serve.cached_logits(graphdef, params, sessions, ANCHOR, budget, caches=caches)
-    np.testing.assert_allclose(np.asarray(kept), np.asarray(exact), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(kept), np.asarray(exact), atol=RANKER_CACHED_TOL, rtol=0)
     fewer = serve.cached_logits(graphdef, params, sessions, ANCHOR, serve.PAGE_SIZE * 3,
                                 caches=caches)
-    assert not np.allclose(np.asarray(fewer), np.asarray(exact), atol=1e-5)
+    assert not np.allclose(np.asarray(fewer), np.asarray(exact), atol=RANKER_CACHED_TOL)
 
 
 def test_train_cli_loss_decreases_resumes_and_serves(tmp_path, monkeypatch):
