@@ -26,7 +26,8 @@ def test_two_processes_match_one_device():
     port = free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2 "
                                      + os.environ.get("XLA_FLAGS", ""),
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
+                                           os.environ.get("PYTHONPATH", "")]))
     workers = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port)], cwd=ROOT,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True) for i in range(2)]
