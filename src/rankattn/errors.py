@@ -253,7 +253,10 @@ def message_templates() -> tuple[tuple[str, frozenset[str]], ...]:
     argument, counts for each code that function's callers pass.
     """
     root = pathlib.Path(__file__).resolve().parent
-    trees = [ast.parse(path.read_text()) for path in sorted(root.rglob("*.py"))]
+    try:
+        trees = [ast.parse(path.read_text()) for path in sorted(root.rglob("*.py"))]
+    except (OSError, SyntaxError):  # no readable source (a bytecode-only install)
+        return ()
     codes_passed = collections.defaultdict(set)  # function name -> codes its callers pass
     for tree in trees:
         for node in ast.walk(tree):
