@@ -80,13 +80,14 @@ def bounds_to_segments(bounds, seq_len: int, batch: int) -> np.ndarray:
     return seg
 
 
-def softcap(s: float, cap, method: str) -> float:
+def softcap(s, cap, method: str):
+    """The spec's cap, elementwise (scalars or numpy arrays)."""
     if cap is None:
         return s
     if method == "tanh":
-        return cap * math.tanh(s / cap)
+        return cap * np.tanh(s / cap)
     if method == "soft_sign":
-        return s / (1 + abs(s) / cap)
+        return s / (1 + np.abs(s) / cap)
     raise ValueError(method)
 
 
@@ -166,14 +167,6 @@ def softcap_grad(s, cap, method: str):
     return 1 / (1 + np.abs(s) / cap) ** 2
 
 
-def _softcap_array(s, cap, method: str):
-    if cap is None:
-        return s
-    if method == "tanh":
-        return cap * np.tanh(s / cap)
-    return s / (1 + np.abs(s) / cap)
-
-
 def attention(q, k, v, mask, *, w=None, lse_weight: float = 0.0, d_lse=None, scale=None,
               softcap_value=None, softcap_method="tanh", magnitudes: bool = False):
     """Forward and (with ``w``) backward in float64, vectorised; a dict of numpy arrays.
@@ -194,7 +187,7 @@ def attention(q, k, v, mask, *, w=None, lse_weight: float = 0.0, d_lse=None, sca
     m4 = np.asarray(mask, bool)[:, None, None]                          # [B, 1, 1, Sq, Skv]
 
     s = scale * np.einsum("bihgd,bjhd->bhgij", qg, k)
-    c = _softcap_array(s, softcap_value, softcap_method)
+    c = softcap(s, softcap_value, softcap_method)
     m = np.where(m4, c, -np.inf).max(-1, keepdims=True)
     seen = np.isfinite(m)
     m = np.where(seen, m, 0.0)
