@@ -1,0 +1,180 @@
+"""The fused CPU backend: blocked attention in C++ (``cpu_attention.cc``) through ``jax.ffi``.
+
+This module owns what the C++ side does not: the block plan, the custom VJP,
+the per-row terms of the backward (:func:`rankattn.semantics.backward_rows`), and
+which calls the kernel takes. The kernel reads q, k, v as they are ([B, S, H, D],
+float32 / bfloat16 / float16, any S and D, no padding or layout copies), does
+the dots, mask, exp and online softmax of one (batch row, kv head, query block)
+in cache, with every query head of the kv head's group in one block (GQA never
+repeats K/V), and threads over those blocks on XLA's CPU thread pool. The math is
+float32 throughout. The backward is key-major: one task per key block
+accumulates its dk / dv over the query blocks that see it, and one task per
+query block its dq, so nothing is added atomically and results are bit-identical
+for any thread count.
+
+It is compiled on first use for the host CPU (:mod:`rankattn.native`); where
+that is impossible, ``impl='auto'`` falls back to ``xla`` and
+``not_supported_reasons`` says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rankattn import native, semantics
+from rankattn.backends.base import Backend
+from rankattn.blocks import BlockPlan, BlockSizes, segments_and_plan
+from rankattn.errors import fail
+from rankattn.validate import AttentionCall
+
+LIBRARY = "cpu_attention"
+SYMBOLS = ("RankattnCpuForward", "RankattnCpuBackward")
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+DEFAULT_BLOCK_SIZES = BlockSizes(64, 128)
+
+
+def plan_sizes(sizes: BlockSizes | None, q_len: int, kv_len: int) -> BlockSizes:
+    """Blocks no longer than the sequences. Nothing is padded: the last block may be ragged."""
+    sizes = sizes or DEFAULT_BLOCK_SIZES
+    return BlockSizes(min(sizes.block_q, q_len), min(sizes.block_k, kv_len))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The kernel's attributes: everything that selects the compiled program."""
+
+    scale: float
+    softcap: float | None
+    soft_sign: bool
+    causal: bool
+    own: bool  # add each candidate's own key (a whole sequence, not one context shard)
+    sizes: BlockSizes
+
+    def attributes(self) -> dict:
+        return dict(scale=np.float32(self.scale), softcap=np.float32(self.softcap or 0.0),
+                    soft_sign=self.soft_sign, causal=self.causal, own=self.own,
+                    block_q=np.int64(self.sizes.block_q), block_k=np.int64(self.sizes.block_k))
+
+
+def fused_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
+                    softcap_method: str, block_sizes: BlockSizes | None = None,
+                    block_plan: BlockPlan | None = None,
+                    shard_mask: semantics.ShardMask | None = None):
+    """The ``cpu`` kernel; arguments and results as :func:`rankattn.attention` (checked).
+
+    ``block_plan``: :func:`rankattn.blocks.make_block_plan` of these segment ids at
+    ``plan_sizes(block_sizes, ...)``, made here when not given. ``shard_mask``: the
+    call is one shard of a longer sequence (history part only, see
+    :class:`rankattn.semantics.ShardMask`).
+    """
+    b, sq = q.shape[:2]
+    skv = k.shape[1]
+    sizes = plan_sizes(block_sizes, sq, skv)
+    seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, sizes, causal,
+                                                 block_plan, shard_mask)
+    if shard_mask is None:
+        pos_q = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (b, sq))
+        pos_k = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
+    else:
+        pos_q = jnp.asarray(shard_mask.q_positions, jnp.int32)
+        pos_k = jnp.asarray(shard_mask.kv_positions, jnp.int32)
+    static = _Static(float(scale), softcap, softcap_method == "soft_sign", causal,
+                     segment_ids is not None and shard_mask is None, sizes)
+    mask = (seg_q[:, :sq], seg_k[:, :skv], pos_q, pos_k)
+    return _fused(static, q, k, v, mask, block_plan)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(static: _Static, q, k, v, mask, block_plan: BlockPlan):
+    return _forward(static, q, k, v, mask, block_plan)
+
+
+def _forward(static: _Static, q, k, v, mask, block_plan: BlockPlan):
+    b, sq, hq, _ = q.shape
+    shapes = (jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), q.dtype),
+              jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+    call = jax.ffi.ffi_call("rankattn_cpu_forward", shapes, vmap_method="sequential")
+    return call(q, k, v, *mask, block_plan.kv_index, block_plan.full_count, block_plan.count,
+                **static.attributes())
+
+
+def _fused_fwd(static: _Static, q, k, v, mask, block_plan: BlockPlan):
+    out, lse = _forward(static, q, k, v, mask, block_plan)
+    return (out, lse), (q, k, v, mask, block_plan, out, lse)
+
+
+def _fused_bwd(static: _Static, residuals, cotangents):
+    q, k, v, mask, block_plan, out, lse = residuals
+    d_out, d_lse = cotangents
+    # Per query row, [B, Sq, Hq]: poisoned rows get lse +inf (every p is 0), d_out and delta 0.
+    lse_rows, d_out, delta = semantics.backward_rows(out, d_out, lse.transpose(0, 2, 1),
+                                                     d_lse.transpose(0, 2, 1))
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    call = jax.ffi.ffi_call("rankattn_cpu_backward", shapes, vmap_method="sequential")
+    dq, dk, dv = call(q, k, v, d_out.astype(q.dtype), lse_rows.astype(jnp.float32),
+                      delta.astype(jnp.float32), *mask, block_plan.kv_index,
+                      block_plan.full_count, block_plan.count, block_plan.q_index,
+                      block_plan.q_full_count, block_plan.q_count, **static.attributes())
+    return dq, dk, dv, None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def library() -> native.Library:
+    """The compiled kernel (built on first use), with its FFI targets registered."""
+    return native.register(LIBRARY, SYMBOLS)
+
+
+class Cpu(Backend):
+    """The fused C++ kernel for CPUs (x86 with AVX-512 or AVX2, ARM, anything g++ targets).
+
+    ``block_sizes``: None (default) gives DEFAULT_BLOCK_SIZES, shortened to the
+    sequence; ``Cpu(BlockSizes(16, 8))`` fixes them (any positive sizes: the
+    last block of a row may be ragged).
+    """
+
+    name = "cpu"
+    takes_shard_mask = True
+
+    def __init__(self, block_sizes: BlockSizes | None = None):
+        self.block_sizes = block_sizes
+
+    def platform_reasons(self) -> list[str]:
+        if jax.default_backend() != "cpu":
+            return [f"cpu: the fused kernel runs on CPU, and JAX's default backend here is "
+                    f"{jax.default_backend()!r}"]
+        return self._library_reasons()
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        if not any(call.q.dtype == d for d in SUPPORTED_DTYPES):
+            return [f"cpu: inputs are {call.q.dtype}; the fused kernel takes float32, bfloat16 "
+                    "or float16 (use impl='xla' for float64)"]
+        return self._library_reasons()
+
+    @staticmethod
+    def _library_reasons() -> list[str]:
+        return [f"cpu: {why}; impl='auto' uses 'xla' instead" for why in library().reasons]
+
+    def plan_sizes(self, seq_len: int) -> BlockSizes:
+        return plan_sizes(self.block_sizes, seq_len, seq_len)
+
+    def __call__(self, call: AttentionCall):
+        why = self._library_reasons()
+        if why:
+            raise fail("RA115", "impl=Cpu() cannot run this call:\n    - " + "\n    - ".join(why))
+        blocks = None
+        if call.plan is not None:
+            blocks = call.plan.block_plan(self.plan_sizes(call.q.shape[1]))
+        return fused_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
+                               scale=call.scale, softcap=call.softcap,
+                               softcap_method=call.softcap_method, block_sizes=self.block_sizes,
+                               block_plan=blocks, shard_mask=call.shard_mask)
+
+    def __repr__(self) -> str:
+        return f"<rankattn backend 'cpu' {self.block_sizes or 'default blocks'}>"
