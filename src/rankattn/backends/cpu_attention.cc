@@ -60,7 +60,8 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
+// x - 0 is x for every x, -0 included, so this compiles to a bare broadcast (x + 0 would not).
+inline vf splat(float x) { return x - vf{}; }
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -209,23 +210,49 @@ void gemm(int64_t m, int64_t n, int64_t k_len, const float* a, int64_t lda, cons
 
 // ---- Problem description, shared by the forward and the backward.
 
+inline vi splat_i(int32_t x) { return x - vi{}; }
+inline vi load_i(const int32_t* p) {
+  vi v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline bool any_lane(vi x) {
+  for (int c = 0; c < kLanes; ++c) {
+    if (x[c]) return true;
+  }
+  return false;
+}
+inline float max_lane(vf x) {
+  float m = x[0];
+  for (int c = 1; c < kLanes; ++c) m = std::max(m, x[c]);
+  return m;
+}
+inline float sum_lanes(vf x) {
+  float s = 0;
+  for (int c = 0; c < kLanes; ++c) s += x[c];
+  return s;
+}
+
 struct Problem {
   int64_t batch, q_len, kv_len, q_heads, kv_heads, dim, dim_v;
   int64_t block_q, block_k, n_q, n_k;
   float scale, softcap;
   bool soft_sign, causal, own;
   const int32_t *seg_q, *seg_k, *pos_q, *pos_k;
-  const int32_t *kv_index, *full_count, *count;        // [B, nQ, nK], [B, nQ], [B, nQ]
-  const int32_t *q_index, *q_full_count, *q_count;     // [B, nK, nQ], [B, nK], [B, nK]
+  const int32_t *kv_index, *full_count, *count;     // [B, nQ, nK], [B, nQ], [B, nQ]
+  const int32_t *q_index, *q_full_count, *q_count;  // [B, nK, nQ], [B, nK], [B, nK]
 
   int64_t group() const { return q_heads / kv_heads; }
+  int64_t dp() const { return round_up(dim, kColTile); }    // padded row of q / k
+  int64_t dvp() const { return round_up(dim_v, kColTile); }  // padded row of v / out
+  int64_t np() const { return round_up(block_k, kColTile); }  // padded keys of a block
+  int64_t mp() const { return round_up(group() * block_q, kColTile); }  // padded query rows
 
-  // The capped logit, and d cap / d logit, from the raw (scaled) logit.
   float cap(float s) const {
     if (softcap <= 0) return s;
     return soft_sign ? s / (1 + std::fabs(s) / softcap) : softcap * std::tanh(s / softcap);
   }
-  float cap_grad(float s) const {
+  float cap_grad(float s) const {  // d cap(s) / d s
     if (softcap <= 0) return 1;
     if (soft_sign) {
       float d = 1 + std::fabs(s) / softcap;
@@ -234,23 +261,24 @@ struct Problem {
     float t = std::tanh(s / softcap);
     return 1 - t * t;
   }
-  // In place over n (a multiple of kLanes) logits.
+  // The cap in place over n (a multiple of kLanes) logits.
   void cap_row(float* s, int64_t n) const {
     if (softcap <= 0) return;
     const vf c = splat(softcap), inv = splat(1 / softcap);
     for (int64_t j = 0; j < n; j += kLanes) {
       vf x = load(s + j);
       if (soft_sign) {
-        vf a = x < 0 ? -x : x;
-        store(s + j, x / (1 + a * inv));
+        store(s + j, x / (1 + (x < 0 ? -x : x) * inv));
       } else {  // tanh(y) = 1 - 2 / (exp(2y) + 1), saturating cleanly at +-1
         store(s + j, c * (1 - 2 / (vexp(2 * x * inv) + 1)));
       }
     }
   }
-  bool sees_history(int32_t sq, int32_t pq, int32_t sk, int32_t pk) const {
-    bool same = sk > 0 && (sq == sk || sq == -sk);
-    return same && (!causal || sq < 0 || pk <= pq);
+  // semantics.sees_history, lane-wise: -1 where query (sq, pq) sees history key (sk, pk).
+  vi sees_history(vi sq, vi pq, vi sk, vi pk) const {
+    vi vis = ((sk == sq) | (sk == -sq)) & (sk > 0);
+    if (causal) vis &= (sq < 0) | (pk <= pq);
+    return vis;
   }
   // A plan entry, clamped so that a malformed plan can never index outside the arrays.
   int64_t clamp_count(int32_t c, int64_t limit) const {
@@ -258,11 +286,27 @@ struct Problem {
   }
 };
 
-// Rows of one query block of one kv head: local row r = g * nq + t is token q0 + t of query
-// head kv_head * G + g.
-struct QueryRows {
-  int64_t b, kv_head, q0, nq, rows;
-};
+// d logits from p (in place in `sp`), dp - delta (`dp`) and the raw logits, over n (a multiple
+// of kLanes) entries: ds = p (dp - delta) cap'(raw).
+inline void logit_grads(const Problem& p, float* sp, const float* dp, const float* raw,
+                        int64_t n) {
+  const vf inv = splat(p.softcap > 0 ? 1 / p.softcap : 0.0f);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    vf ds = load(sp + j) * load(dp + j);
+    if (p.softcap > 0) {
+      vf x = load(raw + j), g;
+      if (p.soft_sign) {
+        vf d = 1 + (x < 0 ? -x : x) * inv;
+        g = 1 / (d * d);
+      } else {
+        vf t = 1 - 2 / (vexp(2 * x * inv) + 1);
+        g = 1 - t * t;
+      }
+      ds *= g;
+    }
+    store(sp + j, ds);
+  }
+}
 
 template <typename D>
 bool copy_row(const typename D::T* src, int64_t n, float mul, float* dst) {
@@ -276,25 +320,90 @@ bool copy_row(const typename D::T* src, int64_t n, float mul, float* dst) {
   return bad;
 }
 
-// Copy rows of x [B, S, H, width] (head h, tokens t0..t0+n) as row-major [n][ld] (ld >= width,
-// zero padding) or transposed [width][ld] (ld >= n). Returns per-token non-finite flags OR-ed
-// into `bad` (when given).
+// Tokens t0 .. t0 + n of head h of x [B, S, H, width], times `mul`, non-finite entries 0, into
+// `rows` ([n][ld_rows], when given) and `cols` (transposed, [width][ld_cols], when given);
+// per-token non-finite flags OR-ed into `bad` (when given).
 template <typename D>
 void gather(const typename D::T* x, int64_t seq, int64_t heads, int64_t width, int64_t b,
-            int64_t h, int64_t t0, int64_t n, float mul, bool transpose, float* dst, int64_t ld,
-            uint8_t* bad, std::vector<float>& row) {
-  row.resize(width);
+            int64_t h, int64_t t0, int64_t n, float mul, float* rows, int64_t ld_rows,
+            float* cols, int64_t ld_cols, int32_t* bad) {
+  std::vector<float> row(width);
   for (int64_t t = 0; t < n; ++t) {
     const typename D::T* src = x + ((b * seq + t0 + t) * heads + h) * width;
     bool is_bad = copy_row<D>(src, width, mul, row.data());
-    if (bad) bad[t] |= is_bad;
-    if (transpose) {
-      for (int64_t d = 0; d < width; ++d) dst[d * ld + t] = row[d];
-    } else {
-      std::memcpy(dst + t * ld, row.data(), width * sizeof(float));
+    if (bad && is_bad) bad[t] = -1;
+    if (rows) std::memcpy(rows + t * ld_rows, row.data(), width * sizeof(float));
+    if (cols) {
+      for (int64_t d = 0; d < width; ++d) cols[d * ld_cols + t] = row[d];
     }
   }
 }
+
+// Panels: every block in the layouts the dots read, packed once per call by their own tasks
+// (so each q, k, v element is converted once, and first touched by the thread that fills it).
+// Entries past a block's real tokens are zero, with segment id 0 (invisible).
+struct Panels {
+  int64_t floats_per_block, ints_per_block;
+  std::unique_ptr<float[]> floats;
+  std::unique_ptr<int32_t[]> ints;
+  Panels(int64_t blocks, int64_t f, int64_t i)
+      : floats_per_block(f), ints_per_block(i), floats(new float[blocks * f]),
+        ints(new int32_t[blocks * i]) {}
+  float* f(int64_t block) const { return floats.get() + block * floats_per_block; }
+  int32_t* i(int64_t block) const { return ints.get() + block * ints_per_block; }
+};
+
+// Key block (b, kv head, kb): kt [D][np] (k transposed), vs [np][dvp]; for the backward also
+// ks [np][dp] and vt [Dv][np]. Ints: seg, pos, bad (-1 where k or v is non-finite) [np] each.
+struct KeyPanel {
+  const float *kt, *vs, *ks, *vt;
+  const int32_t *seg, *pos, *bad;
+  int64_t k0, nk;
+  bool any_bad;
+};
+
+struct KeyPanels {
+  const Problem& p;
+  bool backward;
+  Panels store;
+  KeyPanels(const Problem& p, bool backward)
+      : p(p), backward(backward),
+        store(p.batch * p.kv_heads * p.n_k,
+              p.dim * p.np() + p.np() * p.dvp() + (backward ? p.np() * p.dp() + p.dim_v * p.np() : 0),
+              3 * p.np() + 1) {}
+
+  KeyPanel get(int64_t b, int64_t hk, int64_t kb) const {
+    const int64_t block = (b * p.kv_heads + hk) * p.n_k + kb, np = p.np();
+    const float* f = store.f(block);
+    const int32_t* i = store.i(block);
+    const int64_t k0 = kb * p.block_k;
+    return KeyPanel{f, f + p.dim * np, backward ? f + p.dim * np + np * p.dvp() : nullptr,
+                    backward ? f + p.dim * np + np * p.dvp() + np * p.dp() : nullptr,
+                    i, i + np, i + 2 * np, k0, std::min(p.block_k, p.kv_len - k0),
+                    i[3 * np] != 0};
+  }
+
+  template <typename D>
+  void pack(int64_t block, const typename D::T* k, const typename D::T* v) const {
+    const int64_t b = block / (p.kv_heads * p.n_k), hk = block / p.n_k % p.kv_heads;
+    const int64_t kb = block % p.n_k, np = p.np(), dp = p.dp(), dvp = p.dvp();
+    float* f = store.f(block);
+    int32_t* in = store.i(block);
+    std::fill_n(f, store.floats_per_block, 0.0f);
+    std::fill_n(in, store.ints_per_block, 0);
+    const int64_t k0 = kb * p.block_k, nk = std::min(p.block_k, p.kv_len - k0);
+    float* kt = f;
+    float* vs = kt + p.dim * np;
+    float* ks = backward ? vs + np * dvp : nullptr;
+    float* vt = backward ? ks + np * dp : nullptr;
+    int32_t* bad = in + 2 * np;
+    gather<D>(k, p.kv_len, p.kv_heads, p.dim, b, hk, k0, nk, 1.0f, ks, dp, kt, np, bad);
+    gather<D>(v, p.kv_len, p.kv_heads, p.dim_v, b, hk, k0, nk, 1.0f, vs, dvp, vt, np, bad);
+    std::copy_n(p.seg_k + b * p.kv_len + k0, nk, in);
+    std::copy_n(p.pos_k + b * p.kv_len + k0, nk, in + np);
+    in[3 * np] = std::any_of(bad, bad + nk, [](int32_t x) { return x != 0; });
+  }
+};
 
 // ---- Threads: tasks 0..n-1 claimed from a shared counter by the caller and pool workers.
 
@@ -304,8 +413,8 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
     std::atomic<int64_t> next{0}, done{0};
   };
   auto state = std::make_shared<State>();
-  // The state outlives this call for workers that start late; `fn` does not, so a
-  // worker only touches it after claiming a task, which cannot happen once all are done.
+  // The state outlives this call for workers that start late; `fn` does not, so a worker
+  // only touches it after claiming a task, which cannot happen once all are done.
   auto work = [state, n, &fn]() {
     for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
       fn(i);
@@ -318,73 +427,74 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-// ---- Forward.
+// The first `full` of a visit list are full blocks (no mask), the rest partial.
+struct Visits {
+  const int32_t* index;
+  int64_t count, full, limit;
+};
+
+inline Visits visits(const Problem& p, const int32_t* index, const int32_t* full,
+                     const int32_t* count, int64_t list, int64_t limit) {
+  const int64_t n = p.clamp_count(count[list], limit);
+  return Visits{index + list * limit, n, p.clamp_count(full[list], n), limit};
+}
+
+// ---- Forward: one task per (b, kv head, query block), an online softmax over its key blocks.
 
 template <typename D>
 struct Forward {
   using T = typename D::T;
   const Problem& p;
+  const KeyPanels& keys;
   const T *q, *k, *v;
   T* out;
   float* lse;
 
   void run(int64_t task) const {
-    int64_t b = task / (p.kv_heads * p.n_q), hk = task / p.n_q % p.kv_heads, qb = task % p.n_q;
-    const int64_t g_len = p.group(), q0 = qb * p.block_q;
+    const int64_t b = task / (p.kv_heads * p.n_q), hk = task / p.n_q % p.kv_heads;
+    const int64_t qb = task % p.n_q, g_len = p.group(), q0 = qb * p.block_q;
     const int64_t nq = std::min(p.block_q, p.q_len - q0), m = g_len * nq;
-    const int64_t dp = round_up(p.dim, kColTile), dvp = round_up(p.dim_v, kColTile);
-    const int64_t np = round_up(p.block_k, kColTile);
-    std::vector<float> qs(m * dp, 0.0f), kt(p.dim * np, 0.0f), vs(p.block_k * dvp, 0.0f),
-        s(m * np), acc(m * dvp, 0.0f), row;
-    std::vector<float> mx(m, -kInf), l(m, 0.0f);
-    std::vector<uint8_t> key_bad(p.block_k), poisoned(m, 0);
-    std::vector<int32_t> seg(np), pos(np);
+    const int64_t dp = p.dp(), dvp = p.dvp(), np = p.np();
+    std::vector<float> qs(m * dp, 0.0f), s(m * np), acc(m * dvp, 0.0f), mx(m, -kInf),
+        l(m, 0.0f);
+    std::vector<int32_t> poisoned(m, 0);
     for (int64_t g = 0; g < g_len; ++g) {
-      std::vector<uint8_t> bad(nq, 0);
-      gather<D>(q, p.q_len, p.q_heads, p.dim, b, hk * g_len + g, q0, nq, p.scale, false,
-                qs.data() + g * nq * dp, dp, bad.data(), row);
-      for (int64_t t = 0; t < nq; ++t) poisoned[g * nq + t] |= bad[t];
+      gather<D>(q, p.q_len, p.q_heads, p.dim, b, hk * g_len + g, q0, nq, p.scale,
+                qs.data() + g * nq * dp, dp, nullptr, 0, poisoned.data() + g * nq);
     }
     const int32_t* seg_q = p.seg_q + b * p.q_len + q0;
     const int32_t* pos_q = p.pos_q + b * p.q_len + q0;
 
-    const int64_t list = b * p.n_q + qb;
-    const int64_t count = p.clamp_count(p.count[list], p.n_k);
-    const int64_t full = p.clamp_count(p.full_count[list], count);
-    for (int64_t e = 0; e < count; ++e) {
-      int32_t kb = p.kv_index[list * p.n_k + e];
+    const Visits list = visits(p, p.kv_index, p.full_count, p.count, b * p.n_q + qb, p.n_k);
+    for (int64_t e = 0; e < list.count; ++e) {
+      const int32_t kb = list.index[e];
       if (kb < 0 || kb >= p.n_k) continue;
-      const int64_t k0 = kb * p.block_k, nk = std::min(p.block_k, p.kv_len - k0);
-      std::fill(key_bad.begin(), key_bad.end(), 0);
-      std::fill(kt.begin(), kt.end(), 0.0f);
-      gather<D>(k, p.kv_len, p.kv_heads, p.dim, b, hk, k0, nk, 1.0f, true, kt.data(), np,
-                key_bad.data(), row);
-      gather<D>(v, p.kv_len, p.kv_heads, p.dim_v, b, hk, k0, nk, 1.0f, false, vs.data(), dvp,
-                key_bad.data(), row);
-      std::fill(seg.begin(), seg.end(), 0);
-      std::copy_n(p.seg_k + b * p.kv_len + k0, nk, seg.begin());
-      std::copy_n(p.pos_k + b * p.kv_len + k0, nk, pos.begin());
-      const bool masked = e >= full;
-      const bool any_bad = std::any_of(key_bad.begin(), key_bad.begin() + nk,
-                                       [](uint8_t x) { return x != 0; });
-
-      gemm<false>(m, np, p.dim, qs.data(), dp, kt.data(), np, s.data(), np);
+      const KeyPanel key = keys.get(b, hk, kb);
+      const bool masked = e >= list.full;
+      gemm<false>(m, np, p.dim, qs.data(), dp, key.kt, np, s.data(), np);
       for (int64_t r = 0; r < m; ++r) {
-        float* sr = s.data() + r * np;
         const int64_t t = r % nq;
+        float* sr = s.data() + r * np;
         p.cap_row(sr, np);
         if (masked) {
-          for (int64_t j = 0; j < nk; ++j) {
-            bool vis = p.sees_history(seg_q[t], pos_q[t], seg[j], pos[j]);
-            poisoned[r] |= vis && key_bad[j];
-            sr[j] = vis ? sr[j] : -kInf;
+          const vi sq = splat_i(seg_q[t]), pq = splat_i(pos_q[t]);
+          vi hit = splat_i(0);
+          for (int64_t j = 0; j < np; j += kLanes) {
+            vi vis = p.sees_history(sq, pq, load_i(key.seg + j), load_i(key.pos + j));
+            hit |= vis & load_i(key.bad + j);
+            store(sr + j, vis ? load(sr + j) : splat(-kInf));
           }
+          poisoned[r] |= any_lane(hit);
         } else {
-          poisoned[r] |= any_bad;
+          poisoned[r] |= key.any_bad;
+          std::fill(sr + key.nk, sr + np, -kInf);
         }
-        for (int64_t j = nk; j < np; ++j) sr[j] = -kInf;
-        float row_max = mx[r];
-        for (int64_t j = 0; j < nk; ++j) row_max = std::max(row_max, sr[j]);
+        vf top = splat(mx[r]);
+        for (int64_t j = 0; j < np; j += kLanes) {
+          vf x = load(sr + j);
+          top = x > top ? x : top;
+        }
+        const float row_max = max_lane(top);
         const float shift = std::isfinite(row_max) ? row_max : 0.0f;
         const float alpha = std::exp(mx[r] - shift);
         vf sum = splat(0.0f);
@@ -393,14 +503,14 @@ struct Forward {
           store(sr + j, pj);
           sum += pj;
         }
-        float total = 0;
-        for (int c = 0; c < kLanes; ++c) total += sum[c];
-        l[r] = l[r] * alpha + total;
+        l[r] = l[r] * alpha + sum_lanes(sum);
         mx[r] = row_max;
-        float* ar = acc.data() + r * dvp;
-        for (int64_t d = 0; d < dvp; ++d) ar[d] *= alpha;
+        if (alpha != 1.0f) {
+          float* ar = acc.data() + r * dvp;
+          for (int64_t d = 0; d < dvp; d += kLanes) store(ar + d, load(ar + d) * alpha);
+        }
       }
-      gemm<true>(m, dvp, nk, s.data(), np, vs.data(), dvp, acc.data(), dvp);
+      gemm<true>(m, dvp, key.nk, s.data(), np, key.vs, dvp, acc.data(), dvp);
     }
 
     std::vector<float> own_k(p.dim), own_v(p.dim_v);
@@ -421,16 +531,14 @@ struct Forward {
           float dot = 0;
           const float* qr = qs.data() + r * dp;
           for (int64_t d = 0; d < p.dim; ++d) dot += qr[d] * own_k[d];
-          const float s_own = p.cap(dot);
-          const float m_new = std::max(mx[r], s_own);
+          const float s_own = p.cap(dot), m_new = std::max(mx[r], s_own);
           const float alpha = std::exp(mx[r] - m_new), p_own = std::exp(s_own - m_new);
           l[r] = l[r] * alpha + p_own;
           for (int64_t d = 0; d < p.dim_v; ++d) ar[d] = ar[d] * alpha + p_own * own_v[d];
           mx[r] = m_new;
           poisoned[r] |= own_bad;
         }
-        const bool seen = l[r] != 0;
-        const bool nan = seen && poisoned[r];
+        const bool seen = l[r] != 0, nan = seen && poisoned[r];
         const float inv = seen ? 1 / l[r] : 0.0f;
         T* o = out + ((b * p.q_len + q0 + t) * p.q_heads + h) * p.dim_v;
         for (int64_t d = 0; d < p.dim_v; ++d) o[d] = D::from(nan ? kNaN : ar[d] * inv);
@@ -441,247 +549,213 @@ struct Forward {
   }
 };
 
-
 // ---- Backward. The caller passes, per query row [B, Sq, Hq], the lse (+inf for rows that
 // pass no gradient) and delta = rowsum(dO * O) - d lse (semantics.backward_rows). Then
 // p = exp(cap(s) - lse), dp = dO . v, ds = p (dp - delta) cap'(s), and with q pre-scaled:
 // dq = scale * ds k, dk = ds^T (scale q), dv = p^T dO.
 
-// d logits from p (in place in `sp`), dp and the raw logits, for one row of n (a multiple of
-// kLanes) entries.
-inline void logit_grads(const Problem& p, float* sp, const float* dp, const float* raw,
-                        float delta, int64_t n) {
-  const vf inv = splat(p.softcap > 0 ? 1 / p.softcap : 0.0f);
-  for (int64_t j = 0; j < n; j += kLanes) {
-    vf ds = load(sp + j) * (load(dp + j) - delta);
-    if (p.softcap > 0) {
-      vf x = load(raw + j), g;
-      if (p.soft_sign) {
-        vf d = 1 + (x < 0 ? -x : x) * inv;
-        g = 1 / (d * d);
-      } else {
-        vf t = 1 - 2 / (vexp(2 * x * inv) + 1);
-        g = 1 - t * t;
-      }
-      ds *= g;
-    }
-    store(sp + j, ds);
-  }
-}
+// Query block (b, kv head, qb), rows r = g * nq + t (token q0 + t, query head hk * G + g):
+// qs [mp][dp] (scaled q), qt [D][mp], dos [mp][dvp], dot [Dv][mp], shift [mp] (the lse; +inf
+// where p must be 0), delta [mp]. Ints: seg, pos [mp].
+struct QueryPanel {
+  const float *qs, *qt, *dos, *dot, *shift, *delta;
+  const int32_t *seg, *pos;
+  int64_t q0, nq, m;
+};
 
-// p from the raw logits of one row, in place in `s` (raw kept in `raw` when capped); masked
-// entries (and padding, from n_real on) get 0.
-template <typename Visible>
-inline void probabilities(const Problem& p, float* s, float* raw, int64_t n_real, int64_t n,
-                          float lse, bool masked, Visible visible) {
-  if (p.softcap > 0) std::memcpy(raw, s, n * sizeof(float));
-  p.cap_row(s, n);
-  const float shift = lse == -kInf ? kInf : lse;  // a row that sees nothing: every p is 0
-  for (int64_t j = 0; j < n; j += kLanes) store(s + j, vexp(load(s + j) - shift));
-  if (masked) {
-    for (int64_t j = 0; j < n_real; ++j) s[j] = visible(j) ? s[j] : 0.0f;
+struct QueryPanels {
+  const Problem& p;
+  Panels store;
+  explicit QueryPanels(const Problem& p)
+      : p(p), store(p.batch * p.kv_heads * p.n_q,
+                    p.mp() * (p.dp() + p.dvp() + 2) + (p.dim + p.dim_v) * p.mp(), 2 * p.mp()) {}
+
+  QueryPanel get(int64_t b, int64_t hk, int64_t qb) const {
+    const int64_t block = (b * p.kv_heads + hk) * p.n_q + qb, mp = p.mp();
+    const float* f = store.f(block);
+    const int32_t* i = store.i(block);
+    const float* dos = f + mp * p.dp() + p.dim * mp;
+    const float* dot = dos + mp * p.dvp();
+    const float* shift = dot + p.dim_v * mp;
+    const int64_t q0 = qb * p.block_q, nq = std::min(p.block_q, p.q_len - q0);
+    return QueryPanel{f, f + mp * p.dp(), dos, dot, shift, shift + mp, i, i + mp, q0, nq,
+                      p.group() * nq};
   }
-  for (int64_t j = n_real; j < n; ++j) s[j] = 0.0f;
-}
+
+  template <typename D>
+  void pack(int64_t block, const typename D::T* q, const typename D::T* d_out, const float* lse,
+            const float* delta) const {
+    const int64_t b = block / (p.kv_heads * p.n_q), hk = block / p.n_q % p.kv_heads;
+    const int64_t qb = block % p.n_q, mp = p.mp(), dp = p.dp(), dvp = p.dvp();
+    float* f = store.f(block);
+    int32_t* in = store.i(block);
+    std::fill_n(f, store.floats_per_block, 0.0f);
+    std::fill_n(in, store.ints_per_block, 0);
+    const QueryPanel panel = get(b, hk, qb);
+    float* qs = f;
+    float* qt = qs + mp * dp;
+    float* dos = qt + p.dim * mp;
+    float* dot = dos + mp * dvp;
+    float* shift = dot + p.dim_v * mp;
+    float* dl = shift + mp;
+    std::fill_n(shift, mp, kInf);
+    const int64_t g_len = p.group(), nq = panel.nq;
+    for (int64_t g = 0; g < g_len; ++g) {
+      const int64_t h = hk * g_len + g, r0 = g * nq;
+      gather<D>(q, p.q_len, p.q_heads, p.dim, b, h, panel.q0, nq, p.scale, qs + r0 * dp, dp,
+                qt + r0, mp, nullptr);
+      gather<D>(d_out, p.q_len, p.q_heads, p.dim_v, b, h, panel.q0, nq, 1.0f, dos + r0 * dvp,
+                dvp, dot + r0, mp, nullptr);
+      for (int64_t t = 0; t < nq; ++t) {
+        const int64_t row = (b * p.q_len + panel.q0 + t) * p.q_heads + h;
+        shift[r0 + t] = lse[row] == -kInf ? kInf : lse[row];  // sees nothing: every p is 0
+        dl[r0 + t] = delta[row];
+        in[r0 + t] = p.seg_q[b * p.q_len + panel.q0 + t];
+        in[mp + r0 + t] = p.pos_q[b * p.q_len + panel.q0 + t];
+      }
+    }
+  }
+};
 
 template <typename D>
 struct Backward {
   using T = typename D::T;
   const Problem& p;
+  const KeyPanels& keys;
+  const QueryPanels& queries;
   const T *q, *k, *v, *d_out;
-  const float *lse, *delta;  // [B, Sq, Hq]
   T *dq, *dk, *dv;
 
-  float row_lse(int64_t b, int64_t i, int64_t h) const {
-    return lse[(b * p.q_len + i) * p.q_heads + h];
-  }
-  float row_delta(int64_t b, int64_t i, int64_t h) const {
-    return delta[(b * p.q_len + i) * p.q_heads + h];
+  // d logit of a candidate's own key from its scaled q, dO, own k and v, its shift and delta;
+  // *prob = p.
+  float own_grad(const float* qs, const float* dos, const float* own_k, const float* own_v,
+                 float shift, float delta, float* prob) const {
+    float dot = 0, dpv = 0;
+    for (int64_t d = 0; d < p.dim; ++d) dot += qs[d] * own_k[d];
+    for (int64_t d = 0; d < p.dim_v; ++d) dpv += dos[d] * own_v[d];
+    *prob = std::exp(p.cap(dot) - shift);
+    return *prob * (dpv - delta) * p.cap_grad(dot);
   }
 
   // dq of one query block of one kv head, over the key blocks it sees.
   void dq_task(int64_t task) const {
-    int64_t b = task / (p.kv_heads * p.n_q), hk = task / p.n_q % p.kv_heads, qb = task % p.n_q;
-    const int64_t g_len = p.group(), q0 = qb * p.block_q;
-    const int64_t nq = std::min(p.block_q, p.q_len - q0), m = g_len * nq;
-    const int64_t dp = round_up(p.dim, kColTile), dvp = round_up(p.dim_v, kColTile);
-    const int64_t np = round_up(p.block_k, kColTile);
-    std::vector<float> qs(m * dp, 0.0f), dos(m * dvp, 0.0f), kt(p.dim * np, 0.0f),
-        vt(p.dim_v * np, 0.0f), ks(p.block_k * dp, 0.0f), s(m * np), dpm(m * np), raw(np),
-        grad(m * dp, 0.0f), row, lse_r(m), delta_r(m);
-    std::vector<int32_t> seg(np), pos(np);
-    for (int64_t g = 0; g < g_len; ++g) {
-      const int64_t h = hk * g_len + g;
-      gather<D>(q, p.q_len, p.q_heads, p.dim, b, h, q0, nq, p.scale, false,
-                qs.data() + g * nq * dp, dp, nullptr, row);
-      gather<D>(d_out, p.q_len, p.q_heads, p.dim_v, b, h, q0, nq, 1.0f, false,
-                dos.data() + g * nq * dvp, dvp, nullptr, row);
-      for (int64_t t = 0; t < nq; ++t) {
-        lse_r[g * nq + t] = row_lse(b, q0 + t, h);
-        delta_r[g * nq + t] = row_delta(b, q0 + t, h);
-      }
-    }
-    const int32_t* seg_q = p.seg_q + b * p.q_len + q0;
-    const int32_t* pos_q = p.pos_q + b * p.q_len + q0;
-    const int64_t list = b * p.n_q + qb;
-    const int64_t count = p.clamp_count(p.count[list], p.n_k);
-    const int64_t full = p.clamp_count(p.full_count[list], count);
-    for (int64_t e = 0; e < count; ++e) {
-      int32_t kb = p.kv_index[list * p.n_k + e];
+    const int64_t b = task / (p.kv_heads * p.n_q), hk = task / p.n_q % p.kv_heads;
+    const int64_t qb = task % p.n_q, dp = p.dp(), dvp = p.dvp(), np = p.np();
+    const QueryPanel qp = queries.get(b, hk, qb);
+    const int64_t m = qp.m;
+    std::vector<float> s(m * np), dpm(m * np), raw(p.softcap > 0 ? m * np : 0),
+        grad(m * dp, 0.0f);
+    const Visits list = visits(p, p.kv_index, p.full_count, p.count, b * p.n_q + qb, p.n_k);
+    for (int64_t e = 0; e < list.count; ++e) {
+      const int32_t kb = list.index[e];
       if (kb < 0 || kb >= p.n_k) continue;
-      const int64_t k0 = kb * p.block_k, nk = std::min(p.block_k, p.kv_len - k0);
-      std::fill(kt.begin(), kt.end(), 0.0f);
-      std::fill(vt.begin(), vt.end(), 0.0f);
-      gather<D>(k, p.kv_len, p.kv_heads, p.dim, b, hk, k0, nk, 1.0f, true, kt.data(), np,
-                nullptr, row);
-      gather<D>(v, p.kv_len, p.kv_heads, p.dim_v, b, hk, k0, nk, 1.0f, true, vt.data(), np,
-                nullptr, row);
-      gather<D>(k, p.kv_len, p.kv_heads, p.dim, b, hk, k0, nk, 1.0f, false, ks.data(), dp,
-                nullptr, row);
-      std::copy_n(p.seg_k + b * p.kv_len + k0, nk, seg.begin());
-      std::copy_n(p.pos_k + b * p.kv_len + k0, nk, pos.begin());
-      const bool masked = e >= full;
-      gemm<false>(m, np, p.dim, qs.data(), dp, kt.data(), np, s.data(), np);
-      gemm<false>(m, np, p.dim_v, dos.data(), dvp, vt.data(), np, dpm.data(), np);
+      const KeyPanel key = keys.get(b, hk, kb);
+      const bool masked = e >= list.full;
+      gemm<false>(m, np, p.dim, qp.qs, dp, key.kt, np, s.data(), np);
+      gemm<false>(m, np, p.dim_v, qp.dos, dvp, key.vt, np, dpm.data(), np);
+      if (p.softcap > 0) raw = s;
       for (int64_t r = 0; r < m; ++r) {
-        const int64_t t = r % nq;
         float* sr = s.data() + r * np;
-        probabilities(p, sr, raw.data(), nk, np, lse_r[r], masked, [&](int64_t j) {
-          return p.sees_history(seg_q[t], pos_q[t], seg[j], pos[j]);
-        });
-        logit_grads(p, sr, dpm.data() + r * np, raw.data(), delta_r[r], np);
+        float* dr = dpm.data() + r * np;
+        p.cap_row(sr, np);
+        const vf shift = splat(qp.shift[r]), delta = splat(qp.delta[r]);
+        const vi sq = splat_i(qp.seg[r]), pq = splat_i(qp.pos[r]);
+        for (int64_t j = 0; j < np; j += kLanes) {
+          vf pj = vexp(load(sr + j) - shift);
+          if (masked) pj = p.sees_history(sq, pq, load_i(key.seg + j), load_i(key.pos + j)) ? pj : 0;
+          store(sr + j, pj);
+          store(dr + j, load(dr + j) - delta);
+        }
+        logit_grads(p, sr, dr, raw.data() + (p.softcap > 0 ? r * np : 0), np);
       }
-      gemm<true>(m, dp, nk, s.data(), np, ks.data(), dp, grad.data(), dp);
+      // Columns past the block's keys hold junk; the dot reads only the first nk.
+      gemm<true>(m, dp, key.nk, s.data(), np, key.ks, dp, grad.data(), dp);
     }
 
     std::vector<float> own_k(p.dim), own_v(p.dim_v);
-    for (int64_t t = 0; t < nq; ++t) {
-      const bool own = p.own && seg_q[t] < 0;
+    const int64_t g_len = p.group();
+    for (int64_t t = 0; t < qp.nq; ++t) {
+      const int64_t i = qp.q0 + t;
+      const bool own = p.own && qp.seg[t] < 0;
       if (own) {
-        const int64_t i = q0 + t;
         copy_row<D>(k + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim, p.dim, 1.0f,
                     own_k.data());
         copy_row<D>(v + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim_v, p.dim_v, 1.0f,
                     own_v.data());
       }
       for (int64_t g = 0; g < g_len; ++g) {
-        const int64_t r = g * nq + t;
+        const int64_t r = g * qp.nq + t;
         float* gr = grad.data() + r * dp;
         if (own) {
-          const float ds = own_grad(qs.data() + r * dp, dos.data() + r * dvp, own_k.data(),
-                                    own_v.data(), lse_r[r], delta_r[r], nullptr);
+          float prob;
+          const float ds = own_grad(qp.qs + r * dp, qp.dos + r * dvp, own_k.data(), own_v.data(),
+                                    qp.shift[r], qp.delta[r], &prob);
           for (int64_t d = 0; d < p.dim; ++d) gr[d] += ds * own_k[d];
         }
-        T* o = dq + ((b * p.q_len + q0 + t) * p.q_heads + hk * g_len + g) * p.dim;
+        T* o = dq + ((b * p.q_len + i) * p.q_heads + hk * g_len + g) * p.dim;
         for (int64_t d = 0; d < p.dim; ++d) o[d] = D::from(gr[d] * p.scale);
       }
     }
   }
 
-  // d logit of a candidate's own key, given its (scaled) q, dO and own k, v; *p_out = p.
-  float own_grad(const float* qs, const float* dos, const float* own_k, const float* own_v,
-                 float lse_r, float delta_r, float* p_out) const {
-    float dot = 0, dpv = 0;
-    for (int64_t d = 0; d < p.dim; ++d) dot += qs[d] * own_k[d];
-    for (int64_t d = 0; d < p.dim_v; ++d) dpv += dos[d] * own_v[d];
-    const float shift = lse_r == -kInf ? kInf : lse_r;
-    const float prob = std::exp(p.cap(dot) - shift);
-    if (p_out) *p_out = prob;
-    return prob * (dpv - delta_r) * p.cap_grad(dot);
-  }
-
   // dk, dv of one key block of one kv head, over the query blocks that see it.
   void dkv_task(int64_t task) const {
-    int64_t b = task / (p.kv_heads * p.n_k), hk = task / p.n_k % p.kv_heads, kb = task % p.n_k;
-    const int64_t g_len = p.group(), k0 = kb * p.block_k;
-    const int64_t nk = std::min(p.block_k, p.kv_len - k0);
-    const int64_t dp = round_up(p.dim, kColTile), dvp = round_up(p.dim_v, kColTile);
-    const int64_t m_max = g_len * p.block_q, mp = round_up(m_max, kColTile);
-    std::vector<float> ks(nk * dp, 0.0f), vs(nk * dvp, 0.0f), qt(p.dim * mp, 0.0f),
-        dout_t(p.dim_v * mp, 0.0f), qs(m_max * dp, 0.0f), dos(m_max * dvp, 0.0f), st(nk * mp),
-        dpt(nk * mp), raw, dk_acc(nk * dp, 0.0f), dv_acc(nk * dvp, 0.0f), row;
-    std::vector<float> shift_c(mp), delta_c(mp, 0.0f);
-    std::vector<int32_t> seg_c(mp), pos_c(mp);
-    gather<D>(k, p.kv_len, p.kv_heads, p.dim, b, hk, k0, nk, 1.0f, false, ks.data(), dp,
-              nullptr, row);
-    gather<D>(v, p.kv_len, p.kv_heads, p.dim_v, b, hk, k0, nk, 1.0f, false, vs.data(), dvp,
-              nullptr, row);
-    const int32_t* seg_k = p.seg_k + b * p.kv_len + k0;
-    const int32_t* pos_k = p.pos_k + b * p.kv_len + k0;
-
-    const int64_t list = b * p.n_k + kb;
-    const int64_t count = p.clamp_count(p.q_count[list], p.n_q);
-    const int64_t full = p.clamp_count(p.q_full_count[list], count);
-    for (int64_t e = 0; e < count; ++e) {
-      int32_t qb = p.q_index[list * p.n_q + e];
+    const int64_t b = task / (p.kv_heads * p.n_k), hk = task / p.n_k % p.kv_heads;
+    const int64_t kb = task % p.n_k, dp = p.dp(), dvp = p.dvp(), mp = p.mp();
+    const KeyPanel key = keys.get(b, hk, kb);
+    const int64_t nk = key.nk;
+    std::vector<float> st(nk * mp), dpt(nk * mp), raw(p.softcap > 0 ? nk * mp : 0),
+        dk_acc(nk * dp, 0.0f), dv_acc(nk * dvp, 0.0f);
+    const Visits list = visits(p, p.q_index, p.q_full_count, p.q_count, b * p.n_k + kb, p.n_q);
+    for (int64_t e = 0; e < list.count; ++e) {
+      const int32_t qb = list.index[e];
       if (qb < 0 || qb >= p.n_q) continue;
-      const int64_t q0 = qb * p.block_q, nq = std::min(p.block_q, p.q_len - q0), m = g_len * nq;
-      std::fill(qt.begin(), qt.end(), 0.0f);
-      std::fill(dout_t.begin(), dout_t.end(), 0.0f);
-      std::fill(delta_c.begin(), delta_c.end(), 0.0f);
-      for (int64_t g = 0; g < g_len; ++g) {
-        const int64_t h = hk * g_len + g;
-        gather<D>(q, p.q_len, p.q_heads, p.dim, b, h, q0, nq, p.scale, false,
-                  qs.data() + g * nq * dp, dp, nullptr, row);
-        gather<D>(d_out, p.q_len, p.q_heads, p.dim_v, b, h, q0, nq, 1.0f, false,
-                  dos.data() + g * nq * dvp, dvp, nullptr, row);
-        for (int64_t t = 0; t < nq; ++t) {
-          const int64_t r = g * nq + t;
-          for (int64_t d = 0; d < p.dim; ++d) qt[d * mp + r] = qs[r * dp + d];
-          for (int64_t d = 0; d < p.dim_v; ++d) dout_t[d * mp + r] = dos[r * dvp + d];
-          const float lse_r = row_lse(b, q0 + t, h);
-          shift_c[r] = lse_r == -kInf ? kInf : lse_r;  // a row that sees nothing: p = 0
-          delta_c[r] = row_delta(b, q0 + t, h);
-          seg_c[r] = p.seg_q[b * p.q_len + q0 + t];
-          pos_c[r] = p.pos_q[b * p.q_len + q0 + t];
-        }
-      }
-      const bool masked = e >= full;
-      gemm<false>(nk, mp, p.dim, ks.data(), dp, qt.data(), mp, st.data(), mp);
-      gemm<false>(nk, mp, p.dim_v, vs.data(), dvp, dout_t.data(), mp, dpt.data(), mp);
+      const QueryPanel qp = queries.get(b, hk, qb);
+      const bool masked = e >= list.full;
+      gemm<false>(nk, mp, p.dim, key.ks, dp, qp.qt, mp, st.data(), mp);
+      gemm<false>(nk, mp, p.dim_v, key.vs, dvp, qp.dot, mp, dpt.data(), mp);
       if (p.softcap > 0) raw = st;
       for (int64_t j = 0; j < nk; ++j) {  // p^T: columns are query rows, each with its lse
         float* sr = st.data() + j * mp;
-        p.cap_row(sr, mp);
-        for (int64_t r = 0; r < m; ++r) {
-          const bool vis = !masked || p.sees_history(seg_c[r], pos_c[r], seg_k[j], pos_k[j]);
-          sr[r] = vis ? sr[r] - shift_c[r] : -kInf;
-        }
-        for (int64_t r = m; r < mp; ++r) sr[r] = -kInf;
-        for (int64_t r = 0; r < mp; r += kLanes) store(sr + r, vexp(load(sr + r)));
-      }
-      gemm<true>(nk, dvp, m, st.data(), mp, dos.data(), dvp, dv_acc.data(), dvp);
-      for (int64_t j = 0; j < nk; ++j) {
         float* dr = dpt.data() + j * mp;
-        for (int64_t r = 0; r < mp; ++r) dr[r] -= delta_c[r];
-        logit_grads(p, st.data() + j * mp, dr, raw.data() + j * mp, 0.0f, mp);
+        p.cap_row(sr, mp);
+        const vi sk = splat_i(key.seg[j]), pk = splat_i(key.pos[j]);
+        for (int64_t r = 0; r < mp; r += kLanes) {  // padded rows: shift +inf, so p = 0
+          vf pr = vexp(load(sr + r) - load(qp.shift + r));
+          if (masked) pr = p.sees_history(load_i(qp.seg + r), load_i(qp.pos + r), sk, pk) ? pr : 0;
+          store(sr + r, pr);
+          store(dr + r, load(dr + r) - load(qp.delta + r));
+        }
       }
-      gemm<true>(nk, dp, m, st.data(), mp, qs.data(), dp, dk_acc.data(), dp);
+      gemm<true>(nk, dvp, qp.m, st.data(), mp, qp.dos, dvp, dv_acc.data(), dvp);
+      for (int64_t j = 0; j < nk; ++j) {
+        logit_grads(p, st.data() + j * mp, dpt.data() + j * mp,
+                    raw.data() + (p.softcap > 0 ? j * mp : 0), mp);
+      }
+      gemm<true>(nk, dp, qp.m, st.data(), mp, qp.qs, dp, dk_acc.data(), dp);
     }
 
     if (p.own) {  // each candidate key's own query rows
-      std::vector<float> q_row(dp), do_row(dvp);
+      std::vector<float> q_row(p.dim), do_row(p.dim_v);
+      const int64_t g_len = p.group();
       for (int64_t j = 0; j < nk; ++j) {
-        const int64_t i = k0 + j;
+        const int64_t i = key.k0 + j;
         if (p.seg_q[b * p.q_len + i] >= 0) continue;
+        const QueryPanel qp = queries.get(b, hk, i / p.block_q);
+        const int64_t t = i - qp.q0;
         for (int64_t g = 0; g < g_len; ++g) {
-          const int64_t h = hk * g_len + g;
-          copy_row<D>(q + ((b * p.q_len + i) * p.q_heads + h) * p.dim, p.dim, p.scale,
-                      q_row.data());
-          copy_row<D>(d_out + ((b * p.q_len + i) * p.q_heads + h) * p.dim_v, p.dim_v, 1.0f,
-                      do_row.data());
+          const int64_t r = g * qp.nq + t;
           float prob;
-          const float ds = own_grad(q_row.data(), do_row.data(), ks.data() + j * dp,
-                                    vs.data() + j * dvp, row_lse(b, i, h), row_delta(b, i, h),
-                                    &prob);
-          for (int64_t d = 0; d < p.dim; ++d) dk_acc[j * dp + d] += ds * q_row[d];
-          for (int64_t d = 0; d < p.dim_v; ++d) dv_acc[j * dvp + d] += prob * do_row[d];
+          const float ds = own_grad(qp.qs + r * dp, qp.dos + r * dvp, key.ks + j * dp,
+                                    key.vs + j * dvp, qp.shift[r], qp.delta[r], &prob);
+          for (int64_t d = 0; d < p.dim; ++d) dk_acc[j * dp + d] += ds * qp.qs[r * dp + d];
+          for (int64_t d = 0; d < p.dim_v; ++d) dv_acc[j * dvp + d] += prob * qp.dos[r * dvp + d];
         }
       }
     }
     for (int64_t j = 0; j < nk; ++j) {
-      T* ok = dk + ((b * p.kv_len + k0 + j) * p.kv_heads + hk) * p.dim;
-      T* ov = dv + ((b * p.kv_len + k0 + j) * p.kv_heads + hk) * p.dim_v;
+      T* ok = dk + ((b * p.kv_len + key.k0 + j) * p.kv_heads + hk) * p.dim;
+      T* ov = dv + ((b * p.kv_len + key.k0 + j) * p.kv_heads + hk) * p.dim_v;
       for (int64_t d = 0; d < p.dim; ++d) ok[d] = D::from(dk_acc[j * dp + d]);
       for (int64_t d = 0; d < p.dim_v; ++d) ov[d] = D::from(dv_acc[j * dvp + d]);
     }
@@ -778,10 +852,13 @@ ffi::Error forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return by_dtype(q.element_type(), [&](auto tag) {
     using D = typename decltype(tag)::type;
     using T = typename D::T;
-    Forward<D> kernel{p, static_cast<const T*>(q.untyped_data()),
-                      static_cast<const T*>(k.untyped_data()),
-                      static_cast<const T*>(v.untyped_data()), static_cast<T*>(out->untyped_data()),
-                      lse->typed_data()};
+    const T* kp = static_cast<const T*>(k.untyped_data());
+    const T* vp = static_cast<const T*>(v.untyped_data());
+    KeyPanels keys(p, false);
+    parallel_for(pool, p.batch * p.kv_heads * p.n_k,
+                 [&](int64_t block) { keys.pack<D>(block, kp, vp); });
+    Forward<D> kernel{p, keys, static_cast<const T*>(q.untyped_data()), kp, vp,
+                      static_cast<T*>(out->untyped_data()), lse->typed_data()};
     parallel_for(pool, p.batch * p.kv_heads * p.n_q, [&](int64_t t) { kernel.run(t); });
     return ffi::Error::Success();
   });
@@ -817,19 +894,26 @@ ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   return by_dtype(dtype, [&](auto tag) {
     using D = typename decltype(tag)::type;
     using T = typename D::T;
-    Backward<D> kernel{p,
-                       static_cast<const T*>(q.untyped_data()),
-                       static_cast<const T*>(k.untyped_data()),
-                       static_cast<const T*>(v.untyped_data()),
-                       static_cast<const T*>(d_out.untyped_data()),
-                       lse.typed_data(),
-                       delta.typed_data(),
-                       static_cast<T*>(dq->untyped_data()),
-                       static_cast<T*>(dk->untyped_data()),
+    const T* qp = static_cast<const T*>(q.untyped_data());
+    const T* kp = static_cast<const T*>(k.untyped_data());
+    const T* vp = static_cast<const T*>(v.untyped_data());
+    const T* dop = static_cast<const T*>(d_out.untyped_data());
+    KeyPanels keys(p, true);
+    QueryPanels queries(p);
+    const int64_t key_tasks = p.batch * p.kv_heads * p.n_k;
+    const int64_t tasks = key_tasks + p.batch * p.kv_heads * p.n_q;
+    parallel_for(pool, tasks, [&](int64_t t) {
+      if (t < key_tasks) {
+        keys.pack<D>(t, kp, vp);
+      } else {
+        queries.pack<D>(t - key_tasks, qp, dop, lse.typed_data(), delta.typed_data());
+      }
+    });
+    Backward<D> kernel{p, keys, queries, qp, kp, vp, dop,
+                       static_cast<T*>(dq->untyped_data()), static_cast<T*>(dk->untyped_data()),
                        static_cast<T*>(dv->untyped_data())};
     // dk / dv tasks (per key block) and dq tasks (per query block) write disjoint outputs.
-    const int64_t key_tasks = p.batch * p.kv_heads * p.n_k;
-    parallel_for(pool, key_tasks + p.batch * p.kv_heads * p.n_q, [&](int64_t t) {
+    parallel_for(pool, tasks, [&](int64_t t) {
       if (t < key_tasks) {
         kernel.dkv_task(t);
       } else {
