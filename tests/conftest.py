@@ -35,7 +35,18 @@ if os.environ.get("RANKATTN_X64_TESTS") != "1":
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from rankattn.backends import BlockSizes, PallasTriton, Xla  # noqa: E402
+from rankattn.backends import BlockSizes, Cpu, PallasTriton, Xla  # noqa: E402
+from rankattn import native  # noqa: E402
+from rankattn.backends.cpu import library  # noqa: E402
+
+# The fused C++ kernel is built on first use. Where a compiler exists, a failed build fails the
+# run (CI included) rather than skipping the kernel's tests; only without one (or with the
+# kernel turned off, RANKATTN_CPU_KERNEL=0) are they skipped, with the reason.
+CPU_KERNEL_REASONS = library().reasons
+if CPU_KERNEL_REASONS and native.compiler() is not None and not native.disabled():
+    raise RuntimeError("the cpu kernel does not build here: " + "; ".join(CPU_KERNEL_REASONS))
+needs_cpu_kernel = pytest.mark.skipif(bool(CPU_KERNEL_REASONS),
+                                      reason="; ".join(CPU_KERNEL_REASONS) or "available")
 
 # "ci" (the default) is deterministic and sized so the whole suite runs in a few
 # minutes on two CPU cores: every new shape compiles a fresh XLA program, so the
@@ -65,12 +76,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # in Pallas interpret mode (their smallest legal tiles are 16 x 16).
 SMALL_BLOCKS = Xla(BlockSizes(16, 8))
 SMALL_TRITON = PallasTriton(BlockSizes(16, 16), interpret=True)
+SMALL_CPU = Cpu(BlockSizes(16, 8))
 # (Default xla blocks are one block at the named tests' lengths, S <= 40, so "xla" there would
 # repeat what "xla-16x8" checks at more block edges; TestXlaDefaultBlocks* run the defaults.)
 BACKENDS = [
     pytest.param("reference", id="reference"),
     pytest.param(SMALL_BLOCKS, id="xla-16x8"),
     pytest.param(SMALL_TRITON, id="pallas_triton-16x16"),
+    pytest.param(SMALL_CPU, id="cpu-16x8", marks=needs_cpu_kernel),
 ]
 
 

@@ -27,9 +27,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import SMALL_BLOCKS, SMALL_TRITON
+from conftest import SMALL_BLOCKS, SMALL_CPU, SMALL_TRITON, needs_cpu_kernel
 from helpers import FIELDS, Case, bounds, case_id, check_against_oracle, run, segment_ids
-from rankattn.backends import BlockSizes, PallasTriton, Xla
+from rankattn.backends import BlockSizes, Cpu, PallasTriton, Xla
 
 C = Case
 SEG, ROWS, BCAST = "segment_ids", "bounds_rows", "bounds_broadcast"
@@ -209,3 +209,38 @@ class TestPallasTritonDefaultBlocks(BackendTests):
     impl = PallasTriton(interpret=True)
     configs = TRITON_CONFIGS[5::6]
     long_configs = TRITON_LONG_CONFIGS
+
+
+# The fused C++ kernel (cpu): with 16 x 8 blocks every configuration has ragged last blocks,
+# blocks of one token and mixed full / partial visits; float16 joins bf16 and f32.
+CPU_CONFIGS = CONFIGS + [
+    C(batch=1, seq=17, heads_q=5, heads_kv=5, dim=8, dtype="float16", mask=ROWS,
+      softcap=2.0, softcap_method="soft_sign"),
+    C(batch=2, seq=31, heads_q=5, heads_kv=1, dim=80, dtype="float16", mask=SEG, causal=True,
+      softcap=2.0),
+    C(batch=1, seq=9, kv_seq=40, heads_q=4, heads_kv=2, dim=48, dim_v=8),
+]
+
+
+@needs_cpu_kernel
+class TestCpu(BackendTests):
+    """The fused kernel with 16 x 8 blocks."""
+
+    impl = SMALL_CPU
+    configs = CPU_CONFIGS
+
+
+# Lengths around the cpu kernel's default blocks (64 queries x 128 keys).
+CPU_DEFAULT_BLOCK_LENGTHS = [
+    C(batch=1, seq=63, heads_q=2, heads_kv=1, dim=8, mask=SEG),
+    C(batch=2, seq=65, heads_q=4, heads_kv=2, dim=48, mask=ROWS, causal=True, softcap=2.0),
+    C(batch=1, seq=129, heads_q=2, heads_kv=2, dim=16, dtype="bfloat16", mask=SEG),
+]
+
+
+@needs_cpu_kernel
+class TestCpuDefaultBlocks(BackendTests):
+    """Default blocks, as users get them: one block for short calls, several past 64 / 128."""
+
+    impl = Cpu()
+    configs = CPU_DEFAULT_BLOCK_LENGTHS + CONFIGS[5::3]

@@ -17,6 +17,7 @@ Environment:
                             ~/.cache/rankattn).
   RANKATTN_CPU_KERNEL_SANITIZE=1  build with AddressSanitizer and UBSan (tests only: the
                             process must preload libasan).
+  RANKATTN_CPU_THREADS=n    at most n threads per kernel call (default: XLA's CPU pool).
 
 Failing to build is not an error here: :func:`load` returns the reasons, which
 the ``cpu`` backend reports through ``not_supported_reasons`` while ``auto``
@@ -131,11 +132,7 @@ def load(name: str) -> Library:
         return Library(None, ("no C++ compiler found (tried $RANKATTN_CXX, $CXX, g++, c++, "
                               "clang++ and the ziglang package); install g++ or "
                               "`pip install ziglang`",))
-    key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(build_command(cxx, source, Path("out"))),
-                 _version(cxx), jax.__version__, host_isa(), "sanitize" if sanitized() else ""):
-        key.update(part if isinstance(part, bytes) else part.encode())
-    target = cache_dir() / f"{name}-{key.hexdigest()[:20]}.so"
+    target = target_path(source, cxx)
     seconds = None
     if not target.exists():
         try:
@@ -147,6 +144,15 @@ def load(name: str) -> Library:
     except OSError as e:
         return Library(None, (f"the compiled kernel {target} does not load: {e}",))
     return Library(handle, (), target, seconds)
+
+
+def target_path(source: Path, cxx: list[str]) -> Path:
+    """Where the library built from ``source`` by ``cxx`` is cached, for this host and jaxlib."""
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(build_command(cxx, source, Path("out"))),
+                 _version(cxx), jax.__version__, host_isa(), "sanitize" if sanitized() else ""):
+        key.update(part if isinstance(part, bytes) else part.encode())
+    return cache_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
 
 
 def _compile(cxx: list[str], source: Path, target: Path) -> float:

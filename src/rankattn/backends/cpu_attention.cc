@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -421,7 +422,11 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
-  int64_t workers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  int64_t threads = pool.num_threads();
+  if (const char* cap = std::getenv("RANKATTN_CPU_THREADS")) {  // a user's cap, e.g. 1
+    threads = std::min<int64_t>(threads, std::max(1L, std::strtol(cap, nullptr, 10)));
+  }
+  int64_t workers = std::min<int64_t>(threads, n) - 1;
   for (int64_t w = 0; w < workers; ++w) pool.Schedule([work]() { work(); });
   work();
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();

@@ -1,0 +1,110 @@
+"""Odd shapes through the cpu kernel built with AddressSanitizer and UBSan (a script).
+
+tests/test_cpu_kernel.py runs it in a fresh interpreter with
+RANKATTN_CPU_KERNEL_SANITIZE=1 and libasan preloaded: any read or write outside a
+buffer, or undefined behaviour, aborts the process. It checks forward and
+gradients against the reference on shapes chosen to break tiling (one token,
+odd lengths, one past a block, head dims 1 / 8 / 33 / 200, GQA 5, cross-attention,
+a context shard), then runs plans whose lists point outside the block grid.
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rankattn
+from rankattn import semantics
+from rankattn.backends import BlockSizes, Cpu
+from rankattn.blocks import BlockPlan
+from rankattn.planning import Plan
+from rankattn.validate import AttentionCall
+import oracle  # tests/oracle.py (on PYTHONPATH): float64 numpy, no XLA compile under ASan
+
+library = rankattn.backends.cpu.library()
+assert library.handle is not None, library.reasons
+print("library:", library.path)
+
+# Each compile is slow under ASan (it intercepts XLA's every allocation), so few shapes.
+SHAPES = [  # (B, Sq, Skv, Hq, Hkv, D, Dv, blocks, mask, dtype)
+    (1, 1, 1, 1, 1, 1, 1, (16, 8), "seg", jnp.float32),
+    (2, 9, 9, 5, 1, 33, 7, (4, 8), "seg", jnp.bfloat16),
+    (1, 17, 17, 4, 2, 200, 24, (16, 16), "causal", jnp.float16),
+    (2, 65, 65, 2, 2, 8, 8, None, "seg", jnp.float32),
+    (1, 7, 40, 8, 1, 48, 80, (3, 5), "none", jnp.float32),
+]
+
+
+def inputs(b, sq, skv, hq, hkv, d, dv, dtype, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return (jax.random.normal(keys[0], (b, sq, hq, d), dtype),
+            jax.random.normal(keys[1], (b, skv, hkv, d), dtype),
+            jax.random.normal(keys[2], (b, skv, hkv, dv), dtype),
+            jax.random.normal(keys[3], (b, sq, hq, dv), dtype))
+
+
+def run(impl, q, k, v, d_out, **kw):
+    """[out, dq, dk, dv] of the loss oracle.loss(out, lse, d_out, 0.5), in one program."""
+    def loss(q, k, v):
+        out, lse = rankattn.attention(q, k, v, impl=impl, return_lse=True, **kw)
+        finite = jnp.where(jnp.isfinite(lse), lse, 0)
+        return (out.astype(jnp.float32) * d_out).sum() + 0.5 * (finite ** 2).sum(), out
+    grads, out = jax.grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    return [out, *grads]
+
+
+for b, sq, skv, hq, hkv, d, dv, blocks, mask, dtype in SHAPES:
+    q, k, v, d_out = inputs(b, sq, skv, hq, hkv, d, dv, dtype)
+    kw = {}
+    if mask != "none":
+        row = np.r_[np.ones(sq - sq // 3), -np.ones(sq // 3)].astype(np.int32)
+        row[-1:] = 0 if sq > 2 else row[-1:]
+        kw = dict(segment_ids=jnp.asarray(np.tile(row, (b, 1))), causal=mask == "causal",
+                  softcap=2.0)
+    impl = Cpu(BlockSizes(*blocks) if blocks else None)
+    got = run(impl, q, k, v, d_out, **kw)
+    rounded = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v, d_out)]
+    visible = (oracle.mask_dense(kw["segment_ids"], kw["causal"]) if kw
+               else oracle.no_mask(b, sq, skv, False))
+    expect = oracle.attention(*rounded[:3], visible, w=rounded[3], lse_weight=0.5,
+                              softcap_value=kw.get("softcap"))
+    want = [expect[name] for name in ("out", "dq", "dk", "dv")]
+    tol = 1e-4 if dtype == jnp.float32 else 0.1  # a smoke check; the property suite is exact
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+        err = float(np.abs(np.asarray(x.astype(jnp.float32)) - y).max())
+        assert err < tol * max(1.0, float(np.abs(y).max())), (
+            b, sq, skv, dtype, name, err)
+    print("ok", (b, sq, skv, hq, hkv, d, dv, blocks, mask, dtype.__name__))
+
+# A context shard: keys with their own segment ids and positions, history part only.
+q, k, v, d_out = inputs(1, 5, 11, 2, 1, 16, 16, jnp.float32)
+shard = semantics.ShardMask(kv_segment_ids=jnp.ones((1, 11), jnp.int32),
+                            q_positions=jnp.arange(20, 25, dtype=jnp.int32)[None],
+                            kv_positions=jnp.arange(11, dtype=jnp.int32)[None] * 2)
+call = AttentionCall(q, k, v, jnp.ones((1, 5), jnp.int32), causal=True, scale=0.25,
+                     softcap=None, softcap_method="tanh", shard_mask=shard)
+got = Cpu(BlockSizes(2, 3))(call)
+want = rankattn.backends.Reference()(call)
+for x, y in zip(got, want):
+    assert float(jnp.nanmax(jnp.abs(x - y))) < 1e-4
+print("ok shard")
+
+# Malformed plans: block indices and counts outside the grid must never be followed.
+b, s = 2, 21
+q, k, v, d_out = inputs(b, s, s, 2, 1, 8, 8, jnp.float32)
+sizes = BlockSizes(4, 8)
+n_q, n_k = -(-s // 4), -(-s // 8)
+bad = BlockPlan(kv_index=jnp.full((b, n_q, n_k), 10**6, jnp.int32).at[:, :, 0].set(-7),
+                full_count=jnp.full((b, n_q), 99, jnp.int32),
+                count=jnp.full((b, n_q), 10**4, jnp.int32),
+                q_index=jnp.full((b, n_k, n_q), -1, jnp.int32),
+                q_full_count=jnp.full((b, n_k), -3, jnp.int32),
+                q_count=jnp.full((b, n_k), 2**30, jnp.int32))
+plan = Plan(segment_ids=jnp.ones((b, s), jnp.int32), block_plans=(bad,), causal=False,
+            block_sizes=(sizes,))
+out = run(Cpu(sizes), q, k, v, d_out, plan=plan)
+jax.block_until_ready(out)
+print("ok malformed plan")
+print("SANITIZED RUN PASSED")
+sys.exit(0)

@@ -1,0 +1,224 @@
+"""The cpu backend's build, dispatch and guarantees beyond the shared property suite.
+
+Its numerics run in tests/test_backends.py (TestCpu, TestCpuDefaultBlocks) and every
+per-backend test (conftest.BACKENDS); here: the sanitizer build, bit-identical results
+for any thread count, prepared plans, ``impl='auto'``'s choice and fallbacks, and the
+compile cache (with a tiny stand-in source, so it costs no kernel compile).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rankattn
+from conftest import needs_cpu_kernel
+from rankattn import api, blocks, native, planning
+from rankattn.backends import BlockSizes, Cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def python(script: str, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter with ``env`` added."""
+    env = dict(os.environ, **env)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
+                                         os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def gxx_runtime(name: str) -> str:
+    return subprocess.run(["g++", f"-print-file-name={name}"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+@needs_cpu_kernel
+def test_sanitized_build_runs_odd_shapes_and_malformed_plans():
+    """AddressSanitizer + UBSan: odd shapes (fwd + grads against the oracle), a context shard,
+    and plans whose lists point outside the block grid, without one bad access."""
+    # Python is not linked to libstdc++: preload it after libasan, so that ASan finds the
+    # __cxa_throw it wraps (jaxlib throws while it starts).
+    env = {"RANKATTN_CPU_KERNEL_SANITIZE": "1", "ASAN_OPTIONS": "detect_leaks=0",
+           "UBSAN_OPTIONS": "print_stacktrace=1",
+           "LD_PRELOAD": f"{gxx_runtime('libasan.so')} {gxx_runtime('libstdc++.so')}"}
+    script = (ROOT / "tests/native/sanitized_shapes.py").read_text()
+    result = python(script, env)
+    assert result.returncode == 0 and "SANITIZED RUN PASSED" in result.stdout, (
+        result.stdout[-5000:] + result.stderr[-20000:])
+
+
+THREADS_SCRIPT = textwrap.dedent("""
+    import sys, jax, jax.numpy as jnp, numpy as np, rankattn
+    from rankattn.backends import BlockSizes, Cpu
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    b, s = 2, 150
+    q = jax.random.normal(keys[0], (b, s, 4, 40)); k = jax.random.normal(keys[1], (b, s, 2, 40))
+    v = jax.random.normal(keys[2], (b, s, 2, 24)); w = jax.random.normal(keys[3], (b, s, 4, 24))
+    seg = jnp.asarray(np.tile(np.r_[np.ones(100), -np.ones(40), np.zeros(10)], (b, 1)), jnp.int32)
+    impl = Cpu(BlockSizes(16, 32))
+    def loss(q, k, v):
+        out = rankattn.attention(q, k, v, segment_ids=seg, softcap=3.0, impl=impl)
+        return (out * w).sum(), out
+    grads, out = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    np.savez(sys.argv[1] if len(sys.argv) > 1 else sys.stdout.buffer,
+             out=out, dq=grads[0], dk=grads[1], dv=grads[2])
+""")
+
+
+@needs_cpu_kernel
+def test_results_are_bit_identical_for_any_thread_count(tmp_path):
+    """Every output element is computed by one task in a fixed order: 1 thread = the pool."""
+    results = {}
+    for threads in ("1", "64"):
+        path = tmp_path / f"{threads}.npz"
+        run = python(THREADS_SCRIPT.replace("sys.argv[1] if len(sys.argv) > 1 else "
+                                            "sys.stdout.buffer", repr(str(path))),
+                     {"RANKATTN_CPU_THREADS": threads})
+        assert run.returncode == 0, run.stderr[-5000:]
+        results[threads] = np.load(path)
+    for name in ("out", "dq", "dk", "dv"):
+        one, many = results["1"][name], results["64"][name]
+        assert one.tobytes() == many.tobytes(), name
+
+
+@needs_cpu_kernel
+def test_prepared_plan_is_used_not_rebuilt(monkeypatch):
+    """A plan made for the cpu backend holds its block lists; the call then makes none."""
+    seg = jnp.asarray(np.tile(np.r_[np.ones(150), -np.ones(50)], (2, 1)), jnp.int32)
+    prepared = rankattn.plan(segment_ids=seg, impls=["cpu"])
+    assert Cpu().plan_sizes(200) in prepared.block_sizes
+
+    def rebuilt(*args, **kwargs):
+        raise AssertionError("the call rebuilt its block plan")
+
+    monkeypatch.setattr(blocks, "make_block_plan", rebuilt)
+    monkeypatch.setattr(planning, "self_attention_block_plan", rebuilt)
+    q = jnp.ones((2, 200, 2, 8))
+    out = rankattn.attention(q, q[:, :, :1], q[:, :, :1], plan=prepared, impl="cpu")
+    assert out.shape == (2, 200, 2, 8)
+
+
+@needs_cpu_kernel
+def test_auto_prefers_the_fused_kernel_on_cpu():
+    assert rankattn.available_impls()[0] == "cpu"
+    q = jnp.ones((1, 5, 2, 8))
+    call = rankattn.validate.check_attention_args(q, q, q, segment_ids=None, bounds=None,
+                                                  causal=False, scale=None, softcap=None,
+                                                  softcap_method="tanh", plan=None)
+    assert api._select("auto", call).name == "cpu"
+
+
+def test_turned_off_falls_back_to_xla_and_says_why():
+    script = textwrap.dedent("""
+        import jax.numpy as jnp, rankattn
+        print(rankattn.available_impls())
+        try:
+            rankattn.attention(jnp.ones((1, 3, 1, 8)), jnp.ones((1, 3, 1, 8)),
+                               jnp.ones((1, 3, 1, 8)), impl="cpu")
+        except rankattn.RankattnError as e:
+            print(e.code, str(e))
+    """)
+    result = python(script, {"RANKATTN_CPU_KERNEL": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "['xla', 'reference']"
+    assert lines[1].startswith("RA115") and "RANKATTN_CPU_KERNEL=0" in result.stdout
+
+
+# --- The compile cache, with a stand-in source (compiles in well under a second). ---------
+
+TINY_SOURCE = 'extern "C" int rankattn_probe(void) { return 42; }\n'
+
+
+@pytest.fixture
+def tiny_source(tmp_path, monkeypatch):
+    """native.load('probe') builds tmp/src/probe.cc into tmp/cache."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "probe.cc").write_text(TINY_SOURCE)
+    monkeypatch.setattr(native, "SOURCE_DIR", tmp_path / "src")
+    monkeypatch.setenv("RANKATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("RANKATTN_CPU_KERNEL", raising=False)
+    return tmp_path
+
+
+def load_uncached(name: str) -> native.Library:
+    return native.load.__wrapped__(name)
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler on this machine")
+def test_compiles_once_then_loads_from_the_cache(tiny_source):
+    first = load_uncached("probe")
+    assert first.handle is not None, first.reasons
+    assert first.compile_seconds is not None and first.handle.rankattn_probe() == 42
+    second = load_uncached("probe")
+    assert second.compile_seconds is None and second.path == first.path
+
+
+def test_cache_key_holds_source_compiler_flags_and_host_isa(tiny_source, monkeypatch):
+    source, cxx = tiny_source / "src" / "probe.cc", ["g++"]
+    monkeypatch.setattr(native, "_version", lambda cxx: "g++ 12")
+    base = native.target_path(source, cxx)
+    monkeypatch.setattr(native, "host_isa", lambda: "sse2 only")
+    assert native.target_path(source, cxx) != base
+    monkeypatch.undo()
+    monkeypatch.setattr(native, "_version", lambda cxx: "g++ 13")
+    other_compiler = native.target_path(source, cxx)
+    monkeypatch.setenv("RANKATTN_CPU_KERNEL_SANITIZE", "1")
+    sanitized = native.target_path(source, cxx)
+    source.write_text(TINY_SOURCE + "// changed\n")
+    changed = native.target_path(source, cxx)
+    assert len({base, other_compiler, sanitized, changed}) == 4
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler on this machine")
+def test_processes_starting_at_once_share_one_build(tiny_source):
+    """Four interpreters load the same library into an empty cache at once: all succeed, and
+    one library file is left (the lock serialises the compile, the rename publishes it)."""
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from rankattn import native
+        native.SOURCE_DIR = Path({str(tiny_source / 'src')!r})
+        lib = native.load("probe")
+        print(lib.handle.rankattn_probe(), lib.compile_seconds is not None)
+    """)
+    env = dict(os.environ, RANKATTN_CACHE_DIR=str(tiny_source / "cache"),
+               PYTHONPATH=str(ROOT / "src"))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert all(out.startswith("42") for out, _ in outputs), outputs
+    assert len(list((tiny_source / "cache").glob("probe-*.so"))) == 1
+
+
+def test_a_failed_compile_is_a_reason_with_the_first_error_line(tiny_source, monkeypatch):
+    (tiny_source / "src" / "probe.cc").write_text("this is not C++\n")
+    library = load_uncached("probe")
+    if native.compiler() is None:
+        assert "no C++ compiler found" in library.reasons[0]
+    else:
+        assert library.handle is None and "failed" in library.reasons[0]
+        assert "error" in library.reasons[0].lower(), library.reasons
+
+
+def test_no_compiler_is_a_reason_naming_the_fix(tiny_source, monkeypatch):
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    library = load_uncached("probe")
+    assert library.handle is None and "pip install ziglang" in library.reasons[0]
+
+
+@needs_cpu_kernel
+def test_float64_is_declined_with_a_reason():
+    call = rankattn.validate.AttentionCall(
+        jax.ShapeDtypeStruct((1, 3, 1, 8), jnp.float64), None, None, None, causal=False,
+        scale=1.0, softcap=None, softcap_method="tanh")
+    assert "float64" in Cpu().not_supported_reasons(call)[0]
