@@ -12,8 +12,9 @@ import pytest
 
 import oracle
 import rankattn
+from conftest import CPU_KERNEL_REASONS
 from helpers import Case, attention_jit, check_against_oracle, random_qkv
-from rankattn.backends import Reference, Xla
+from rankattn.backends import Cpu, Reference, Xla
 from tolerances import assert_close_f32
 
 B, S, HQ, HKV, D = 2, 20, 4, 2, 8
@@ -135,19 +136,21 @@ def test_unmasked_call_runs_eagerly(impl):
     assert_close_f32(out, want)
 
 
-def test_auto_picks_xla(monkeypatch):
+def test_auto_picks_the_fused_kernel_then_xla(monkeypatch):
+    """On CPU: 'cpu' when its kernel builds here, else 'xla'."""
+    first = "xla" if CPU_KERNEL_REASONS else "cpu"
     calls = []
-    for cls in (Xla, Reference):
+    for cls in (Cpu, Xla, Reference):
         original = cls.__call__
         monkeypatch.setattr(cls, "__call__",
                             lambda self, call, original=original: calls.append(self.name)
                             or original(self, call))
     q, k, v, _ = random_qkv(6, 1, 8, 2, 1, 4)
     rankattn.attention(q, k, v, segment_ids=np.ones((1, 8), np.int32), impl="auto")
-    assert calls == ["xla"]
-    assert rankattn.available_impls()[0] == "xla"
+    assert calls == [first]
+    assert rankattn.available_impls()[0] == first
     rankattn.attention(q, k, v, impl="reference")
-    assert calls == ["xla", "reference"]
+    assert calls == [first, "reference"]
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint32, np.int64, np.uint64])

@@ -8,6 +8,9 @@ import numpy as np
 
 import rankattn
 from rankattn import peers, semantics
+from rankattn.api import _select
+from rankattn.backends import BACKENDS
+from rankattn.validate import check_attention_args
 
 PREFIX, HISTORY, CANDIDATES = 2, 1022, 64
 Q_HEADS, KV_HEADS, HEAD_DIM = 4, 2, 128
@@ -30,6 +33,17 @@ def draw_mask(segment_ids, causal: bool = False) -> str:
     return "\n".join(lines)
 
 
+def chosen_backend(q, k, v, segment_ids) -> str:
+    """The backend impl='auto' picks for this call; on CPU, why the fused kernel was not it."""
+    call = check_attention_args(q, k, v, segment_ids=segment_ids, bounds=None, causal=False,
+                                scale=None, softcap=None, softcap_method="tanh", plan=None)
+    chosen = _select("auto", call).name
+    why = BACKENDS["cpu"].platform_reasons() or BACKENDS["cpu"].not_supported_reasons(call)
+    if chosen != "cpu" and jax.default_backend() == "cpu" and why:
+        return f"{chosen!r} ({'; '.join(why)})"
+    return repr(chosen)
+
+
 def run(batch: int = 4, repeats: int = 5) -> int:
     print("rankattn demo: candidate-isolation attention\n")
     print("The mask, on a small packed row (2 sessions: history, then candidates; then padding):")
@@ -46,6 +60,7 @@ def run(batch: int = 4, repeats: int = 5) -> int:
     v = jax.random.normal(keys[2], (batch, seq, KV_HEADS, HEAD_DIM), jnp.float32)
     seg = phoenix_segment_ids(batch, PREFIX, HISTORY, CANDIDATES)
 
+    print(f"impl='auto' runs the {chosen_backend(q, k, v, seg)} backend here.")
     fast = jax.jit(lambda q, k, v, seg: rankattn.attention(q, k, v, segment_ids=seg, impl="auto"))
     ref = jax.jit(lambda q, k, v, seg: rankattn.attention(q, k, v, segment_ids=seg,
                                                           impl="reference"))
