@@ -38,7 +38,8 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
         by every layer (then segment_ids, bounds and causal are not given).
         Results are bit-identical to passing the mask itself.
       impl: 'auto' (the first of rankattn.available_impls() that can run the
-        call: 'pallas_triton' on a GPU, then 'xla', then 'reference'), a backend
+        call: 'pallas_triton' on a GPU, then 'cpu' (the fused C++ kernel, on CPU
+        where it builds), then 'xla', then 'reference'), a backend
         name, or a Backend instance such as
         rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64)) or
         rankattn.backends.PallasTriton(interpret=True).
@@ -47,7 +48,7 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
         head axes, S (and the segment ids) over the context axes, with the
         chosen backend as each device's kernel inside a shard_map. Results are
         those of one device, sharded the same way (lse over batch, heads,
-        context). Context sharding needs impl 'xla' or 'reference' (or 'auto').
+        context). Context sharding needs impl 'cpu', 'xla' or 'reference' (or 'auto').
         With a plan, batch / head sharding splits its lists over the batch;
         context sharding uses only its segment ids. See rankattn.distributed.
 

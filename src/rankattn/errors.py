@@ -168,9 +168,9 @@ _KINDS = [
         "RA122", "the impl cannot run as the per-shard kernel",
         "Under context sharding each device attends its queries to keys from other positions "
         "of the sequence, so the kernel must take global positions and the keys' own segment "
-        "ids (rankattn.semantics.ShardMask). 'xla' and 'reference' do; 'pallas_triton' does "
-        "not yet.",
-        "Use impl='xla' (or 'auto') with context sharding; batch and head sharding run any "
+        "ids (rankattn.semantics.ShardMask). 'cpu', 'xla' and 'reference' do; 'pallas_triton' "
+        "does not yet.",
+        "Use impl='cpu' or 'xla' (or 'auto') with context sharding; batch and head sharding run any "
         "impl."),
 ]
 
