@@ -570,6 +570,8 @@ def results_markdown(runs: list[dict], sweep: dict | None, profile: list[dict]) 
             lines += [f"| {i + 1} | {x['workload']} | {x['load']} | {x['ours_ms']:.1f} "
                       f"| {x['sdpa_ms']:.1f} | {x['ratio']:.2f} |"
                       for x in run.get("sensitivity", [])]
+    lines += ["", "Where the fused cpu kernel's time goes, and why the fwd+bwd and bf16 targets are "
+              "missed: [CPU_KERNEL.md](CPU_KERNEL.md)."]
     if profile:
         lines += ["", "## What limits the misses", "",
                   "XLA:CPU's own primitives against torch's at the shapes of nano-fwd's steps "
