@@ -75,19 +75,21 @@ THREADS_SCRIPT = textwrap.dedent("""
 
 
 @needs_cpu_kernel
-def test_results_are_bit_identical_for_any_thread_count(tmp_path):
-    """Every output element is computed by one task in a fixed order: 1 thread = the pool."""
+def test_results_are_bit_identical_for_any_thread_count_and_backward_memory(tmp_path):
+    """Every output element is computed by one task in a fixed order: 1 thread = the pool.
+    The backward's two paths (dS kept for the dq tasks, or recomputed there when it exceeds
+    RANKATTN_CPU_BACKWARD_MB) sum the same products in the same order: the same bits too."""
     results = {}
-    for threads in ("1", "64"):
-        path = tmp_path / f"{threads}.npz"
+    for threads, budget in (("1", "1024"), ("64", "1024"), ("64", "0")):
+        path = tmp_path / f"{threads}-{budget}.npz"
         run = python(THREADS_SCRIPT.replace("sys.argv[1] if len(sys.argv) > 1 else "
                                             "sys.stdout.buffer", repr(str(path))),
-                     {"RANKATTN_CPU_THREADS": threads})
+                     {"RANKATTN_CPU_THREADS": threads, "RANKATTN_CPU_BACKWARD_MB": budget})
         assert run.returncode == 0, run.stderr[-5000:]
-        results[threads] = np.load(path)
+        results[threads, budget] = np.load(path)
     for name in ("out", "dq", "dk", "dv"):
-        one, many = results["1"][name], results["64"][name]
-        assert one.tobytes() == many.tobytes(), name
+        bits = {key: r[name].tobytes() for key, r in results.items()}
+        assert len(set(bits.values())) == 1, (name, [k for k in bits])
 
 
 @needs_cpu_kernel

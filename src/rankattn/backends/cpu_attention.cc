@@ -158,9 +158,15 @@ struct F16 {
   }
 };
 
-// ---- The one dot: C[M, N] (+)= A[M, K] B[K, N], N a multiple of kColTile.
+// ---- The one dot: C[M, N] (+)= A[M, K] B[K, N], N a multiple of kColTile. A is row-major,
+// A(r, k) = a[r * lda + k], or with kTransposedA column-major, A(r, k) = a[k * lda + r].
 
-template <int R, bool kAccumulate>
+template <bool kTransposedA>
+inline const float* a_element(const float* a, int64_t lda, int64_t r, int64_t k) {
+  return kTransposedA ? a + k * lda + r : a + r * lda + k;
+}
+
+template <int R, bool kAccumulate, bool kTransposedA>
 inline void tile(int64_t k_len, const float* a, int64_t lda, const float* b, int64_t ldb,
                  float* c, int64_t ldc) {
   vf acc[R][2];
@@ -173,7 +179,7 @@ inline void tile(int64_t k_len, const float* a, int64_t lda, const float* b, int
     vf b0 = load(b + k * ldb), b1 = load(b + k * ldb + kLanes);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      vf x = splat(a[r * lda + k]);
+      vf x = splat(*a_element<kTransposedA>(a, lda, r, k));
       acc[r][0] += x * b0;
       acc[r][1] += x * b1;
     }
@@ -185,26 +191,28 @@ inline void tile(int64_t k_len, const float* a, int64_t lda, const float* b, int
   }
 }
 
-template <bool kAccumulate, int R = kRowTile>
+template <bool kAccumulate, bool kTransposedA, int R = kRowTile>
 inline void tail_rows(int rows, int64_t k_len, const float* a, int64_t lda, const float* b,
                       int64_t ldb, float* c, int64_t ldc) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, kAccumulate>(k_len, a, lda, b, ldb, c, ldc);
-    tail_rows<kAccumulate, R - 1>(rows, k_len, a, lda, b, ldb, c, ldc);
+    if (rows == R) return tile<R, kAccumulate, kTransposedA>(k_len, a, lda, b, ldb, c, ldc);
+    tail_rows<kAccumulate, kTransposedA, R - 1>(rows, k_len, a, lda, b, ldb, c, ldc);
   }
 }
 
-template <bool kAccumulate>
+template <bool kAccumulate, bool kTransposedA = false>
 void gemm(int64_t m, int64_t n, int64_t k_len, const float* a, int64_t lda, const float* b,
           int64_t ldb, float* c, int64_t ldc) {
   for (int64_t j = 0; j < n; j += kColTile) {  // a B panel stays in L1 across the rows
     int64_t i = 0;
     for (; i + kRowTile <= m; i += kRowTile) {
-      tile<kRowTile, kAccumulate>(k_len, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc);
+      tile<kRowTile, kAccumulate, kTransposedA>(k_len, a_element<kTransposedA>(a, lda, i, 0),
+                                                lda, b + j, ldb, c + i * ldc + j, ldc);
     }
     if (i < m) {
-      tail_rows<kAccumulate>(static_cast<int>(m - i), k_len, a + i * lda, lda, b + j, ldb,
-                             c + i * ldc + j, ldc);
+      tail_rows<kAccumulate, kTransposedA>(static_cast<int>(m - i), k_len,
+                                           a_element<kTransposedA>(a, lda, i, 0), lda, b + j,
+                                           ldb, c + i * ldc + j, ldc);
     }
   }
 }
@@ -658,12 +666,56 @@ struct QueryPanels {
   }
 };
 
+thread_local Workspace grad_memory;
+
+// dS^T of every visited block pair, written by the dk / dv tasks and read by the dq tasks
+// (then 5 dots per pair, not 7), when it fits RANKATTN_CPU_BACKWARD_MB (default 1024 MiB);
+// beyond that the dq tasks recompute S and dP. Both give bit-identical dq: the recomputed
+// dots sum in the same order.
+struct KeptGrads {
+  const Problem& p;
+  std::vector<int64_t> first;  // per (b, kv head, key block): its first slot
+  int64_t block_floats;
+  float* store = nullptr;
+
+  KeptGrads(const Problem& p, int64_t budget_bytes)
+      : p(p), first(p.batch * p.kv_heads * p.n_k + 1, 0), block_floats(p.block_k * p.mp()) {
+    for (int64_t b = 0; b < p.batch; ++b) {
+      for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
+        for (int64_t kb = 0; kb < p.n_k; ++kb) {
+          const int64_t i = (b * p.kv_heads + hk) * p.n_k + kb;
+          first[i + 1] = first[i] + visits(p, p.q_index, p.q_full_count, p.q_count,
+                                           b * p.n_k + kb, p.n_q).count;
+        }
+      }
+    }
+    const int64_t floats = first.back() * block_floats;
+    if (floats * static_cast<int64_t>(sizeof(float)) <= budget_bytes) {
+      grad_memory.reserve(floats, 0);
+      store = grad_memory.floats.get();
+    }
+  }
+  bool kept() const { return store != nullptr; }
+  float* slot(int64_t b, int64_t hk, int64_t kb, int64_t e) const {
+    return store + (first[(b * p.kv_heads + hk) * p.n_k + kb] + e) * block_floats;
+  }
+  // The slot of the pair (kb, qb), or nullptr when kb's list lacks qb (a malformed plan).
+  const float* find(int64_t b, int64_t hk, int64_t kb, int64_t qb) const {
+    const Visits list = visits(p, p.q_index, p.q_full_count, p.q_count, b * p.n_k + kb, p.n_q);
+    for (int64_t e = 0; e < list.count; ++e) {
+      if (list.index[e] == qb) return slot(b, hk, kb, e);
+    }
+    return nullptr;
+  }
+};
+
 template <typename D>
 struct Backward {
   using T = typename D::T;
   const Problem& p;
   const KeyPanels& keys;
   const QueryPanels& queries;
+  const KeptGrads& kept;
   const T *q, *k, *v, *d_out;
   T *dq, *dk, *dv;
 
@@ -693,6 +745,12 @@ struct Backward {
       const int32_t kb = list.index[e];
       if (kb < 0 || kb >= p.n_k) continue;
       const KeyPanel key = keys.get(b, hk, kb);
+      if (kept.kept()) {  // dQ += dS K, dS^T from the dk / dv task
+        if (const float* ds_t = kept.find(b, hk, kb, qb)) {
+          gemm<true, true>(m, p.dc(), key.nk, ds_t, p.mp(), key.ks, dp, grad.data(), dp);
+        }
+        continue;
+      }
       const bool masked = e >= list.full;
       gemm<false>(m, nc, p.dim, qp.qs, dp, key.kt, np, s.data(), np);
       gemm<false>(m, nc, p.dim_v, qp.dos, dvp, key.vt, np, dpm.data(), np);
@@ -779,6 +837,7 @@ struct Backward {
                     raw.data() + (p.softcap > 0 ? j * mp : 0), mc);
       }
       gemm<true>(nk, p.dc(), qp.m, st.data(), mp, qp.qs, dp, dk_acc.data(), dp);
+      if (kept.kept()) std::copy_n(st.data(), nk * mp, kept.slot(b, hk, kb, e));
     }
 
     if (p.own) {  // each candidate key's own query rows
@@ -955,17 +1014,26 @@ ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
         queries.pack<D>(t - key_tasks, qp, dop, lse.typed_data(), delta.typed_data());
       }
     });
-    Backward<D> kernel{p, keys, queries, qp, kp, vp, dop,
+    int64_t budget_mib = 1024;
+    if (const char* env = std::getenv("RANKATTN_CPU_BACKWARD_MB")) {
+      budget_mib = std::max(0L, std::strtol(env, nullptr, 10));
+    }
+    KeptGrads kept(p, budget_mib << 20);
+    Backward<D> kernel{p, keys, queries, kept, qp, kp, vp, dop,
                        static_cast<T*>(dq->untyped_data()), static_cast<T*>(dk->untyped_data()),
                        static_cast<T*>(dv->untyped_data())};
-    // dk / dv tasks (per key block) and dq tasks (per query block) write disjoint outputs.
-    parallel_for(pool, tasks, [&](int64_t t) {
-      if (t < key_tasks) {
-        kernel.dkv_task(t);
-      } else {
-        kernel.dq_task(t - key_tasks);
-      }
-    });
+    if (kept.kept()) {  // the dq tasks read what the dk / dv tasks keep
+      parallel_for(pool, key_tasks, [&](int64_t t) { kernel.dkv_task(t); });
+      parallel_for(pool, tasks - key_tasks, [&](int64_t t) { kernel.dq_task(t); });
+    } else {  // dk / dv tasks and dq tasks write disjoint outputs
+      parallel_for(pool, tasks, [&](int64_t t) {
+        if (t < key_tasks) {
+          kernel.dkv_task(t);
+        } else {
+          kernel.dq_task(t - key_tasks);
+        }
+      });
+    }
     return ffi::Error::Success();
   });
 }
