@@ -715,8 +715,7 @@ struct Backward {
   const Problem& p;
   const KeyPanels& keys;
   const QueryPanels& queries;
-  const KeptGrads& kept;
-  const T *q, *k, *v, *d_out;
+  const KeptGrads& kept;  // q, k, v and dO are read from the panels only
   T *dq, *dk, *dv;
 
   // d logit of a candidate's own key from its scaled q, dO, own k and v, its shift and delta;
@@ -773,24 +772,23 @@ struct Backward {
       gemm<true>(m, p.dc(), key.nk, s.data(), np, key.ks, dp, grad.data(), dp);
     }
 
-    std::vector<float> own_k(p.dim), own_v(p.dim_v);
     const int64_t g_len = p.group();
     for (int64_t t = 0; t < qp.nq; ++t) {
       const int64_t i = qp.q0 + t;
       const bool own = p.own && qp.seg[t] < 0;
-      if (own) {
-        copy_row<D>(k + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim, p.dim, 1.0f,
-                    own_k.data());
-        copy_row<D>(v + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim_v, p.dim_v, 1.0f,
-                    own_v.data());
+      const float *own_k = nullptr, *own_v = nullptr;  // the packed rows of key i
+      if (own) {  // own implies q_len == kv_len, so key i exists
+        const KeyPanel key = keys.get(b, hk, i / p.block_k);
+        own_k = key.ks + (i % p.block_k) * dp;
+        own_v = key.vs + (i % p.block_k) * dvp;
       }
       for (int64_t g = 0; g < g_len; ++g) {
         const int64_t r = g * qp.nq + t;
         float* gr = grad.data() + r * dp;
         if (own) {
           float prob;
-          const float ds = own_grad(qp.qs + r * dp, qp.dos + r * dvp, own_k.data(), own_v.data(),
-                                    qp.shift[r], qp.delta[r], &prob);
+          const float ds = own_grad(qp.qs + r * dp, qp.dos + r * dvp, own_k, own_v, qp.shift[r],
+                                    qp.delta[r], &prob);
           for (int64_t d = 0; d < p.dim; ++d) gr[d] += ds * own_k[d];
         }
         T* o = dq + ((b * p.q_len + i) * p.q_heads + hk * g_len + g) * p.dim;
@@ -1019,9 +1017,8 @@ ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
       budget_mib = std::max(0L, std::strtol(env, nullptr, 10));
     }
     KeptGrads kept(p, budget_mib << 20);
-    Backward<D> kernel{p, keys, queries, kept, qp, kp, vp, dop,
-                       static_cast<T*>(dq->untyped_data()), static_cast<T*>(dk->untyped_data()),
-                       static_cast<T*>(dv->untyped_data())};
+    Backward<D> kernel{p, keys, queries, kept, static_cast<T*>(dq->untyped_data()),
+                       static_cast<T*>(dk->untyped_data()), static_cast<T*>(dv->untyped_data())};
     if (kept.kept()) {  // the dq tasks read what the dk / dv tasks keep
       parallel_for(pool, key_tasks, [&](int64_t t) { kernel.dkv_task(t); });
       parallel_for(pool, tasks - key_tasks, [&](int64_t t) { kernel.dq_task(t); });
