@@ -61,17 +61,23 @@ THREADS_SCRIPT = textwrap.dedent("""
     from rankattn.backends import BlockSizes, Cpu
     keys = jax.random.split(jax.random.PRNGKey(3), 4)
     b, s = 2, 150
-    q = jax.random.normal(keys[0], (b, s, 4, 40)); k = jax.random.normal(keys[1], (b, s, 2, 40))
-    v = jax.random.normal(keys[2], (b, s, 2, 24)); w = jax.random.normal(keys[3], (b, s, 4, 24))
     seg = jnp.asarray(np.tile(np.r_[np.ones(100), -np.ones(40), np.zeros(10)], (b, 1)), jnp.int32)
     impl = Cpu(BlockSizes(16, 32))
-    def loss(q, k, v):
-        out = rankattn.attention(q, k, v, segment_ids=seg, softcap=3.0, impl=impl)
-        return (out * w).sum(), out
-    grads, out = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
-    np.savez(sys.argv[1] if len(sys.argv) > 1 else sys.stdout.buffer,
-             out=out, dq=grads[0], dk=grads[1], dv=grads[2])
+    results = {}
+    for dtype in (jnp.float32, jnp.bfloat16):  # float32 dots; bfloat16 on AMX / VDPBF16PS
+        q = jax.random.normal(keys[0], (b, s, 4, 40), dtype)
+        k = jax.random.normal(keys[1], (b, s, 2, 40), dtype)
+        v = jax.random.normal(keys[2], (b, s, 2, 24), dtype)
+        w = jax.random.normal(keys[3], (b, s, 4, 24), jnp.float32)
+        def loss(q, k, v):
+            out = rankattn.attention(q, k, v, segment_ids=seg, softcap=3.0, impl=impl)
+            return (out.astype(jnp.float32) * w).sum(), out
+        grads, out = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+        for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+            results[f"{name} {dtype.__name__}"] = np.asarray(x.astype(jnp.float32))
+    np.savez(sys.argv[1] if len(sys.argv) > 1 else sys.stdout.buffer, **results)
 """)
+
 
 
 @needs_cpu_kernel
@@ -87,7 +93,7 @@ def test_results_are_bit_identical_for_any_thread_count_and_backward_memory(tmp_
                      {"RANKATTN_CPU_THREADS": threads, "RANKATTN_CPU_BACKWARD_MB": budget})
         assert run.returncode == 0, run.stderr[-5000:]
         results[threads, budget] = np.load(path)
-    for name in ("out", "dq", "dk", "dv"):
+    for name in results["1", "1024"].files:
         bits = {key: r[name].tobytes() for key, r in results.items()}
         assert len(set(bits.values())) == 1, (name, [k for k in bits])
 

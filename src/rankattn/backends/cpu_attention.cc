@@ -14,23 +14,34 @@
 // by 0 as they are copied into the task's buffers, and the rows that see them
 // (semantics.py's "poisoned" rows) end with NaN out and lse.
 //
-// Every dot is C[M, N] (+)= A[M, K] B[K, N] with A and B row-major: a broadcast of
-// A times a vector of B. Operand buffers are copied (and, for some, transposed)
-// per visit, so the kernel reads q, k, v in their own [B, S, H, D] layout and
-// dtype, and every B buffer's rows are padded with zeros to a multiple of the
-// register tile: no loop ever reads past a buffer.
+// Every dot is C[M, N] (+)= A[M, K] B[K, N]: float32 on one register-tiled
+// microkernel, bfloat16 on AMX tiles or VDPBF16PS. q, k, v (and in the backward
+// dO) are read in their own [B, S, H, D] layout and dtype, and packed once per
+// call into panels, the layouts the dots read, padded with zeros to what the dots
+// read: no loop ever reads past a buffer.
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <new>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -158,30 +169,129 @@ struct F16 {
   }
 };
 
-// ---- The one dot: C[M, N] (+)= A[M, K] B[K, N], N a multiple of kColTile. A is row-major,
-// A(r, k) = a[r * lda + k], or with kTransposedA column-major, A(r, k) = a[k * lda + r].
+// ---- Dot elements. The dots read float32, except that bfloat16 inputs on a CPU with AMX or
+// AVX-512 BF16 stay bfloat16: exact products summed in float32, on AMX tiles (TDPBF16PS, 2.5-3x
+// the float32 FMA rate of a Sapphire Rapids core on 128-wide blocks) or with VDPBF16PS (twice
+// the FMA rate on Zen 4, but half of it on Sapphire Rapids, which is why AMX comes first). p
+// and ds are then rounded to bfloat16 before the dots that take them, as flash attention does
+// on GPUs (tests/tolerances.py allows for it). q is never pre-scaled, so no scale is rounded
+// into it: the logits are scaled in float32.
 
-template <bool kTransposedA>
-inline const float* a_element(const float* a, int64_t lda, int64_t r, int64_t k) {
-  return kTransposedA ? a + k * lda + r : a + r * lda + k;
+using bf16_t = uint16_t;  // a bfloat16's bits, as the dots read them
+
+template <typename D>
+struct DotElement {  // the element type of D's panels
+  using type = float;
+};
+
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+template <>
+struct DotElement<BF16> {
+  using type = bf16_t;
+};
+#endif
+
+// What a dot of element type E reads past its operands' sizes: the contraction length is
+// rounded up to kDepth (AMX: one 32-element tile row; VDPBF16PS: a pair), and the rows of A
+// and C to kRows (AMX: 16-row tiles). Every operand buffer is sized and zero-padded for it.
+#if defined(__AMX_BF16__)
+constexpr int64_t kBf16Depth = 32, kBf16Rows = 16;
+#else
+constexpr int64_t kBf16Depth = 2, kBf16Rows = 1;
+#endif
+template <typename E>
+constexpr int64_t kDepth = std::is_same_v<E, float> ? 1 : kBf16Depth;
+template <typename E>
+constexpr int64_t kRows = std::is_same_v<E, float> ? 1 : kBf16Rows;
+template <typename E>
+constexpr int64_t kPair = std::is_same_v<E, float> ? 1 : 2;  // elements side by side
+
+// Two layouts of a matrix X that a dot contracts over one of its dimensions:
+//  - rows, X[i][k] at i * ld + k with k contracted: an A operand;
+//  - panel, X[k][n] with k contracted: at k * ld + n in float32; in bfloat16 the pairs
+//    (k, k + 1) of a column side by side, ((k / 2) * ld + n) * 2 + k % 2, as VDPBF16PS and
+//    AMX's B tiles take them: a B operand.
+// In float32 a matrix's rows layout is its panel layout, so what one dot contracts over its
+// rows and another over its columns is stored once; in bfloat16, twice.
+template <typename E>
+constexpr bool kRowsArePanel = std::is_same_v<E, float>;
+template <typename E>
+inline int64_t panel_index(int64_t k, int64_t n, int64_t ld) {
+  return ((k / kPair<E>) * ld + n) * kPair<E> + k % kPair<E>;
+}
+template <typename E>
+inline int64_t panel_size(int64_t k, int64_t ld) {  // a panel of k contraction rows, padded
+  return round_up(k, kDepth<E>) * ld;
+}
+template <typename E>
+inline int64_t rows_size(int64_t rows, int64_t ld) {  // an A or C operand of `rows` rows
+  return round_up(rows, kRows<E>) * ld;
 }
 
-template <int R, bool kAccumulate, bool kTransposedA>
-inline void tile(int64_t k_len, const float* a, int64_t lda, const float* b, int64_t ldb,
-                 float* c, int64_t ldc) {
+template <typename E>
+inline E to_element(float x) {
+  if constexpr (std::is_same_v<E, float>) {
+    return x;
+  } else {
+    return BF16::from(x);
+  }
+}
+template <typename E>
+inline float to_float(E x) {
+  if constexpr (std::is_same_v<E, float>) {
+    return x;
+  } else {
+    return BF16::to(x);
+  }
+}
+
+template <typename E>
+struct DotOps {  // float32: a broadcast of A times a vector of B, fused multiply-add
+  using B = vf;
+  static B load_b(const float* p) { return load(p); }
+  static B broadcast(const float* a) { return splat(*a); }
+  static vf madd(vf acc, B a, B b) { return acc + a * b; }
+};
+
+#if defined(__AVX512BF16__)
+static_assert(kLanes == 16, "AVX-512 BF16 comes with 16-lane float vectors");
+template <>
+struct DotOps<bf16_t> {  // bfloat16: a broadcast pair of A times 16 pairs of B, VDPBF16PS
+  using B = __m512bh;
+  static B load_b(const bf16_t* p) {
+    B v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  static B broadcast(const bf16_t* a) {
+    int32_t pair;
+    std::memcpy(&pair, a, sizeof pair);
+    return (B)_mm512_set1_epi32(pair);
+  }
+  static vf madd(vf acc, B a, B b) { return _mm512_dpbf16_ps(acc, a, b); }
+};
+#endif
+
+// ---- The one dot: C[M, N] (+)= A[M, K] B[K, N], N a multiple of kColTile, A rows, B a panel.
+
+template <int R, bool kAccumulate, typename E>
+inline void tile(int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb, float* c,
+                 int64_t ldc) {
+  using Ops = DotOps<E>;
   vf acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     acc[r][0] = kAccumulate ? load(c + r * ldc) : splat(0.0f);
     acc[r][1] = kAccumulate ? load(c + r * ldc + kLanes) : splat(0.0f);
   }
-  for (int64_t k = 0; k < k_len; ++k) {
-    vf b0 = load(b + k * ldb), b1 = load(b + k * ldb + kLanes);
+  for (int64_t k = 0; k < k_len; k += kPair<E>) {
+    const auto b0 = Ops::load_b(b + panel_index<E>(k, 0, ldb));
+    const auto b1 = Ops::load_b(b + panel_index<E>(k, kLanes, ldb));
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      vf x = splat(*a_element<kTransposedA>(a, lda, r, k));
-      acc[r][0] += x * b0;
-      acc[r][1] += x * b1;
+      const auto x = Ops::broadcast(a + r * lda + k);
+      acc[r][0] = Ops::madd(acc[r][0], x, b0);
+      acc[r][1] = Ops::madd(acc[r][1], x, b1);
     }
   }
 #pragma GCC unroll 16
@@ -191,29 +301,151 @@ inline void tile(int64_t k_len, const float* a, int64_t lda, const float* b, int
   }
 }
 
-template <bool kAccumulate, bool kTransposedA, int R = kRowTile>
-inline void tail_rows(int rows, int64_t k_len, const float* a, int64_t lda, const float* b,
-                      int64_t ldb, float* c, int64_t ldc) {
+template <bool kAccumulate, typename E, int R = kRowTile>
+inline void tail_rows(int rows, int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb,
+                      float* c, int64_t ldc) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, kAccumulate, kTransposedA>(k_len, a, lda, b, ldb, c, ldc);
-    tail_rows<kAccumulate, kTransposedA, R - 1>(rows, k_len, a, lda, b, ldb, c, ldc);
+    if (rows == R) return tile<R, kAccumulate>(k_len, a, lda, b, ldb, c, ldc);
+    tail_rows<kAccumulate, E, R - 1>(rows, k_len, a, lda, b, ldb, c, ldc);
   }
 }
 
-template <bool kAccumulate, bool kTransposedA = false>
-void gemm(int64_t m, int64_t n, int64_t k_len, const float* a, int64_t lda, const float* b,
-          int64_t ldb, float* c, int64_t ldc) {
+#if defined(__AMX_BF16__)
+// AMX needs the kernel's permission once per process (Linux 5.16+); without it, VDPBF16PS.
+bool amx_usable() {
+  static const bool usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                     18 /* XFEATURE_XTILEDATA */) == 0;
+  return usable;
+}
+
+struct TileConfig {  // the ldtilecfg operand, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// C in 32 x 32 blocks of four 16 x 16 tiles (0-3), from two A tiles (4, 5: 16 rows x 32 k)
+// and two B tiles (6, 7: 16 pairs of k x 16 columns). Configured per call and released
+// after, so no tile state outlives it on XLA's threads.
+template <bool kAccumulate>
+void amx_gemm(int64_t m, int64_t n, int64_t k_len, const bf16_t* a, int64_t lda,
+              const bf16_t* b, int64_t ldb, float* c, int64_t ldc) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+  const int64_t a_stride = lda * 2, b_stride = ldb * 4, c_stride = ldc * 4;
+  for (int64_t i = 0; i < m; i += 32) {
+    const bool two = i + 16 < m;  // a second 16-row half
+    for (int64_t j = 0; j < n; j += 32) {
+      float* c0 = c + i * ldc + j;
+      float* c1 = c0 + 16 * ldc;
+      if (kAccumulate) {
+        _tile_loadd(0, c0, c_stride);
+        _tile_loadd(1, c0 + 16, c_stride);
+        if (two) _tile_loadd(2, c1, c_stride);
+        if (two) _tile_loadd(3, c1 + 16, c_stride);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t k = 0; k < k_len; k += 32) {
+        _tile_loadd(4, a + i * lda + k, a_stride);
+        _tile_loadd(6, b + panel_index<bf16_t>(k, j, ldb), b_stride);
+        _tile_loadd(7, b + panel_index<bf16_t>(k, j + 16, ldb), b_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, a + (i + 16) * lda + k, a_stride);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c0, c_stride);
+      _tile_stored(1, c0 + 16, c_stride);
+      if (two) _tile_stored(2, c1, c_stride);
+      if (two) _tile_stored(3, c1 + 16, c_stride);
+    }
+  }
+  _tile_release();
+}
+#endif
+
+template <bool kAccumulate, typename E>
+void gemm(int64_t m, int64_t n, int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb,
+          float* c, int64_t ldc) {
+#if defined(__AMX_BF16__)
+  if constexpr (std::is_same_v<E, bf16_t>) {
+    if (amx_usable()) return amx_gemm<kAccumulate>(m, n, k_len, a, lda, b, ldb, c, ldc);
+  }
+#endif
   for (int64_t j = 0; j < n; j += kColTile) {  // a B panel stays in L1 across the rows
+    const E* bj = b + panel_index<E>(0, j, ldb);
     int64_t i = 0;
     for (; i + kRowTile <= m; i += kRowTile) {
-      tile<kRowTile, kAccumulate, kTransposedA>(k_len, a_element<kTransposedA>(a, lda, i, 0),
-                                                lda, b + j, ldb, c + i * ldc + j, ldc);
+      tile<kRowTile, kAccumulate>(k_len, a + i * lda, lda, bj, ldb, c + i * ldc + j, ldc);
     }
     if (i < m) {
-      tail_rows<kAccumulate, kTransposedA>(static_cast<int>(m - i), k_len,
-                                           a_element<kTransposedA>(a, lda, i, 0), lda, b + j,
-                                           ldb, c + i * ldc + j, ldc);
+      tail_rows<kAccumulate>(static_cast<int>(m - i), k_len, a + i * lda, lda, bj, ldb,
+                             c + i * ldc + j, ldc);
     }
+  }
+}
+
+// bfloat16 bits of each lane, rounded to nearest even (finite and infinite lanes; p and ds,
+// the only values rounded here, are never NaN).
+typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+inline vu bf16_bits(vf x) {
+  vu bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
+// p or ds rows x[rows][ld] (float, their first `cols` columns) as an A operand of the dots'
+// element type: x itself in float32; in bfloat16 a rounded copy in `buffer`, zero from
+// column `cols` to what the dot reads, and in the padded rows.
+template <typename E>
+const E* dot_rows(const float* x, int64_t rows, int64_t cols, int64_t ld,
+                  std::vector<E>& buffer) {
+  if constexpr (std::is_same_v<E, float>) {
+    return x;
+  } else {
+    buffer.resize(rows_size<E>(rows, ld));
+    const int64_t width = round_up(cols, kLanes);  // <= ld: rows are padded to whole vectors
+    const int64_t read = std::max(width, round_up(cols, kDepth<E>));  // <= ld as well
+    for (int64_t r = 0; r < rows; ++r) {
+      E* out = buffer.data() + r * ld;
+      for (int64_t c = 0; c < width; c += kLanes) {
+        const vh h = __builtin_convertvector(bf16_bits(load(x + r * ld + c)), vh);
+        std::memcpy(out + c, &h, sizeof h);
+      }
+      std::fill(out + cols, out + read, 0);
+    }
+    std::fill(buffer.data() + rows * ld, buffer.data() + buffer.size(), 0);
+    return buffer.data();
+  }
+}
+
+// ds^T x[rows][ld] (float: rows are keys, columns query rows, the first `cols` valid) as the
+// B panel of dQ^T += K^T dS^T, `rows` contraction rows, into `out` (panel_size(rows, ld)).
+template <typename E>
+void keep_panel(const float* x, int64_t rows, int64_t cols, int64_t ld, E* out) {
+  if constexpr (std::is_same_v<E, float>) {
+    std::copy_n(x, rows * ld, out);
+  } else {
+    const int64_t width = round_up(cols, kLanes);
+    for (int64_t k = 0; k < rows; k += 2) {
+      for (int64_t c = 0; c < width; c += kLanes) {
+        const vu low = bf16_bits(load(x + k * ld + c));
+        const vu high = k + 1 < rows ? bf16_bits(load(x + (k + 1) * ld + c)) : vu{};
+        const vu pairs = low | (high << 16);
+        std::memcpy(out + panel_index<E>(k, c, ld), &pairs, sizeof pairs);
+      }
+      std::fill(out + panel_index<E>(k, width, ld), out + panel_index<E>(k, ld, ld), 0);
+    }
+    std::fill(out + panel_index<E>(round_up(rows, 2), 0, ld), out + panel_size<E>(rows, ld), 0);
   }
 }
 
@@ -279,17 +511,22 @@ struct Problem {
     float t = std::tanh(s / softcap);
     return 1 - t * t;
   }
-  // The cap in place over n (a multiple of kLanes) logits.
-  void cap_row(float* s, int64_t n) const {
-    if (softcap <= 0) return;
-    const vf c = splat(softcap), inv = splat(1 / softcap);
+  // Logits from the dots of unscaled q and k, in place over n (a multiple of kLanes) entries:
+  // times the scale, then the cap. `raw` (when given) receives them before the cap, for cap'.
+  void logits(float* s, int64_t n, float* raw = nullptr) const {
+    const vf mul = splat(scale), c = splat(softcap);
+    const vf inv = splat(softcap > 0 ? 1 / softcap : 0.0f);
     for (int64_t j = 0; j < n; j += kLanes) {
-      vf x = load(s + j);
-      if (soft_sign) {
-        store(s + j, x / (1 + (x < 0 ? -x : x) * inv));
-      } else {  // tanh(y) = 1 - 2 / (exp(2y) + 1), saturating cleanly at +-1
-        store(s + j, c * (1 - 2 / (vexp(2 * x * inv) + 1)));
+      vf x = load(s + j) * mul;
+      if (raw) store(raw + j, x);
+      if (softcap > 0) {
+        if (soft_sign) {
+          x = x / (1 + (x < 0 ? -x : x) * inv);
+        } else {  // tanh(y) = 1 - 2 / (exp(2y) + 1), saturating cleanly at +-1
+          x = c * (1 - 2 / (vexp(2 * x * inv) + 1));
+        }
       }
+      store(s + j, x);
     }
   }
   // semantics.sees_history, lane-wise: -1 where query (sq, pq) sees history key (sk, pk).
@@ -327,34 +564,51 @@ inline void logit_grads(const Problem& p, float* sp, const float* dp, const floa
 }
 
 template <typename D>
-bool copy_row(const typename D::T* src, int64_t n, float mul, float* dst) {
+bool copy_row(const typename D::T* src, int64_t n, float* dst) {
   bool bad = false;
   for (int64_t d = 0; d < n; ++d) {
     float x = D::to(src[d]);
     bool ok = std::isfinite(x);
     bad |= !ok;
-    dst[d] = ok ? x * mul : 0.0f;
+    dst[d] = ok ? x : 0.0f;
   }
   return bad;
 }
 
-// Tokens t0 .. t0 + n of head h of x [B, S, H, width], times `mul`, non-finite entries 0, into
-// `rows` ([n][ld_rows], when given) and `cols` (transposed, [width][ld_cols], when given);
+// Where gather puts tokens X[n][width] of one head, token t at row `first` + t (null: not
+// wanted): the rows of X (contracted over d) and of X^T (over tokens), and the panels of X
+// (over tokens) and of X^T (over d).
+template <typename E>
+struct Destination {
+  E* rows = nullptr;
+  int64_t ld_rows = 0;
+  E* rows_t = nullptr;
+  int64_t ld_rows_t = 0;
+  E* panel = nullptr;
+  int64_t ld_panel = 0;
+  E* panel_t = nullptr;
+  int64_t ld_panel_t = 0;
+  int64_t first = 0;
+};
+
+// Tokens t0 .. t0 + n of head h of x [B, S, H, width], non-finite entries 0, into `to`;
 // per-token non-finite flags OR-ed into `bad` (when given).
-template <typename D>
+template <typename D, typename E>
 void gather(const typename D::T* x, int64_t seq, int64_t heads, int64_t width, int64_t b,
-            int64_t h, int64_t t0, int64_t n, float mul, float* rows, int64_t ld_rows,
-            float* cols, int64_t ld_cols, int32_t* bad) {
+            int64_t h, int64_t t0, int64_t n, const Destination<E>& to, int32_t* bad) {
   for (int64_t t = 0; t < n; ++t) {
     const typename D::T* src = x + ((b * seq + t0 + t) * heads + h) * width;
+    const int64_t i = to.first + t;
     bool is_bad = false;
     for (int64_t d = 0; d < width; ++d) {
       const float v = D::to(src[d]);
       const bool ok = std::isfinite(v);
       is_bad |= !ok;
-      const float y = ok ? v * mul : 0.0f;
-      if (rows) rows[t * ld_rows + d] = y;
-      if (cols) cols[d * ld_cols + t] = y;
+      const E y = to_element<E>(ok ? v : 0.0f);
+      if (to.rows) to.rows[i * to.ld_rows + d] = y;
+      if (to.rows_t) to.rows_t[d * to.ld_rows_t + i] = y;
+      if (to.panel) to.panel[panel_index<E>(i, d, to.ld_panel)] = y;
+      if (to.panel_t) to.panel_t[panel_index<E>(d, i, to.ld_panel_t)] = y;
     }
     if (bad && is_bad) bad[t] = -1;
   }
@@ -367,80 +621,101 @@ void gather(const typename D::T* x, int64_t seq, int64_t heads, int64_t width, i
 // would be mapped anew by the kernel and page-faulted in, which measured 0.5 ms of a 3.5 ms
 // short call (B=2, 320 tokens). So a thread keeps its largest call's panels until it exits.
 struct Workspace {
-  std::unique_ptr<float[]> floats;
-  std::unique_ptr<int32_t[]> ints;
-  int64_t n_floats = 0, n_ints = 0;
-  void reserve(int64_t f, int64_t i) {
-    if (f > n_floats) floats.reset(new float[n_floats = f]);
-    if (i > n_ints) ints.reset(new int32_t[n_ints = i]);
+  struct Free {
+    void operator()(std::byte* x) const { std::free(x); }
+  };
+  std::unique_ptr<std::byte[], Free> bytes;
+  int64_t size = 0;
+  std::byte* reserve(int64_t n) {
+    if (n > size) {
+      size = round_up(n, 64);
+      bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, size)));
+      if (!bytes) throw std::bad_alloc();
+    }
+    return bytes.get();
   }
 };
 
+// Per block: `elements` of the dots' type E, `floats` and `ints`, each region 64-byte aligned.
+template <typename E>
 struct Panels {
-  int64_t floats_per_block, ints_per_block;
-  float* floats;
-  int32_t* ints;
-  Panels(Workspace& memory, int64_t blocks, int64_t f, int64_t i)
-      : floats_per_block(f), ints_per_block(i) {
-    memory.reserve(blocks * f, blocks * i);
-    floats = memory.floats.get();
-    ints = memory.ints.get();
+  int64_t e_bytes, f_bytes, block_bytes;
+  std::byte* base;
+  Panels(Workspace& memory, int64_t blocks, int64_t elements, int64_t floats, int64_t ints)
+      : e_bytes(round_up(elements * sizeof(E), 64)), f_bytes(round_up(floats * 4, 64)),
+        block_bytes(e_bytes + f_bytes + round_up(ints * 4, 64)),
+        base(memory.reserve(blocks * block_bytes)) {}
+  E* e(int64_t block) const { return reinterpret_cast<E*>(base + block * block_bytes); }
+  float* f(int64_t block) const {
+    return reinterpret_cast<float*>(base + block * block_bytes + e_bytes);
   }
-  float* f(int64_t block) const { return floats + block * floats_per_block; }
-  int32_t* i(int64_t block) const { return ints + block * ints_per_block; }
+  int32_t* i(int64_t block) const {
+    return reinterpret_cast<int32_t*>(base + block * block_bytes + e_bytes + f_bytes);
+  }
+  void clear(int64_t block) const { std::memset(base + block * block_bytes, 0, block_bytes); }
 };
 
 thread_local Workspace key_memory, query_memory;
 
-// Key block (b, kv head, kb): kt [D][np] (k transposed), vs [np][dvp]; for the backward also
-// ks [np][dp] and vt [Dv][np]. Ints: seg, pos, bad (-1 where k or v is non-finite) [np] each.
+// Key block (b, kv head, kb) of np keys, as the dots read it:
+//   kt: forward, the panel of K^T [D][np] (S = Q K^T); backward, the rows of K^T [dc][np]
+//       (dQ^T += K^T dS^T);
+//   vs: forward, the panel of V [np][dvp] (O += P V); backward, the rows of V (dP^T = V dO^T);
+//   ks: backward only, the rows of K [np][dp] (S^T = K Q^T).
+// (In float32 rows and panels are one layout.) Ints: seg, pos, bad (-1 where k or v is
+// non-finite) [np] each, then "any bad".
+template <typename E>
 struct KeyPanel {
-  const float *kt, *vs, *ks, *vt;
-  const int32_t *seg, *pos, *bad;
+  E *kt, *vs, *ks;
+  int32_t *seg, *pos, *bad;
   int64_t k0, nk;
   bool any_bad;
 };
 
+template <typename E>
 struct KeyPanels {
   const Problem& p;
   bool backward;
-  Panels store;
+  int64_t kt_size, vs_size, ks_size;
+  Panels<E> store;
   KeyPanels(const Problem& p, bool backward)
-      : p(p), backward(backward),
-        store(key_memory, p.batch * p.kv_heads * p.n_k,
-              p.dim * p.np() + p.np() * p.dvp() + (backward ? p.np() * p.dp() + p.dim_v * p.np() : 0),
+      : p(p), backward(backward), kt_size(p.dc() * p.np()),
+        vs_size(panel_size<E>(p.np(), p.dvp())), ks_size(backward ? p.np() * p.dp() : 0),
+        store(key_memory, p.batch * p.kv_heads * p.n_k, kt_size + vs_size + ks_size, 0,
               3 * p.np() + 1) {}
 
-  KeyPanel get(int64_t b, int64_t hk, int64_t kb) const {
-    const int64_t block = (b * p.kv_heads + hk) * p.n_k + kb, np = p.np();
-    const float* f = store.f(block);
-    const int32_t* i = store.i(block);
-    const int64_t k0 = kb * p.block_k;
-    return KeyPanel{f, f + p.dim * np, backward ? f + p.dim * np + np * p.dvp() : nullptr,
-                    backward ? f + p.dim * np + np * p.dvp() + np * p.dp() : nullptr,
-                    i, i + np, i + 2 * np, k0, std::min(p.block_k, p.kv_len - k0),
-                    i[3 * np] != 0};
+  KeyPanel<E> get(int64_t b, int64_t hk, int64_t kb) const {
+    return at((b * p.kv_heads + hk) * p.n_k + kb);
+  }
+
+  KeyPanel<E> at(int64_t block) const {
+    E* kt = store.e(block);
+    int32_t* i = store.i(block);
+    const int64_t np = p.np(), k0 = block % p.n_k * p.block_k;
+    return KeyPanel<E>{kt, kt + kt_size, backward ? kt + kt_size + vs_size : nullptr,
+                       i, i + np, i + 2 * np, k0, std::min(p.block_k, p.kv_len - k0),
+                       i[3 * np] != 0};
   }
 
   template <typename D>
   void pack(int64_t block, const typename D::T* k, const typename D::T* v) const {
     const int64_t b = block / (p.kv_heads * p.n_k), hk = block / p.n_k % p.kv_heads;
-    const int64_t kb = block % p.n_k, np = p.np(), dp = p.dp(), dvp = p.dvp();
-    float* f = store.f(block);
-    int32_t* in = store.i(block);
-    std::fill_n(f, store.floats_per_block, 0.0f);
-    std::fill_n(in, store.ints_per_block, 0);
-    const int64_t k0 = kb * p.block_k, nk = std::min(p.block_k, p.kv_len - k0);
-    float* kt = f;
-    float* vs = kt + p.dim * np;
-    float* ks = backward ? vs + np * dvp : nullptr;
-    float* vt = backward ? ks + np * dp : nullptr;
-    int32_t* bad = in + 2 * np;
-    gather<D>(k, p.kv_len, p.kv_heads, p.dim, b, hk, k0, nk, 1.0f, ks, dp, kt, np, bad);
-    gather<D>(v, p.kv_len, p.kv_heads, p.dim_v, b, hk, k0, nk, 1.0f, vs, dvp, vt, np, bad);
-    std::copy_n(p.seg_k + b * p.kv_len + k0, nk, in);
-    std::copy_n(p.pos_k + b * p.kv_len + k0, nk, in + np);
-    in[3 * np] = std::any_of(bad, bad + nk, [](int32_t x) { return x != 0; });
+    const int64_t np = p.np(), dp = p.dp(), dvp = p.dvp();
+    store.clear(block);
+    const KeyPanel<E> key = at(block);
+    Destination<E> k_to, v_to;
+    if (backward) {
+      k_to.rows = key.ks, k_to.ld_rows = dp, k_to.rows_t = key.kt, k_to.ld_rows_t = np;
+      v_to.rows = key.vs, v_to.ld_rows = dvp;
+    } else {
+      k_to.panel_t = key.kt, k_to.ld_panel_t = np;
+      v_to.panel = key.vs, v_to.ld_panel = dvp;
+    }
+    gather<D, E>(k, p.kv_len, p.kv_heads, p.dim, b, hk, key.k0, key.nk, k_to, key.bad);
+    gather<D, E>(v, p.kv_len, p.kv_heads, p.dim_v, b, hk, key.k0, key.nk, v_to, key.bad);
+    std::copy_n(p.seg_k + b * p.kv_len + key.k0, key.nk, key.seg);
+    std::copy_n(p.pos_k + b * p.kv_len + key.k0, key.nk, key.pos);
+    store.i(block)[3 * np] = std::any_of(key.bad, key.bad + key.nk, [](int32_t x) { return x != 0; });
   }
 };
 
@@ -487,8 +762,9 @@ inline Visits visits(const Problem& p, const int32_t* index, const int32_t* full
 template <typename D>
 struct Forward {
   using T = typename D::T;
+  using E = typename DotElement<D>::type;
   const Problem& p;
-  const KeyPanels& keys;
+  const KeyPanels<E>& keys;
   const T *q, *k, *v;
   T* out;
   float* lse;
@@ -499,17 +775,18 @@ struct Forward {
     const int64_t nq = std::min(p.block_q, p.q_len - q0), m = g_len * nq;
     const int64_t dp = p.dp(), dvp = p.dvp(), np = p.np(), nc = p.nc(), dvc = p.dvc();
     // Per-thread buffers, reused by every task the thread runs (see Workspace).
-    thread_local std::vector<float> qs, s, acc, mx, l;
+    thread_local std::vector<E> qs, pe;
+    thread_local std::vector<float> s, acc, mx, l;
     thread_local std::vector<int32_t> poisoned;
-    qs.resize(m * dp);
-    s.resize(m * np);
-    acc.assign(m * dvp, 0.0f);
+    qs.assign(rows_size<E>(m, dp), E{});  // the rows of q, zero where the dots read past them
+    s.resize(rows_size<E>(m, np));
+    acc.assign(rows_size<E>(m, dvp), 0.0f);
     mx.assign(m, -kInf);
     l.assign(m, 0.0f);
     poisoned.assign(m, 0);
     for (int64_t g = 0; g < g_len; ++g) {
-      gather<D>(q, p.q_len, p.q_heads, p.dim, b, hk * g_len + g, q0, nq, p.scale,
-                qs.data() + g * nq * dp, dp, nullptr, 0, poisoned.data() + g * nq);
+      gather<D, E>(q, p.q_len, p.q_heads, p.dim, b, hk * g_len + g, q0, nq,
+                   {qs.data() + g * nq * dp, dp}, poisoned.data() + g * nq);
     }
     const int32_t* seg_q = p.seg_q + b * p.q_len + q0;
     const int32_t* pos_q = p.pos_q + b * p.q_len + q0;
@@ -518,13 +795,13 @@ struct Forward {
     for (int64_t e = 0; e < list.count; ++e) {
       const int32_t kb = list.index[e];
       if (kb < 0 || kb >= p.n_k) continue;
-      const KeyPanel key = keys.get(b, hk, kb);
+      const KeyPanel<E> key = keys.get(b, hk, kb);
       const bool masked = e >= list.full;
       gemm<false>(m, nc, p.dim, qs.data(), dp, key.kt, np, s.data(), np);
       for (int64_t r = 0; r < m; ++r) {
         const int64_t t = r % nq;
         float* sr = s.data() + r * np;
-        p.cap_row(sr, nc);
+        p.logits(sr, nc);
         if (masked) {
           const vi sq = splat_i(seg_q[t]), pq = splat_i(pos_q[t]);
           vi hit = splat_i(0);
@@ -559,7 +836,9 @@ struct Forward {
           for (int64_t d = 0; d < dvc; d += kLanes) store(ar + d, load(ar + d) * alpha);
         }
       }
-      gemm<true>(m, dvc, key.nk, s.data(), np, key.vs, dvp, acc.data(), dvp);
+      // p past the block's keys is 0 (their logits are -inf), so a bfloat16 pair may read it.
+      gemm<true>(m, dvc, key.nk, dot_rows<E>(s.data(), m, key.nk, np, pe), np, key.vs, dvp,
+                 acc.data(), dvp);
     }
 
     std::vector<float> own_k(p.dim), own_v(p.dim_v);
@@ -568,19 +847,19 @@ struct Forward {
       bool own_bad = false;
       if (own) {
         const int64_t i = q0 + t;
-        own_bad = copy_row<D>(k + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim, p.dim, 1.0f,
+        own_bad = copy_row<D>(k + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim, p.dim,
                               own_k.data());
         own_bad |= copy_row<D>(v + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim_v, p.dim_v,
-                               1.0f, own_v.data());
+                               own_v.data());
       }
       for (int64_t g = 0; g < g_len; ++g) {
         const int64_t r = g * nq + t, h = hk * g_len + g;
         float* ar = acc.data() + r * dvp;
         if (own) {  // the own-key logit joins the softmax
           float dot = 0;
-          const float* qr = qs.data() + r * dp;
-          for (int64_t d = 0; d < p.dim; ++d) dot += qr[d] * own_k[d];
-          const float s_own = p.cap(dot), m_new = std::max(mx[r], s_own);
+          const E* qr = qs.data() + r * dp;
+          for (int64_t d = 0; d < p.dim; ++d) dot += to_float(qr[d]) * own_k[d];
+          const float s_own = p.cap(dot * p.scale), m_new = std::max(mx[r], s_own);
           const float alpha = std::exp(mx[r] - m_new), p_own = std::exp(s_own - m_new);
           l[r] = l[r] * alpha + p_own;
           for (int64_t d = 0; d < p.dim_v; ++d) ar[d] = ar[d] * alpha + p_own * own_v[d];
@@ -599,68 +878,74 @@ struct Forward {
 };
 
 // ---- Backward. The caller passes, per query row [B, Sq, Hq], the lse (+inf for rows that
-// pass no gradient) and delta = rowsum(dO * O) - d lse (semantics.backward_rows). Then
-// p = exp(cap(s) - lse), dp = dO . v, ds = p (dp - delta) cap'(s), and with q pre-scaled:
-// dq = scale * ds k, dk = ds^T (scale q), dv = p^T dO.
+// pass no gradient) and delta = rowsum(dO * O) - d lse (semantics.backward_rows). Then with
+// s = scale q . k: p = exp(cap(s) - lse), dp = dO . v, ds = p (dp - delta) cap'(s), and
+// dq = scale * ds k, dk = scale * ds^T q, dv = p^T dO. Every block pair is computed key-major
+// (rows are keys, columns query rows), by the dk / dv task and, for dq, either kept from it
+// or recomputed the same way, so dq has the same bits either way.
 
 // Query block (b, kv head, qb), rows r = g * nq + t (token q0 + t, query head hk * G + g):
-// qs [mp][dp] (scaled q), qt [D][mp], dos [mp][dvp], dot [Dv][mp], shift [mp] (the lse; +inf
-// where p must be 0), delta [mp]. Ints: seg, pos [mp].
+//   qs, the panel of q [mp][dp] (dK += dS^T Q); qt, the panel of Q^T [D][mp] (S^T = K Q^T);
+//   dos, the panel of dO [mp][dvp] (dV += P^T dO); dot, the panel of dO^T [Dv][mp]
+//   (dP^T = V dO^T).
+// Floats: shift [mp] (the lse; +inf where p must be 0), delta [mp]. Ints: seg, pos [mp].
+template <typename E>
 struct QueryPanel {
-  const float *qs, *qt, *dos, *dot, *shift, *delta;
-  const int32_t *seg, *pos;
+  E *qs, *qt, *dos, *dot;
+  float *shift, *delta;
+  int32_t *seg, *pos;
   int64_t q0, nq, m;
 };
 
+template <typename E>
 struct QueryPanels {
   const Problem& p;
-  Panels store;
+  int64_t qs_size, qt_size, dos_size, dot_size;
+  Panels<E> store;
   explicit QueryPanels(const Problem& p)
-      : p(p), store(query_memory, p.batch * p.kv_heads * p.n_q,
-                    p.mp() * (p.dp() + p.dvp() + 2) + (p.dim + p.dim_v) * p.mp(), 2 * p.mp()) {}
+      : p(p), qs_size(panel_size<E>(p.mp(), p.dp())), qt_size(panel_size<E>(p.dim, p.mp())),
+        dos_size(panel_size<E>(p.mp(), p.dvp())), dot_size(panel_size<E>(p.dim_v, p.mp())),
+        store(query_memory, p.batch * p.kv_heads * p.n_q, qs_size + qt_size + dos_size + dot_size,
+              2 * p.mp(), 2 * p.mp()) {}
 
-  QueryPanel get(int64_t b, int64_t hk, int64_t qb) const {
-    const int64_t block = (b * p.kv_heads + hk) * p.n_q + qb, mp = p.mp();
-    const float* f = store.f(block);
-    const int32_t* i = store.i(block);
-    const float* dos = f + mp * p.dp() + p.dim * mp;
-    const float* dot = dos + mp * p.dvp();
-    const float* shift = dot + p.dim_v * mp;
-    const int64_t q0 = qb * p.block_q, nq = std::min(p.block_q, p.q_len - q0);
-    return QueryPanel{f, f + mp * p.dp(), dos, dot, shift, shift + mp, i, i + mp, q0, nq,
-                      p.group() * nq};
+  QueryPanel<E> get(int64_t b, int64_t hk, int64_t qb) const {
+    return at((b * p.kv_heads + hk) * p.n_q + qb);
+  }
+
+  QueryPanel<E> at(int64_t block) const {
+    E* qs = store.e(block);
+    float* f = store.f(block);
+    int32_t* i = store.i(block);
+    const int64_t mp = p.mp(), q0 = block % p.n_q * p.block_q;
+    const int64_t nq = std::min(p.block_q, p.q_len - q0);
+    return QueryPanel<E>{qs, qs + qs_size, qs + qs_size + qt_size,
+                         qs + qs_size + qt_size + dos_size, f, f + mp, i, i + mp, q0, nq,
+                         p.group() * nq};
   }
 
   template <typename D>
   void pack(int64_t block, const typename D::T* q, const typename D::T* d_out, const float* lse,
             const float* delta) const {
     const int64_t b = block / (p.kv_heads * p.n_q), hk = block / p.n_q % p.kv_heads;
-    const int64_t qb = block % p.n_q, mp = p.mp(), dp = p.dp(), dvp = p.dvp();
-    float* f = store.f(block);
-    int32_t* in = store.i(block);
-    std::fill_n(f, store.floats_per_block, 0.0f);
-    std::fill_n(in, store.ints_per_block, 0);
-    const QueryPanel panel = get(b, hk, qb);
-    float* qs = f;
-    float* qt = qs + mp * dp;
-    float* dos = qt + p.dim * mp;
-    float* dot = dos + mp * dvp;
-    float* shift = dot + p.dim_v * mp;
-    float* dl = shift + mp;
-    std::fill_n(shift, mp, kInf);
-    const int64_t g_len = p.group(), nq = panel.nq;
+    const int64_t mp = p.mp();
+    store.clear(block);
+    const QueryPanel<E> qp = at(block);
+    std::fill_n(qp.shift, mp, kInf);
+    const int64_t g_len = p.group(), nq = qp.nq;
     for (int64_t g = 0; g < g_len; ++g) {
       const int64_t h = hk * g_len + g, r0 = g * nq;
-      gather<D>(q, p.q_len, p.q_heads, p.dim, b, h, panel.q0, nq, p.scale, qs + r0 * dp, dp,
-                qt + r0, mp, nullptr);
-      gather<D>(d_out, p.q_len, p.q_heads, p.dim_v, b, h, panel.q0, nq, 1.0f, dos + r0 * dvp,
-                dvp, dot + r0, mp, nullptr);
+      Destination<E> q_to, d_to;
+      q_to.panel = qp.qs, q_to.ld_panel = p.dp(), q_to.panel_t = qp.qt, q_to.ld_panel_t = mp;
+      d_to.panel = qp.dos, d_to.ld_panel = p.dvp(), d_to.panel_t = qp.dot, d_to.ld_panel_t = mp;
+      q_to.first = d_to.first = r0;
+      gather<D, E>(q, p.q_len, p.q_heads, p.dim, b, h, qp.q0, nq, q_to, nullptr);
+      gather<D, E>(d_out, p.q_len, p.q_heads, p.dim_v, b, h, qp.q0, nq, d_to, nullptr);
       for (int64_t t = 0; t < nq; ++t) {
-        const int64_t row = (b * p.q_len + panel.q0 + t) * p.q_heads + h;
-        shift[r0 + t] = lse[row] == -kInf ? kInf : lse[row];  // sees nothing: every p is 0
-        dl[r0 + t] = delta[row];
-        in[r0 + t] = p.seg_q[b * p.q_len + panel.q0 + t];
-        in[mp + r0 + t] = p.pos_q[b * p.q_len + panel.q0 + t];
+        const int64_t row = (b * p.q_len + qp.q0 + t) * p.q_heads + h, r = r0 + t;
+        qp.shift[r] = lse[row] == -kInf ? kInf : lse[row];  // sees nothing: every p is 0
+        qp.delta[r] = delta[row];
+        qp.seg[r] = p.seg_q[b * p.q_len + qp.q0 + t];
+        qp.pos[r] = p.pos_q[b * p.q_len + qp.q0 + t];
       }
     }
   }
@@ -668,18 +953,19 @@ struct QueryPanels {
 
 thread_local Workspace grad_memory;
 
-// dS^T of every visited block pair, written by the dk / dv tasks and read by the dq tasks
-// (then 5 dots per pair, not 7), when it fits RANKATTN_CPU_BACKWARD_MB (default 1024 MiB);
-// beyond that the dq tasks recompute S and dP. Both give bit-identical dq: the recomputed
-// dots sum in the same order.
+// dS^T of every visited block pair, as the panel dQ^T += K^T dS^T reads, written by the dk /
+// dv tasks and read by the dq tasks (then 5 dots per pair, not 7), when it fits
+// RANKATTN_CPU_BACKWARD_MB (default 1024 MiB); beyond that the dq tasks recompute it.
+template <typename E>
 struct KeptGrads {
   const Problem& p;
   std::vector<int64_t> first;  // per (b, kv head, key block): its first slot
-  int64_t block_floats;
-  float* store = nullptr;
+  int64_t block_elements;
+  E* store = nullptr;
 
   KeptGrads(const Problem& p, int64_t budget_bytes)
-      : p(p), first(p.batch * p.kv_heads * p.n_k + 1, 0), block_floats(p.block_k * p.mp()) {
+      : p(p), first(p.batch * p.kv_heads * p.n_k + 1, 0),
+        block_elements(panel_size<E>(p.block_k, p.mp())) {
     for (int64_t b = 0; b < p.batch; ++b) {
       for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
         for (int64_t kb = 0; kb < p.n_k; ++kb) {
@@ -689,18 +975,15 @@ struct KeptGrads {
         }
       }
     }
-    const int64_t floats = first.back() * block_floats;
-    if (floats * static_cast<int64_t>(sizeof(float)) <= budget_bytes) {
-      grad_memory.reserve(floats, 0);
-      store = grad_memory.floats.get();
-    }
+    const int64_t bytes = first.back() * block_elements * static_cast<int64_t>(sizeof(E));
+    if (bytes <= budget_bytes) store = reinterpret_cast<E*>(grad_memory.reserve(bytes));
   }
   bool kept() const { return store != nullptr; }
-  float* slot(int64_t b, int64_t hk, int64_t kb, int64_t e) const {
-    return store + (first[(b * p.kv_heads + hk) * p.n_k + kb] + e) * block_floats;
+  E* slot(int64_t b, int64_t hk, int64_t kb, int64_t e) const {
+    return store + (first[(b * p.kv_heads + hk) * p.n_k + kb] + e) * block_elements;
   }
   // The slot of the pair (kb, qb), or nullptr when kb's list lacks qb (a malformed plan).
-  const float* find(int64_t b, int64_t hk, int64_t kb, int64_t qb) const {
+  const E* find(int64_t b, int64_t hk, int64_t kb, int64_t qb) const {
     const Visits list = visits(p, p.q_index, p.q_full_count, p.q_count, b * p.n_k + kb, p.n_q);
     for (int64_t e = 0; e < list.count; ++e) {
       if (list.index[e] == qb) return slot(b, hk, kb, e);
@@ -712,87 +995,121 @@ struct KeptGrads {
 template <typename D>
 struct Backward {
   using T = typename D::T;
+  using E = typename DotElement<D>::type;
   const Problem& p;
-  const KeyPanels& keys;
-  const QueryPanels& queries;
-  const KeptGrads& kept;  // q, k, v and dO are read from the panels only
+  const KeyPanels<E>& keys;
+  const QueryPanels<E>& queries;
+  const KeptGrads<E>& kept;  // q, k, v and dO are read from the panels only
   T *dq, *dk, *dv;
 
-  // d logit of a candidate's own key from its scaled q, dO, own k and v, its shift and delta;
-  // *prob = p.
-  float own_grad(const float* qs, const float* dos, const float* own_k, const float* own_v,
-                 float shift, float delta, float* prob) const {
-    float dot = 0, dpv = 0;
-    for (int64_t d = 0; d < p.dim; ++d) dot += qs[d] * own_k[d];
-    for (int64_t d = 0; d < p.dim_v; ++d) dpv += dos[d] * own_v[d];
-    *prob = std::exp(p.cap(dot) - shift);
-    return *prob * (dpv - delta) * p.cap_grad(dot);
+  // Per-thread buffers of one block pair, reused by every task the thread runs (see Workspace).
+  struct Pair {
+    std::vector<float> st, dpt, raw;
+  };
+
+  // p^T into pair.st and dp^T - delta into pair.dpt ([nk][mp]: rows are keys, columns query
+  // rows), and with a cap the logits before it into pair.raw.
+  void probabilities(const KeyPanel<E>& key, const QueryPanel<E>& qp, bool masked,
+                     Pair& pair) const {
+    const int64_t nk = key.nk, mp = p.mp(), mc = p.mc();
+    pair.st.resize(rows_size<E>(nk, mp));
+    pair.dpt.resize(rows_size<E>(nk, mp));
+    if (p.softcap > 0) pair.raw.resize(nk * mp);
+    gemm<false>(nk, mc, p.dim, key.ks, p.dp(), qp.qt, mp, pair.st.data(), mp);
+    gemm<false>(nk, mc, p.dim_v, key.vs, p.dvp(), qp.dot, mp, pair.dpt.data(), mp);
+    for (int64_t j = 0; j < nk; ++j) {  // each column with its query row's lse
+      float* sr = pair.st.data() + j * mp;
+      float* dr = pair.dpt.data() + j * mp;
+      p.logits(sr, mc, p.softcap > 0 ? pair.raw.data() + j * mp : nullptr);
+      const vi sk = splat_i(key.seg[j]), pk = splat_i(key.pos[j]);
+      for (int64_t r = 0; r < mc; r += kLanes) {  // padded rows: shift +inf, so p = 0
+        vf pr = vexp(load(sr + r) - load(qp.shift + r));
+        if (masked) pr = p.sees_history(load_i(qp.seg + r), load_i(qp.pos + r), sk, pk) ? pr : 0;
+        store(sr + r, pr);
+        store(dr + r, load(dr + r) - load(qp.delta + r));
+      }
+    }
   }
 
-  // dq of one query block of one kv head, over the key blocks it sees.
+  // ds^T over p^T in pair.st.
+  void logit_grads_of(int64_t nk, Pair& pair) const {
+    const int64_t mp = p.mp();
+    for (int64_t j = 0; j < nk; ++j) {
+      logit_grads(p, pair.st.data() + j * mp, pair.dpt.data() + j * mp,
+                  p.softcap > 0 ? pair.raw.data() + j * mp : nullptr, p.mc());
+    }
+  }
+
+  // Element (r, d) of a query panel.
+  static float element(const E* panel, int64_t ld, int64_t r, int64_t d) {
+    return to_float(panel[panel_index<E>(r, d, ld)]);
+  }
+
+  // d logit of a candidate's own key for query row r of `qp`, from the rows of its own k and
+  // v; *prob = p.
+  float own_grad(const QueryPanel<E>& qp, int64_t r, const E* own_k, const E* own_v,
+                 float* prob) const {
+    float dot = 0, dpv = 0;
+    for (int64_t d = 0; d < p.dim; ++d) dot += element(qp.qs, p.dp(), r, d) * to_float(own_k[d]);
+    for (int64_t d = 0; d < p.dim_v; ++d) {
+      dpv += element(qp.dos, p.dvp(), r, d) * to_float(own_v[d]);
+    }
+    const float s = dot * p.scale;
+    *prob = std::exp(p.cap(s) - qp.shift[r]);
+    return *prob * (dpv - qp.delta[r]) * p.cap_grad(s);
+  }
+
+  // dq of one query block of one kv head, over the key blocks it sees, as dQ^T [dc][mp].
   void dq_task(int64_t task) const {
     const int64_t b = task / (p.kv_heads * p.n_q), hk = task / p.n_q % p.kv_heads;
-    const int64_t qb = task % p.n_q, dp = p.dp(), dvp = p.dvp(), np = p.np(), nc = p.nc();
-    const QueryPanel qp = queries.get(b, hk, qb);
-    const int64_t m = qp.m;
-    thread_local std::vector<float> s, dpm, raw, grad;  // per thread, as in Forward::run
-    s.resize(m * np);
-    dpm.resize(m * np);
-    grad.assign(m * dp, 0.0f);
+    const int64_t qb = task % p.n_q, mp = p.mp(), np = p.np();
+    const QueryPanel<E> qp = queries.get(b, hk, qb);
+    thread_local Pair pair;
+    thread_local std::vector<float> grad_t;
+    thread_local std::vector<E> ds_t;
+    grad_t.assign(p.dc() * mp, 0.0f);
     const Visits list = visits(p, p.kv_index, p.full_count, p.count, b * p.n_q + qb, p.n_k);
     for (int64_t e = 0; e < list.count; ++e) {
       const int32_t kb = list.index[e];
       if (kb < 0 || kb >= p.n_k) continue;
-      const KeyPanel key = keys.get(b, hk, kb);
-      if (kept.kept()) {  // dQ += dS K, dS^T from the dk / dv task
-        if (const float* ds_t = kept.find(b, hk, kb, qb)) {
-          gemm<true, true>(m, p.dc(), key.nk, ds_t, p.mp(), key.ks, dp, grad.data(), dp);
+      const KeyPanel<E> key = keys.get(b, hk, kb);
+      const E* ds = nullptr;
+      if (kept.kept()) {  // from the dk / dv task
+        ds = kept.find(b, hk, kb, qb);
+        if (ds == nullptr) continue;
+      } else {
+        probabilities(key, qp, e >= list.full, pair);
+        logit_grads_of(key.nk, pair);
+        if constexpr (kRowsArePanel<E>) {
+          ds = pair.st.data();
+        } else {
+          ds_t.resize(panel_size<E>(key.nk, mp));
+          keep_panel<E>(pair.st.data(), key.nk, qp.m, mp, ds_t.data());
+          ds = ds_t.data();
         }
-        continue;
       }
-      const bool masked = e >= list.full;
-      gemm<false>(m, nc, p.dim, qp.qs, dp, key.kt, np, s.data(), np);
-      gemm<false>(m, nc, p.dim_v, qp.dos, dvp, key.vt, np, dpm.data(), np);
-      if (p.softcap > 0) raw = s;
-      for (int64_t r = 0; r < m; ++r) {
-        float* sr = s.data() + r * np;
-        float* dr = dpm.data() + r * np;
-        p.cap_row(sr, nc);
-        const vf shift = splat(qp.shift[r]), delta = splat(qp.delta[r]);
-        const vi sq = splat_i(qp.seg[r]), pq = splat_i(qp.pos[r]);
-        for (int64_t j = 0; j < nc; j += kLanes) {
-          vf pj = vexp(load(sr + j) - shift);
-          if (masked) pj = p.sees_history(sq, pq, load_i(key.seg + j), load_i(key.pos + j)) ? pj : 0;
-          store(sr + j, pj);
-          store(dr + j, load(dr + j) - delta);
-        }
-        logit_grads(p, sr, dr, raw.data() + (p.softcap > 0 ? r * np : 0), nc);
-      }
-      // Columns past the block's keys hold junk; the dot reads only the first nk.
-      gemm<true>(m, p.dc(), key.nk, s.data(), np, key.ks, dp, grad.data(), dp);
+      gemm<true>(p.dc(), p.mc(), key.nk, key.kt, np, ds, mp, grad_t.data(), mp);
     }
 
     const int64_t g_len = p.group();
     for (int64_t t = 0; t < qp.nq; ++t) {
       const int64_t i = qp.q0 + t;
       const bool own = p.own && qp.seg[t] < 0;
-      const float *own_k = nullptr, *own_v = nullptr;  // the packed rows of key i
+      const E *own_k = nullptr, *own_v = nullptr;  // the rows of key i
       if (own) {  // own implies q_len == kv_len, so key i exists
-        const KeyPanel key = keys.get(b, hk, i / p.block_k);
-        own_k = key.ks + (i % p.block_k) * dp;
-        own_v = key.vs + (i % p.block_k) * dvp;
+        const KeyPanel<E> key = keys.get(b, hk, i / p.block_k);
+        own_k = key.ks + (i % p.block_k) * p.dp();
+        own_v = key.vs + (i % p.block_k) * p.dvp();
       }
       for (int64_t g = 0; g < g_len; ++g) {
         const int64_t r = g * qp.nq + t;
-        float* gr = grad.data() + r * dp;
         if (own) {
           float prob;
-          const float ds = own_grad(qp.qs + r * dp, qp.dos + r * dvp, own_k, own_v, qp.shift[r],
-                                    qp.delta[r], &prob);
-          for (int64_t d = 0; d < p.dim; ++d) gr[d] += ds * own_k[d];
+          const float d_s = own_grad(qp, r, own_k, own_v, &prob);
+          for (int64_t d = 0; d < p.dim; ++d) grad_t[d * mp + r] += d_s * to_float(own_k[d]);
         }
         T* o = dq + ((b * p.q_len + i) * p.q_heads + hk * g_len + g) * p.dim;
-        for (int64_t d = 0; d < p.dim; ++d) o[d] = D::from(gr[d] * p.scale);
+        for (int64_t d = 0; d < p.dim; ++d) o[d] = D::from(grad_t[d * mp + r] * p.scale);
       }
     }
   }
@@ -800,66 +1117,50 @@ struct Backward {
   // dk, dv of one key block of one kv head, over the query blocks that see it.
   void dkv_task(int64_t task) const {
     const int64_t b = task / (p.kv_heads * p.n_k), hk = task / p.n_k % p.kv_heads;
-    const int64_t kb = task % p.n_k, dp = p.dp(), dvp = p.dvp(), mp = p.mp(), mc = p.mc();
-    const KeyPanel key = keys.get(b, hk, kb);
+    const int64_t kb = task % p.n_k, dp = p.dp(), dvp = p.dvp(), mp = p.mp();
+    const KeyPanel<E> key = keys.get(b, hk, kb);
     const int64_t nk = key.nk;
-    thread_local std::vector<float> st, dpt, raw, dk_acc, dv_acc;  // as in Forward::run
-    st.resize(nk * mp);
-    dpt.resize(nk * mp);
-    dk_acc.assign(nk * dp, 0.0f);
-    dv_acc.assign(nk * dvp, 0.0f);
+    thread_local Pair pair;
+    thread_local std::vector<float> dk_acc, dv_acc;
+    thread_local std::vector<E> rounded;
+    dk_acc.assign(rows_size<E>(nk, dp), 0.0f);
+    dv_acc.assign(rows_size<E>(nk, dvp), 0.0f);
     const Visits list = visits(p, p.q_index, p.q_full_count, p.q_count, b * p.n_k + kb, p.n_q);
     for (int64_t e = 0; e < list.count; ++e) {
       const int32_t qb = list.index[e];
       if (qb < 0 || qb >= p.n_q) continue;
-      const QueryPanel qp = queries.get(b, hk, qb);
-      const bool masked = e >= list.full;
-      gemm<false>(nk, mc, p.dim, key.ks, dp, qp.qt, mp, st.data(), mp);
-      gemm<false>(nk, mc, p.dim_v, key.vs, dvp, qp.dot, mp, dpt.data(), mp);
-      if (p.softcap > 0) raw = st;
-      for (int64_t j = 0; j < nk; ++j) {  // p^T: columns are query rows, each with its lse
-        float* sr = st.data() + j * mp;
-        float* dr = dpt.data() + j * mp;
-        p.cap_row(sr, mc);
-        const vi sk = splat_i(key.seg[j]), pk = splat_i(key.pos[j]);
-        for (int64_t r = 0; r < mc; r += kLanes) {  // padded rows: shift +inf, so p = 0
-          vf pr = vexp(load(sr + r) - load(qp.shift + r));
-          if (masked) pr = p.sees_history(load_i(qp.seg + r), load_i(qp.pos + r), sk, pk) ? pr : 0;
-          store(sr + r, pr);
-          store(dr + r, load(dr + r) - load(qp.delta + r));
-        }
-      }
-      gemm<true>(nk, p.dvc(), qp.m, st.data(), mp, qp.dos, dvp, dv_acc.data(), dvp);
-      for (int64_t j = 0; j < nk; ++j) {
-        logit_grads(p, st.data() + j * mp, dpt.data() + j * mp,
-                    raw.data() + (p.softcap > 0 ? j * mp : 0), mc);
-      }
-      gemm<true>(nk, p.dc(), qp.m, st.data(), mp, qp.qs, dp, dk_acc.data(), dp);
-      if (kept.kept()) std::copy_n(st.data(), nk * mp, kept.slot(b, hk, kb, e));
+      const QueryPanel<E> qp = queries.get(b, hk, qb);
+      probabilities(key, qp, e >= list.full, pair);
+      gemm<true>(nk, p.dvc(), qp.m, dot_rows<E>(pair.st.data(), nk, qp.m, mp, rounded), mp,
+                 qp.dos, dvp, dv_acc.data(), dvp);
+      logit_grads_of(nk, pair);
+      gemm<true>(nk, p.dc(), qp.m, dot_rows<E>(pair.st.data(), nk, qp.m, mp, rounded), mp,
+                 qp.qs, dp, dk_acc.data(), dp);
+      if (kept.kept()) keep_panel<E>(pair.st.data(), nk, qp.m, mp, kept.slot(b, hk, kb, e));
     }
 
     if (p.own) {  // each candidate key's own query rows
-      std::vector<float> q_row(p.dim), do_row(p.dim_v);
       const int64_t g_len = p.group();
       for (int64_t j = 0; j < nk; ++j) {
         const int64_t i = key.k0 + j;
         if (p.seg_q[b * p.q_len + i] >= 0) continue;
-        const QueryPanel qp = queries.get(b, hk, i / p.block_q);
+        const QueryPanel<E> qp = queries.get(b, hk, i / p.block_q);
         const int64_t t = i - qp.q0;
         for (int64_t g = 0; g < g_len; ++g) {
           const int64_t r = g * qp.nq + t;
           float prob;
-          const float ds = own_grad(qp.qs + r * dp, qp.dos + r * dvp, key.ks + j * dp,
-                                    key.vs + j * dvp, qp.shift[r], qp.delta[r], &prob);
-          for (int64_t d = 0; d < p.dim; ++d) dk_acc[j * dp + d] += ds * qp.qs[r * dp + d];
-          for (int64_t d = 0; d < p.dim_v; ++d) dv_acc[j * dvp + d] += prob * qp.dos[r * dvp + d];
+          const float d_s = own_grad(qp, r, key.ks + j * dp, key.vs + j * dvp, &prob);
+          for (int64_t d = 0; d < p.dim; ++d) dk_acc[j * dp + d] += d_s * element(qp.qs, dp, r, d);
+          for (int64_t d = 0; d < p.dim_v; ++d) {
+            dv_acc[j * dvp + d] += prob * element(qp.dos, dvp, r, d);
+          }
         }
       }
     }
     for (int64_t j = 0; j < nk; ++j) {
       T* ok = dk + ((b * p.kv_len + key.k0 + j) * p.kv_heads + hk) * p.dim;
       T* ov = dv + ((b * p.kv_len + key.k0 + j) * p.kv_heads + hk) * p.dim_v;
-      for (int64_t d = 0; d < p.dim; ++d) ok[d] = D::from(dk_acc[j * dp + d]);
+      for (int64_t d = 0; d < p.dim; ++d) ok[d] = D::from(dk_acc[j * dp + d] * p.scale);
       for (int64_t d = 0; d < p.dim_v; ++d) ov[d] = D::from(dv_acc[j * dvp + d]);
     }
   }
@@ -957,9 +1258,10 @@ ffi::Error forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     using T = typename D::T;
     const T* kp = static_cast<const T*>(k.untyped_data());
     const T* vp = static_cast<const T*>(v.untyped_data());
-    KeyPanels keys(p, false);
+    using E = typename DotElement<D>::type;
+    KeyPanels<E> keys(p, false);
     parallel_for(pool, p.batch * p.kv_heads * p.n_k,
-                 [&](int64_t block) { keys.pack<D>(block, kp, vp); });
+                 [&](int64_t block) { keys.template pack<D>(block, kp, vp); });
     Forward<D> kernel{p, keys, static_cast<const T*>(q.untyped_data()), kp, vp,
                       static_cast<T*>(out->untyped_data()), lse->typed_data()};
     parallel_for(pool, p.batch * p.kv_heads * p.n_q, [&](int64_t t) { kernel.run(t); });
@@ -1001,22 +1303,23 @@ ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
     const T* kp = static_cast<const T*>(k.untyped_data());
     const T* vp = static_cast<const T*>(v.untyped_data());
     const T* dop = static_cast<const T*>(d_out.untyped_data());
-    KeyPanels keys(p, true);
-    QueryPanels queries(p);
+    using E = typename DotElement<D>::type;
+    KeyPanels<E> keys(p, true);
+    QueryPanels<E> queries(p);
     const int64_t key_tasks = p.batch * p.kv_heads * p.n_k;
     const int64_t tasks = key_tasks + p.batch * p.kv_heads * p.n_q;
     parallel_for(pool, tasks, [&](int64_t t) {
       if (t < key_tasks) {
-        keys.pack<D>(t, kp, vp);
+        keys.template pack<D>(t, kp, vp);
       } else {
-        queries.pack<D>(t - key_tasks, qp, dop, lse.typed_data(), delta.typed_data());
+        queries.template pack<D>(t - key_tasks, qp, dop, lse.typed_data(), delta.typed_data());
       }
     });
     int64_t budget_mib = 1024;
     if (const char* env = std::getenv("RANKATTN_CPU_BACKWARD_MB")) {
       budget_mib = std::max(0L, std::strtol(env, nullptr, 10));
     }
-    KeptGrads kept(p, budget_mib << 20);
+    KeptGrads<E> kept(p, budget_mib << 20);
     Backward<D> kernel{p, keys, queries, kept, static_cast<T*>(dq->untyped_data()),
                        static_cast<T*>(dk->untyped_data()), static_cast<T*>(dv->untyped_data())};
     if (kept.kept()) {  // the dq tasks read what the dk / dv tasks keep
