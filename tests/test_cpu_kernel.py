@@ -56,6 +56,17 @@ def test_sanitized_build_runs_odd_shapes_and_malformed_plans():
         result.stdout[-5000:] + result.stderr[-20000:])
 
 
+@needs_cpu_kernel
+@pytest.mark.parametrize("isa", ["-mno-amx-tile", "-mno-avx512f"])
+def test_other_instruction_sets_run_odd_shapes(isa):
+    """The paths this CPU would not take: bfloat16 dots on VDPBF16PS instead of AMX, and
+    AVX2 (8 lanes, float32 dots for bfloat16). Where the host lacks an ISA the flag is moot."""
+    script = (ROOT / "tests/native/sanitized_shapes.py").read_text()
+    result = python(script, {"RANKATTN_CXXFLAGS": isa})
+    assert result.returncode == 0 and "SANITIZED RUN PASSED" in result.stdout, (
+        result.stdout[-5000:] + result.stderr[-20000:])
+
+
 THREADS_SCRIPT = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp, numpy as np, rankattn
     from rankattn.backends import BlockSizes, Cpu

@@ -13,6 +13,8 @@ Environment:
   RANKATTN_CPU_KERNEL=0     do not build or use the kernel (``impl='auto'`` takes ``xla``).
   RANKATTN_CXX              the compiler command (default: $CXX, g++, c++, clang++, then
                             ``python -m ziglang c++`` if the ziglang package is installed).
+  RANKATTN_CXXFLAGS         extra compiler flags, after -march=native (part of the cache key),
+                            e.g. ``-mno-amx-tile`` to keep bfloat16 dots off AMX.
   RANKATTN_CACHE_DIR        where libraries go (default $XDG_CACHE_HOME/rankattn or
                             ~/.cache/rankattn).
   RANKATTN_CPU_KERNEL_SANITIZE=1  build with AddressSanitizer and UBSan (tests only: the
@@ -105,6 +107,7 @@ def cache_dir() -> Path:
 
 def build_command(cxx: list[str], source: Path, output: Path) -> list[str]:
     flags = SANITIZE if sanitized() else OPTIMIZE
+    flags = flags + shlex.split(os.environ.get("RANKATTN_CXXFLAGS", ""))
     return cxx + flags + COMMON + ["-isystem", jax.ffi.include_dir(), str(source), "-o",
                                    str(output)]
 

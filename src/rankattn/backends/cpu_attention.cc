@@ -35,12 +35,14 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
-#include <immintrin.h>
-#endif
-#if defined(__AMX_BF16__)
+// AMX comes with AVX-512 BF16 (Sapphire Rapids on), whose VDPBF16PS is its fallback.
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define RANKATTN_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -184,7 +186,7 @@ struct DotElement {  // the element type of D's panels
   using type = float;
 };
 
-#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+#if defined(__AVX512BF16__)
 template <>
 struct DotElement<BF16> {
   using type = bf16_t;
@@ -194,7 +196,7 @@ struct DotElement<BF16> {
 // What a dot of element type E reads past its operands' sizes: the contraction length is
 // rounded up to kDepth (AMX: one 32-element tile row; VDPBF16PS: a pair), and the rows of A
 // and C to kRows (AMX: 16-row tiles). Every operand buffer is sized and zero-padded for it.
-#if defined(__AMX_BF16__)
+#if defined(RANKATTN_AMX)
 constexpr int64_t kBf16Depth = 32, kBf16Rows = 16;
 #else
 constexpr int64_t kBf16Depth = 2, kBf16Rows = 1;
@@ -310,7 +312,7 @@ inline void tail_rows(int rows, int64_t k_len, const E* a, int64_t lda, const E*
   }
 }
 
-#if defined(__AMX_BF16__)
+#if defined(RANKATTN_AMX)
 // AMX needs the kernel's permission once per process (Linux 5.16+); without it, VDPBF16PS.
 bool amx_usable() {
   static const bool usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
@@ -375,7 +377,7 @@ void amx_gemm(int64_t m, int64_t n, int64_t k_len, const bf16_t* a, int64_t lda,
 template <bool kAccumulate, typename E>
 void gemm(int64_t m, int64_t n, int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb,
           float* c, int64_t ldc) {
-#if defined(__AMX_BF16__)
+#if defined(RANKATTN_AMX)
   if constexpr (std::is_same_v<E, bf16_t>) {
     if (amx_usable()) return amx_gemm<kAccumulate>(m, n, k_len, a, lda, b, ldb, c, ldc);
   }
