@@ -465,15 +465,28 @@ inline bool any_lane(vi x) {
   }
   return false;
 }
+// Horizontal max and sum as a tree of halves, which compiles to a few shuffles (per row and
+// block, a lane-by-lane loop measured a quarter of the forward's softmax pass).
+template <int N>
+struct Floats {
+  typedef float type __attribute__((vector_size(N * sizeof(float))));
+};
+template <int N, typename V, typename Op>
+inline float reduce(V x, Op op) {
+  if constexpr (N == 1) {
+    return x[0];
+  } else {
+    typename Floats<N / 2>::type low, high;
+    std::memcpy(&low, &x, sizeof low);
+    std::memcpy(&high, reinterpret_cast<const char*>(&x) + sizeof low, sizeof high);
+    return reduce<N / 2>(op(low, high), op);
+  }
+}
 inline float max_lane(vf x) {
-  float m = x[0];
-  for (int c = 1; c < kLanes; ++c) m = std::max(m, x[c]);
-  return m;
+  return reduce<kLanes>(x, [](auto a, auto b) { return a > b ? a : b; });
 }
 inline float sum_lanes(vf x) {
-  float s = 0;
-  for (int c = 0; c < kLanes; ++c) s += x[c];
-  return s;
+  return reduce<kLanes>(x, [](auto a, auto b) { return a + b; });
 }
 
 struct Problem {
@@ -565,16 +578,29 @@ inline void logit_grads(const Problem& p, float* sp, const float* dp, const floa
   }
 }
 
-template <typename D>
-bool copy_row(const typename D::T* src, int64_t n, float* dst) {
-  bool bad = false;
-  for (int64_t d = 0; d < n; ++d) {
-    float x = D::to(src[d]);
-    bool ok = std::isfinite(x);
-    bad |= !ok;
-    dst[d] = ok ? x : 0.0f;
+// A row of x as E, non-finite entries 0; whether any was non-finite. Tested on the bits, so
+// that the loop vectorises (packing measured 12% of the bf16 forward with std::isfinite).
+template <typename D, typename E>
+bool finite_row(const typename D::T* src, int64_t width, E* dst) {
+  uint32_t any = 0;  // an integer OR, which vectorises (a bool's does not)
+  if constexpr (std::is_same_v<D, BF16> && std::is_same_v<E, bf16_t>) {
+    for (int64_t d = 0; d < width; ++d) {
+      const bf16_t x = src[d];
+      const uint32_t inf_or_nan = (x & 0x7f80u) == 0x7f80u;
+      any |= inf_or_nan;
+      dst[d] = inf_or_nan ? 0 : x;
+    }
+  } else {
+    for (int64_t d = 0; d < width; ++d) {
+      const float v = D::to(src[d]);
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      const uint32_t inf_or_nan = (bits & 0x7f800000u) == 0x7f800000u;
+      any |= inf_or_nan;
+      dst[d] = to_element<E>(inf_or_nan ? 0.0f : v);
+    }
   }
-  return bad;
+  return any != 0;
 }
 
 // Where gather puts tokens X[n][width] of one head, token t at row `first` + t (null: not
@@ -598,21 +624,33 @@ struct Destination {
 template <typename D, typename E>
 void gather(const typename D::T* x, int64_t seq, int64_t heads, int64_t width, int64_t b,
             int64_t h, int64_t t0, int64_t n, const Destination<E>& to, int32_t* bad) {
+  std::vector<E> scratch(to.rows ? 0 : n * width);
+  E* rows = to.rows ? to.rows + to.first * to.ld_rows : scratch.data();
+  const int64_t ld = to.rows ? to.ld_rows : width;
   for (int64_t t = 0; t < n; ++t) {
-    const typename D::T* src = x + ((b * seq + t0 + t) * heads + h) * width;
-    const int64_t i = to.first + t;
-    bool is_bad = false;
-    for (int64_t d = 0; d < width; ++d) {
-      const float v = D::to(src[d]);
-      const bool ok = std::isfinite(v);
-      is_bad |= !ok;
-      const E y = to_element<E>(ok ? v : 0.0f);
-      if (to.rows) to.rows[i * to.ld_rows + d] = y;
-      if (to.rows_t) to.rows_t[d * to.ld_rows_t + i] = y;
-      if (to.panel) to.panel[panel_index<E>(i, d, to.ld_panel)] = y;
-      if (to.panel_t) to.panel_t[panel_index<E>(d, i, to.ld_panel_t)] = y;
-    }
+    const bool is_bad = finite_row<D, E>(x + ((b * seq + t0 + t) * heads + h) * width, width,
+                                         rows + t * ld);
     if (bad && is_bad) bad[t] = -1;
+  }
+  if (to.panel) {
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t d = 0; d < width; ++d) {
+        to.panel[panel_index<E>(to.first + t, d, to.ld_panel)] = rows[t * ld + d];
+      }
+    }
+  }
+  // The transposed layouts 16 tokens at a time: their rows stay in L1, and the writes along
+  // tokens are contiguous (writes along d, one cache line each, measured 13% of a short call).
+  if (!to.rows_t && !to.panel_t) return;
+  for (int64_t start = 0; start < n; start += 16) {
+    const int64_t end = std::min(n, start + 16);
+    for (int64_t d = 0; d < width; ++d) {
+      for (int64_t t = start; t < end; ++t) {
+        const int64_t i = to.first + t;
+        if (to.rows_t) to.rows_t[d * to.ld_rows_t + i] = rows[t * ld + d];
+        if (to.panel_t) to.panel_t[panel_index<E>(d, i, to.ld_panel_t)] = rows[t * ld + d];
+      }
+    }
   }
 }
 
@@ -793,6 +831,10 @@ struct Forward {
     const int32_t* seg_q = p.seg_q + b * p.q_len + q0;
     const int32_t* pos_q = p.pos_q + b * p.q_len + q0;
 
+    // Without a cap (and a positive scale, which commutes with the max), the scale joins the
+    // exp: p = exp(scale s - shift), one pass over the logits fewer.
+    const bool fold = p.softcap <= 0 && p.scale > 0;
+    const vf mul = splat(fold ? p.scale : 1.0f);
     const Visits list = visits(p, p.kv_index, p.full_count, p.count, b * p.n_q + qb, p.n_k);
     for (int64_t e = 0; e < list.count; ++e) {
       const int32_t kb = list.index[e];
@@ -803,7 +845,7 @@ struct Forward {
       for (int64_t r = 0; r < m; ++r) {
         const int64_t t = r % nq;
         float* sr = s.data() + r * np;
-        p.logits(sr, nc);
+        if (!fold) p.logits(sr, nc);
         if (masked) {
           const vi sq = splat_i(seg_q[t]), pq = splat_i(pos_q[t]);
           vi hit = splat_i(0);
@@ -817,17 +859,17 @@ struct Forward {
           poisoned[r] |= key.any_bad;
           std::fill(sr + key.nk, sr + nc, -kInf);
         }
-        vf top = splat(mx[r]);
+        vf top = splat(-kInf);
         for (int64_t j = 0; j < nc; j += kLanes) {
           vf x = load(sr + j);
           top = x > top ? x : top;
         }
-        const float row_max = max_lane(top);
+        const float row_max = std::max(mx[r], max_lane(top) * (fold ? p.scale : 1.0f));
         const float shift = std::isfinite(row_max) ? row_max : 0.0f;
         const float alpha = std::exp(mx[r] - shift);
         vf sum = splat(0.0f);
         for (int64_t j = 0; j < nc; j += kLanes) {
-          vf pj = vexp(load(sr + j) - shift);
+          vf pj = vexp(load(sr + j) * mul - shift);
           store(sr + j, pj);
           sum += pj;
         }
@@ -849,10 +891,10 @@ struct Forward {
       bool own_bad = false;
       if (own) {
         const int64_t i = q0 + t;
-        own_bad = copy_row<D>(k + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim, p.dim,
-                              own_k.data());
-        own_bad |= copy_row<D>(v + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim_v, p.dim_v,
-                               own_v.data());
+        own_bad = finite_row<D, float>(k + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim,
+                                       p.dim, own_k.data());
+        own_bad |= finite_row<D, float>(v + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim_v,
+                                        p.dim_v, own_v.data());
       }
       for (int64_t g = 0; g < g_len; ++g) {
         const int64_t r = g * nq + t, h = hk * g_len + g;
