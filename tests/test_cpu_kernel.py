@@ -94,8 +94,9 @@ THREADS_SCRIPT = textwrap.dedent("""
 @needs_cpu_kernel
 def test_results_are_bit_identical_for_any_thread_count_and_backward_memory(tmp_path):
     """Every output element is computed by one task in a fixed order: 1 thread = the pool.
-    The backward's two paths (dS kept for the dq tasks, or recomputed there when it exceeds
-    RANKATTN_CPU_BACKWARD_MB) sum the same products in the same order: the same bits too."""
+    The backward keeps dS for the dq tasks in chunks of key blocks that fit
+    RANKATTN_CPU_BACKWARD_MB (0: one key block per chunk); dq sums in key order in any
+    chunking: the same bits too."""
     results = {}
     for threads, budget in (("1", "1024"), ("64", "1024"), ("64", "0")):
         path = tmp_path / f"{threads}-{budget}.npz"

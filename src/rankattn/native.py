@@ -20,8 +20,8 @@ Environment:
   RANKATTN_CPU_KERNEL_SANITIZE=1  build with AddressSanitizer and UBSan (tests only: the
                             process must preload libasan).
   RANKATTN_CPU_THREADS=n    at most n threads per kernel call (default: XLA's CPU pool).
-  RANKATTN_CPU_BACKWARD_MB=n  memory the backward may keep dS in (default 1024 MiB), which
-                            saves recomputing two dots per block pair; beyond it, it recomputes.
+  RANKATTN_CPU_BACKWARD_MB=n  memory the backward keeps dS in (default 1024 MiB): longer
+                            sequences run in chunks of key blocks that fit it.
 
 Failing to build is not an error here: :func:`load` returns the reasons, which
 the ``cpu`` backend reports through ``not_supported_reasons`` while ``auto``

@@ -30,9 +30,11 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // AMX comes with AVX-512 BF16 (Sapphire Rapids on), whose VDPBF16PS is its fallback.
@@ -465,21 +467,20 @@ inline bool any_lane(vi x) {
   }
   return false;
 }
-// Horizontal max and sum as a tree of halves, which compiles to a few shuffles (per row and
-// block, a lane-by-lane loop measured a quarter of the forward's softmax pass).
-template <int N>
-struct Floats {
-  typedef float type __attribute__((vector_size(N * sizeof(float))));
-};
+// Horizontal max and sum as a tree of halves, in registers (per row and block, a lane-by-lane
+// loop measured a quarter of the forward's softmax pass, and halves taken through memory kept
+// the running sum on the stack).
+template <size_t kOffset, typename V, size_t... kLane>
+inline auto lanes(V x, std::index_sequence<kLane...>) {
+  return __builtin_shufflevector(x, x, (kOffset + kLane)...);
+}
 template <int N, typename V, typename Op>
 inline float reduce(V x, Op op) {
   if constexpr (N == 1) {
     return x[0];
   } else {
-    typename Floats<N / 2>::type low, high;
-    std::memcpy(&low, &x, sizeof low);
-    std::memcpy(&high, reinterpret_cast<const char*>(&x) + sizeof low, sizeof high);
-    return reduce<N / 2>(op(low, high), op);
+    const auto half = std::make_index_sequence<N / 2>();
+    return reduce<N / 2>(op(lanes<0>(x, half), lanes<N / 2>(x, half)), op);
   }
 }
 inline float max_lane(vf x) {
@@ -924,19 +925,20 @@ struct Forward {
 // ---- Backward. The caller passes, per query row [B, Sq, Hq], the lse (+inf for rows that
 // pass no gradient) and delta = rowsum(dO * O) - d lse (semantics.backward_rows). Then with
 // s = scale q . k: p = exp(cap(s) - lse), dp = dO . v, ds = p (dp - delta) cap'(s), and
-// dq = scale * ds k, dk = scale * ds^T q, dv = p^T dO. Every block pair is computed key-major
-// (rows are keys, columns query rows), by the dk / dv task and, for dq, either kept from it
-// or recomputed the same way, so dq has the same bits either way.
+// dq = scale * ds k, dk = scale * ds^T q, dv = p^T dO. Every block pair is computed once,
+// key-major (rows are keys, columns query rows), by a dk / dv task, which keeps its dS^T for
+// the dq tasks (KeptGrads): 5 dots per pair.
 
 // Query block (b, kv head, qb), rows r = g * nq + t (token q0 + t, query head hk * G + g):
 //   qs, the panel of q [mp][dp] (dK += dS^T Q); qt, the panel of Q^T [D][mp] (S^T = K Q^T);
 //   dos, the panel of dO [mp][dvp] (dV += P^T dO); dot, the panel of dO^T [Dv][mp]
 //   (dP^T = V dO^T).
-// Floats: shift [mp] (the lse; +inf where p must be 0), delta [mp]. Ints: seg, pos [mp].
+// Floats: shift [mp] (the lse; +inf where p must be 0), delta [mp], and the block's dQ^T
+// [dc][mp], summed over its key blocks. Ints: seg, pos [mp].
 template <typename E>
 struct QueryPanel {
   E *qs, *qt, *dos, *dot;
-  float *shift, *delta;
+  float *shift, *delta, *grad_t;
   int32_t *seg, *pos;
   int64_t q0, nq, m;
 };
@@ -950,7 +952,7 @@ struct QueryPanels {
       : p(p), qs_size(panel_size<E>(p.mp(), p.dp())), qt_size(panel_size<E>(p.dim, p.mp())),
         dos_size(panel_size<E>(p.mp(), p.dvp())), dot_size(panel_size<E>(p.dim_v, p.mp())),
         store(query_memory, p.batch * p.kv_heads * p.n_q, qs_size + qt_size + dos_size + dot_size,
-              2 * p.mp(), 2 * p.mp()) {}
+              (2 + p.dc()) * p.mp(), 2 * p.mp()) {}
 
   QueryPanel<E> get(int64_t b, int64_t hk, int64_t qb) const {
     return at((b * p.kv_heads + hk) * p.n_q + qb);
@@ -963,8 +965,8 @@ struct QueryPanels {
     const int64_t mp = p.mp(), q0 = block % p.n_q * p.block_q;
     const int64_t nq = std::min(p.block_q, p.q_len - q0);
     return QueryPanel<E>{qs, qs + qs_size, qs + qs_size + qt_size,
-                         qs + qs_size + qt_size + dos_size, f, f + mp, i, i + mp, q0, nq,
-                         p.group() * nq};
+                         qs + qs_size + qt_size + dos_size, f, f + mp, f + 2 * mp, i, i + mp,
+                         q0, nq, p.group() * nq};
   }
 
   template <typename D>
@@ -997,42 +999,71 @@ struct QueryPanels {
 
 thread_local Workspace grad_memory;
 
-// dS^T of every visited block pair, as the panel dQ^T += K^T dS^T reads, written by the dk /
-// dv tasks and read by the dq tasks (then 5 dots per pair, not 7), when it fits
-// RANKATTN_CPU_BACKWARD_MB (default 1024 MiB); beyond that the dq tasks recompute it.
+// dS^T of the block pairs of a chunk of key blocks, as the panel dQ^T += K^T dS^T reads:
+// written by the dk / dv tasks of the chunk, then added into each query block's dQ^T by the
+// dq tasks. A chunk is as many key blocks (in (b, kv head, block) order) as fit
+// RANKATTN_CPU_BACKWARD_MB (default 1024 MiB; at least one block), so every pair costs 5 dots
+// however long the sequence. Each query block adds its pairs in ascending key-block order in
+// every chunking, so dq has the same bits for any budget and thread count.
 template <typename E>
 struct KeptGrads {
   const Problem& p;
-  std::vector<int64_t> first;  // per (b, kv head, key block): its first slot
-  int64_t block_elements;
+  std::vector<int64_t> first;  // per key task: the index of its first pair, over all pairs
+  int64_t block_elements, budget_pairs;
+  int64_t start = 0, end = 0;  // the chunk: key tasks [start, end)
   E* store = nullptr;
+  // Per query task, the chunk's pairs it adds (key block, slot), as CSR rows.
+  std::vector<int64_t> row_start;
+  std::vector<std::pair<int32_t, const E*>> pairs;
 
   KeptGrads(const Problem& p, int64_t budget_bytes)
       : p(p), first(p.batch * p.kv_heads * p.n_k + 1, 0),
-        block_elements(panel_size<E>(p.block_k, p.mp())) {
-    for (int64_t b = 0; b < p.batch; ++b) {
-      for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
-        for (int64_t kb = 0; kb < p.n_k; ++kb) {
-          const int64_t i = (b * p.kv_heads + hk) * p.n_k + kb;
-          first[i + 1] = first[i] + visits(p, p.q_index, p.q_full_count, p.q_count,
-                                           b * p.n_k + kb, p.n_q).count;
-        }
+        block_elements(panel_size<E>(p.block_k, p.mp())),
+        budget_pairs(budget_bytes / (block_elements * static_cast<int64_t>(sizeof(E)))),
+        row_start(p.batch * p.kv_heads * p.n_q + 1) {
+    for (int64_t t = 0; t + 1 < static_cast<int64_t>(first.size()); ++t) {
+      first[t + 1] = first[t] + list(t).count;
+    }
+  }
+  int64_t key_tasks() const { return static_cast<int64_t>(first.size()) - 1; }
+  // Key task t = (b, kv head, key block)'s list of query blocks.
+  Visits list(int64_t t) const {
+    const int64_t b = t / (p.kv_heads * p.n_k), kb = t % p.n_k;
+    return visits(p, p.q_index, p.q_full_count, p.q_count, b * p.n_k + kb, p.n_q);
+  }
+  // Makes [from, ...) the next chunk; false when no key task is left.
+  bool next(int64_t from) {
+    if (from >= key_tasks()) return false;
+    start = from;
+    end = from + 1;
+    while (end < key_tasks() && first[end + 1] - first[start] <= budget_pairs) ++end;
+    store = reinterpret_cast<E*>(
+        grad_memory.reserve((first[end] - first[start]) * block_elements * sizeof(E)));
+    // Each query task's pairs, in ascending key-block order (the order of the key tasks).
+    std::fill(row_start.begin(), row_start.end(), 0);
+    for_each_pair([&](int64_t row, int64_t, int64_t) { ++row_start[row + 1]; });
+    std::partial_sum(row_start.begin(), row_start.end(), row_start.begin());
+    pairs.resize(row_start.back());
+    std::vector<int64_t> free_slot(row_start.begin(), row_start.end() - 1);
+    for_each_pair([&](int64_t row, int64_t t, int64_t e) {
+      pairs[free_slot[row]++] = {static_cast<int32_t>(t % p.n_k), slot(t, e)};
+    });
+    return true;
+  }
+  // fn(query task, key task, entry) for every pair of the chunk. A malformed plan's entries
+  // outside the grid are skipped, as the dk / dv tasks skip them.
+  template <typename Fn>
+  void for_each_pair(Fn fn) const {
+    for (int64_t t = start; t < end; ++t) {
+      const Visits l = list(t);
+      for (int64_t e = 0; e < l.count; ++e) {
+        const int32_t qb = l.index[e];
+        if (qb >= 0 && qb < p.n_q) fn(t / p.n_k * p.n_q + qb, t, e);
       }
     }
-    const int64_t bytes = first.back() * block_elements * static_cast<int64_t>(sizeof(E));
-    if (bytes <= budget_bytes) store = reinterpret_cast<E*>(grad_memory.reserve(bytes));
   }
-  bool kept() const { return store != nullptr; }
-  E* slot(int64_t b, int64_t hk, int64_t kb, int64_t e) const {
-    return store + (first[(b * p.kv_heads + hk) * p.n_k + kb] + e) * block_elements;
-  }
-  // The slot of the pair (kb, qb), or nullptr when kb's list lacks qb (a malformed plan).
-  const E* find(int64_t b, int64_t hk, int64_t kb, int64_t qb) const {
-    const Visits list = visits(p, p.q_index, p.q_full_count, p.q_count, b * p.n_k + kb, p.n_q);
-    for (int64_t e = 0; e < list.count; ++e) {
-      if (list.index[e] == qb) return slot(b, hk, kb, e);
-    }
-    return nullptr;
+  E* slot(int64_t t, int64_t e) const {
+    return store + (first[t] - first[start] + e) * block_elements;
   }
 };
 
@@ -1103,39 +1134,22 @@ struct Backward {
     return *prob * (dpv - qp.delta[r]) * p.cap_grad(s);
   }
 
-  // dq of one query block of one kv head, over the key blocks it sees, as dQ^T [dc][mp].
-  void dq_task(int64_t task) const {
+  // dQ^T of query task `task` (b, kv head, query block) += K^T dS^T over the chunk's pairs.
+  void dq_add(int64_t task) const {
     const int64_t b = task / (p.kv_heads * p.n_q), hk = task / p.n_q % p.kv_heads;
-    const int64_t qb = task % p.n_q, mp = p.mp(), np = p.np();
-    const QueryPanel<E> qp = queries.get(b, hk, qb);
-    thread_local Pair pair;
-    thread_local std::vector<float> grad_t;
-    thread_local std::vector<E> ds_t;
-    grad_t.assign(p.dc() * mp, 0.0f);
-    const Visits list = visits(p, p.kv_index, p.full_count, p.count, b * p.n_q + qb, p.n_k);
-    for (int64_t e = 0; e < list.count; ++e) {
-      const int32_t kb = list.index[e];
-      if (kb < 0 || kb >= p.n_k) continue;
+    const QueryPanel<E> qp = queries.get(b, hk, task % p.n_q);
+    for (int64_t i = kept.row_start[task]; i < kept.row_start[task + 1]; ++i) {
+      const auto& [kb, ds_t] = kept.pairs[i];
       const KeyPanel<E> key = keys.get(b, hk, kb);
-      const E* ds = nullptr;
-      if (kept.kept()) {  // from the dk / dv task
-        ds = kept.find(b, hk, kb, qb);
-        if (ds == nullptr) continue;
-      } else {
-        probabilities(key, qp, e >= list.full, pair);
-        logit_grads_of(key.nk, pair);
-        if constexpr (kRowsArePanel<E>) {
-          ds = pair.st.data();
-        } else {
-          ds_t.resize(panel_size<E>(key.nk, mp));
-          keep_panel<E>(pair.st.data(), key.nk, qp.m, mp, ds_t.data());
-          ds = ds_t.data();
-        }
-      }
-      gemm<true>(p.dc(), p.mc(), key.nk, key.kt, np, ds, mp, grad_t.data(), mp);
+      gemm<true>(p.dc(), p.mc(), key.nk, key.kt, p.np(), ds_t, p.mp(), qp.grad_t, p.mp());
     }
+  }
 
-    const int64_t g_len = p.group();
+  // dq of query task `task`: its dQ^T, the candidates' own keys, the scale.
+  void dq_finish(int64_t task) const {
+    const int64_t b = task / (p.kv_heads * p.n_q), hk = task / p.n_q % p.kv_heads;
+    const QueryPanel<E> qp = queries.get(b, hk, task % p.n_q);
+    const int64_t g_len = p.group(), mp = p.mp();
     for (int64_t t = 0; t < qp.nq; ++t) {
       const int64_t i = qp.q0 + t;
       const bool own = p.own && qp.seg[t] < 0;
@@ -1150,10 +1164,10 @@ struct Backward {
         if (own) {
           float prob;
           const float d_s = own_grad(qp, r, own_k, own_v, &prob);
-          for (int64_t d = 0; d < p.dim; ++d) grad_t[d * mp + r] += d_s * to_float(own_k[d]);
+          for (int64_t d = 0; d < p.dim; ++d) qp.grad_t[d * mp + r] += d_s * to_float(own_k[d]);
         }
         T* o = dq + ((b * p.q_len + i) * p.q_heads + hk * g_len + g) * p.dim;
-        for (int64_t d = 0; d < p.dim; ++d) o[d] = D::from(grad_t[d * mp + r] * p.scale);
+        for (int64_t d = 0; d < p.dim; ++d) o[d] = D::from(qp.grad_t[d * mp + r] * p.scale);
       }
     }
   }
@@ -1180,7 +1194,7 @@ struct Backward {
       logit_grads_of(nk, pair);
       gemm<true>(nk, p.dc(), qp.m, dot_rows<E>(pair.st.data(), nk, qp.m, mp, rounded), mp,
                  qp.qs, dp, dk_acc.data(), dp);
-      if (kept.kept()) keep_panel<E>(pair.st.data(), nk, qp.m, mp, kept.slot(b, hk, kb, e));
+      keep_panel<E>(pair.st.data(), nk, qp.m, mp, kept.slot(task, e));
     }
 
     if (p.own) {  // each candidate key's own query rows
@@ -1366,18 +1380,12 @@ ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
     KeptGrads<E> kept(p, budget_mib << 20);
     Backward<D> kernel{p, keys, queries, kept, static_cast<T*>(dq->untyped_data()),
                        static_cast<T*>(dk->untyped_data()), static_cast<T*>(dv->untyped_data())};
-    if (kept.kept()) {  // the dq tasks read what the dk / dv tasks keep
-      parallel_for(pool, key_tasks, [&](int64_t t) { kernel.dkv_task(t); });
-      parallel_for(pool, tasks - key_tasks, [&](int64_t t) { kernel.dq_task(t); });
-    } else {  // dk / dv tasks and dq tasks write disjoint outputs
-      parallel_for(pool, tasks, [&](int64_t t) {
-        if (t < key_tasks) {
-          kernel.dkv_task(t);
-        } else {
-          kernel.dq_task(t - key_tasks);
-        }
-      });
+    const int64_t query_tasks = tasks - key_tasks;
+    for (int64_t from = 0; kept.next(from); from = kept.end) {
+      parallel_for(pool, kept.end - kept.start, [&](int64_t t) { kernel.dkv_task(kept.start + t); });
+      parallel_for(pool, query_tasks, [&](int64_t t) { kernel.dq_add(t); });
     }
+    parallel_for(pool, query_tasks, [&](int64_t t) { kernel.dq_finish(t); });
     return ffi::Error::Success();
   });
 }
