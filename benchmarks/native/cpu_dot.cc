@@ -1,4 +1,5 @@
-// The cpu kernel's block dot alone, against this core's FMA peak (one thread).
+// The cpu kernel's block dots alone, against this core's FMA peak (one thread): float32,
+// and bfloat16 on AMX or VDPBF16PS where the CPU has them.
 //
 //   g++ -O3 -march=native -std=c++17 -isystem "$(.venv/bin/python -c 'import jax;
 //   print(jax.ffi.include_dir())')" benchmarks/native/cpu_dot.cc -o /tmp/cpu_dot && /tmp/cpu_dot
@@ -36,15 +37,41 @@ double peak_gflops() {
   return 16.0 * kLanes * 2 * n / s / 1e9;
 }
 
+#if defined(__AVX512BF16__)
+double bf16_peak_gflops() {  // 16 independent VDPBF16PS chains: 32 products each
+  vf acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = splat(1e-3f * i);
+  auto a = DotOps<bf16_t>::broadcast(std::vector<bf16_t>{0x3f80, 0x3f80}.data());
+  auto b = DotOps<bf16_t>::broadcast(std::vector<bf16_t>{0x3c00, 0x3c00}.data());
+  const long n = 20000000;
+  auto start = std::chrono::steady_clock::now();
+  for (long k = 0; k < n; ++k) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = DotOps<bf16_t>::madd(acc[i], a, b);
+    __asm__ volatile("" : "+v"(a));
+  }
+  double s = seconds_since(start);
+  float sum = 0;
+  for (int i = 0; i < 16; ++i) sum += acc[i][0];
+  std::printf("(checksum %g)\n", sum);
+  return 16.0 * 64 * n / s / 1e9;
+}
+#endif
+
+// One block dot C[m, n] = A[m, k] B[k, n] as the kernel calls it, in the dots' element type E.
+template <typename E>
 double dot_gflops(int64_t m, int64_t n, int64_t k, int blocks) {
-  const int64_t lda = k + kLanes, ldb = n + kLanes, ldc = n + kLanes;
-  std::vector<float> a(m * lda * blocks, 1.0f), b(k * ldb * blocks, 0.5f), c(m * ldc * blocks);
+  const int64_t lda = round_up(k, kDepth<E>) + kLanes, ldb = n + kLanes, ldc = n + kLanes;
+  const int64_t a_size = rows_size<E>(m, lda), b_size = panel_size<E>(k, ldb);
+  const int64_t c_size = rows_size<E>(m, ldc);
+  std::vector<E> a(a_size * blocks, to_element<E>(1.0f)), b(b_size * blocks, to_element<E>(0.5f));
+  std::vector<float> c(c_size * blocks);
   const int reps = 4000;
   auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < reps; ++r) {
     const int i = r % blocks;
-    gemm<false>(m, n, k, a.data() + i * m * lda, lda, b.data() + i * k * ldb, ldb,
-                c.data() + i * m * ldc, ldc);
+    gemm<false>(m, n, k, a.data() + i * a_size, lda, b.data() + i * b_size, ldb,
+                c.data() + i * c_size, ldc);
   }
   return 2.0 * m * n * k * reps / seconds_since(start) / 1e9;
 }
@@ -54,7 +81,21 @@ double dot_gflops(int64_t m, int64_t n, int64_t k, int blocks) {
 int main() {
   std::printf("FMA peak, one core: %.0f GFLOP/s\n", peak_gflops());
   for (int64_t m : {64, 128}) {
-    std::printf("dot %ld x 128 x 128: hot %.0f GFLOP/s, cold %.0f GFLOP/s\n",
-                static_cast<long>(m), dot_gflops(m, 128, 128, 1), dot_gflops(m, 128, 128, 64));
+    std::printf("float32 dot %ld x 128 x 128: hot %.0f GFLOP/s, cold %.0f GFLOP/s\n",
+                static_cast<long>(m), dot_gflops<float>(m, 128, 128, 1),
+                dot_gflops<float>(m, 128, 128, 64));
   }
+#if defined(__AVX512BF16__)
+  std::printf("VDPBF16PS peak, one core: %.0f GFLOP/s\n", bf16_peak_gflops());
+#if defined(RANKATTN_AMX)
+  const char* unit = amx_usable() ? "AMX" : "VDPBF16PS";
+#else
+  const char* unit = "VDPBF16PS";
+#endif
+  for (int64_t m : {64, 128}) {
+    std::printf("bfloat16 dot (%s) %ld x 128 x 128: hot %.0f GFLOP/s, cold %.0f GFLOP/s\n", unit,
+                static_cast<long>(m), dot_gflops<bf16_t>(m, 128, 128, 1),
+                dot_gflops<bf16_t>(m, 128, 128, 64));
+  }
+#endif
 }
