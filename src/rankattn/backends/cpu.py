@@ -7,10 +7,12 @@ float32 / bfloat16 / float16, any S and D, no padding or layout copies), does
 the dots, mask, exp and online softmax of one (batch row, kv head, query block)
 in cache, with every query head of the kv head's group in one block (GQA never
 repeats K/V), and threads over those blocks on XLA's CPU thread pool. The math is
-float32 throughout. The backward is key-major: one task per key block
-accumulates its dk / dv over the query blocks that see it, and one task per
-query block its dq, so nothing is added atomically and results are bit-identical
-for any thread count.
+float32; bf16 inputs run their dots in bf16 (AMX tiles, or AVX-512 BF16), with p
+and ds rounded to bf16 before theirs, and every other dot is float32. The
+backward is key-major: one task per key block accumulates its dk / dv over the
+query blocks that see it and keeps dS^T, from which one task per query block
+sums its dq, so nothing is added atomically and results are bit-identical for
+any thread count.
 
 It is compiled on first use for the host CPU (:mod:`rankattn.native`); where
 that is impossible, ``impl='auto'`` falls back to ``xla`` and
