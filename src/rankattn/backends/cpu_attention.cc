@@ -232,21 +232,16 @@ inline int64_t rows_size(int64_t rows, int64_t ld) {  // an A or C operand of `r
   return round_up(rows, kRows<E>) * ld;
 }
 
+// The storage dtype whose bits an element E of the dots holds, and its conversions.
+template <typename E>
+using ElementDtype = std::conditional_t<std::is_same_v<E, float>, F32, BF16>;
 template <typename E>
 inline E to_element(float x) {
-  if constexpr (std::is_same_v<E, float>) {
-    return x;
-  } else {
-    return BF16::from(x);
-  }
+  return ElementDtype<E>::from(x);
 }
 template <typename E>
 inline float to_float(E x) {
-  if constexpr (std::is_same_v<E, float>) {
-    return x;
-  } else {
-    return BF16::to(x);
-  }
+  return ElementDtype<E>::to(x);
 }
 
 template <typename E>
