@@ -105,8 +105,10 @@ class _Static:
     softcap_method: str
     operands: jnp.dtype  # what the block dots read: the accumulation dtype, or bf16 / f16
     accumulate: jnp.dtype
-    chunk: int  # query blocks (units) per scan step of the forward
-    key_chunk: int  # key blocks per scan step of the backward
+    sizes: BlockSizes
+    n_q: int    # query blocks per row
+    n_k: int    # key blocks per row
+    chunk: int  # query blocks (units) per scan step
 
     def scaled(self, x):
         return x if self.scale == 1.0 else x * self.scale
@@ -125,14 +127,6 @@ class _Units(NamedTuple):
     full_count: jax.Array  # [U]
     count: jax.Array       # [U]
     q_pos: jax.Array       # [U, bq] positions of the unit's queries (in the whole sequence)
-
-
-class _KeyUnits(NamedTuple):
-    """The transposed plan, for the key-major backward: per key block of one batch row."""
-
-    q_index: jax.Array     # [UK, nQ] query blocks as rows of the [U] query units
-    full_count: jax.Array  # [UK]
-    count: jax.Array       # [UK]
 
 
 def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
@@ -166,28 +160,26 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
         pos_k = pad_positions(shard_mask.kv_positions, bk)
 
     n_q, n_k = seg_q.shape[1] // bq, seg_k.shape[1] // bk
-    unit_bytes = hq * bq * bk * 4
-    chunk = units_per_step(b * n_q, unit_bytes, n_q, step_logits_bytes)
-    key_chunk = units_per_step(b * n_k, unit_bytes, n_q, step_logits_bytes)
-    n_units, n_key_units = round_up(b * n_q, chunk), round_up(b * n_k, key_chunk)
+    chunk = units_per_step(b * n_q, hq * bq * bk * 4, n_q, step_logits_bytes)
+    n_units = round_up(b * n_q, chunk)
     accumulate = compute_dtype(q.dtype)
     operands = q.dtype if mixed_precision else accumulate
     if not mixed_precision:
         # Fold the scale into q, in the accumulation dtype: cheaper than scaling every logit,
         # and autodiff of this wrapper then applies it to dq.
         q, scale = q.astype(accumulate) * scale, 1.0
-    static = _Static(causal, scale, softcap, softcap_method, operands, accumulate, chunk,
-                     key_chunk)
+    static = _Static(causal, scale, softcap, softcap_method, operands, accumulate, sizes, n_q,
+                     n_k, chunk)
 
-    def units(x, count=n_units):
-        """[B, n, ...] -> [count, ...], padded with zero units (which see nothing)."""
-        x = x.reshape((-1,) + x.shape[2:])
-        return jnp.pad(x, [(0, count - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    def units(x):
+        """[B, nQ, ...] -> [U, ...], padded with zero units (which see nothing)."""
+        x = x.reshape((b * n_q,) + x.shape[2:])
+        return jnp.pad(x, [(0, n_units - b * n_q)] + [(0, 0)] * (x.ndim - 1))
 
     def key_rows(x):
-        """[B, S, Hkv, D] -> [UK, Hkv, bk, D]: a row per key block (padded to whole steps)."""
-        x = pad_axis1(x.astype(operands), bk).reshape(b, n_k, bk, hkv, -1)
-        return units(x.transpose(0, 1, 3, 2, 4), n_key_units)
+        """[B, S, Hkv, D] -> [B * nK, Hkv, bk, D]."""
+        x = pad_axis1(x.astype(operands), bk)
+        return x.reshape(b * n_k, bk, hkv, -1).transpose(0, 2, 1, 3)
 
     def query_units(x, heads):
         """[B, S, H, D] -> [U, Hkv, H // Hkv, bq, D]; query head h = kv_head * G + g."""
@@ -198,11 +190,6 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
         kv_index=units(block_plan.kv_index + (jnp.arange(b, dtype=jnp.int32) * n_k)[:, None, None]),
         full_count=units(block_plan.full_count), count=units(block_plan.count),
         q_pos=units(pos_q.reshape(b, n_q, bq)))
-    key_plan = _KeyUnits(
-        q_index=units(block_plan.q_index + (jnp.arange(b, dtype=jnp.int32) * n_q)[:, None, None],
-                      n_key_units),
-        full_count=units(block_plan.q_full_count, n_key_units),
-        count=units(block_plan.q_count, n_key_units))
     qu = query_units(q, hq)
     kb, vb = key_rows(k), key_rows(v)
     own_kv = None
@@ -217,8 +204,7 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     qu, kb, vb = semantics.finite(qu), semantics.finite(kb), semantics.finite(vb)
     own_kv = None if own_kv is None else tuple(map(semantics.finite, own_kv))
     out, lse = _flash(static, qu, kb, vb, own_kv, units(seg_q.reshape(b, n_q, bq)),
-                      units(seg_k.reshape(b, n_k, bk), n_key_units),
-                      units(pos_k.reshape(b, n_k, bk), n_key_units), plan, key_plan, bad)
+                      seg_k.reshape(b * n_k, bk), pos_k.reshape(b * n_k, bk), plan, bad)
     # [U, Hkv, G, bq, Dv] -> [B, Sq, Hq, Dv];  [U, Hkv, G, bq] -> [B, Hq, Sq]
     out = out[:b * n_q].reshape(b, n_q, hq, bq, -1).transpose(0, 1, 3, 2, 4)
     out = out.reshape(b, n_q * bq, hq, -1)[:, :sq]
@@ -226,9 +212,9 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     return out.astype(dtype), lse.astype(compute_dtype(dtype))
 
 
-def _chunks(chunk: int, tree):
+def _chunks(static: _Static, tree):
     """Split every leading unit axis [U, ...] into [U / chunk, chunk, ...] for lax.scan."""
-    return jax.tree.map(lambda x: x.reshape((-1, chunk) + x.shape[1:]), tree)
+    return jax.tree.map(lambda x: x.reshape((-1, static.chunk) + x.shape[1:]), tree)
 
 
 def _unchunk(tree):
@@ -254,22 +240,17 @@ class _Visit(NamedTuple):
     logits: jax.Array  # [C, Hkv, G, bq, bk], scaled, before the cap
 
 
-def _loops(plan: _Units | _KeyUnits):
+def _loops(plan: _Units):
     """(masked, first list position, trip count) of the full-block and partial-block loops."""
     return ((False, jnp.zeros_like(plan.full_count), plan.full_count),
             (True, plan.full_count, plan.count - plan.full_count))
 
 
-def _step(lists, t, start, count):
-    """(index [C], valid [C]): step t of a loop over ``lists`` [C, n] from ``start`` [C], for
-    ``count`` [C] steps; a step past a unit's count reads a valid index, flagged invalid."""
-    position = jnp.minimum(start + t, lists.shape[-1] - 1)
-    return jnp.take_along_axis(lists, position[:, None], axis=-1)[:, 0], t < count
-
-
 def _visit(static: _Static, masked: bool, t, start, count, q, kb, vb, seg_q, seg_kb, pos_kb,
            plan: _Units) -> _Visit:
-    index, valid = _step(plan.kv_index, t, start, count)
+    position = jnp.minimum(start + t, static.n_k - 1)
+    index = jnp.take_along_axis(plan.kv_index, position[:, None], axis=-1)[:, 0]
+    valid = t < count
     k_t, v_t = kb[index], vb[index]
     logits = static.scaled(_block_dot(static, "chrd,chkd->chrk", q, k_t))
     mask = None
@@ -282,32 +263,23 @@ def _visit(static: _Static, masked: bool, t, start, count, q, kb, vb, seg_q, seg
 
 
 def _block_dot(static: _Static, spec: str, x, y):
-    """einsum of block operands, with the (G, bq) axes of a query-side operand merged into the
-    one axis ``r`` of ``spec`` (and split again in the result).
+    """einsum of block operands, with each 5-D operand's (G, bq) axes merged into one row axis r.
 
     XLA's CPU dot is markedly faster on [rows, D] x [D, bk] than with a separate
     group axis; the merge and split are free reshapes. Operands are cast to
     ``static.operands`` (a no-op on the float32 path; p and ds in bf16 / f16 on
     the mixed-precision path) and the result accumulates in float32.
     """
-    terms, result = spec.split("->")
-
-    def merge(a, term):
+    def merge(a):
         a = a.astype(static.operands)
-        if a.ndim == len(term):
-            return a
-        r = term.index("r")
-        return a.reshape(a.shape[:r] + (-1,) + a.shape[r + 2:])
+        return a.reshape(a.shape[:2] + (-1,) + a.shape[4:]) if a.ndim == 5 else a
 
-    x_term, y_term = terms.split(",")
-    group = next(a.shape[t.index("r")] for a, t in ((x, x_term), (y, y_term))
-                 if a.ndim > len(t))
+    group = (x if x.ndim == 5 else y).shape[2]
     precision = "highest" if static.operands == static.accumulate else "default"
-    out = jnp.einsum(spec, merge(x, x_term), merge(y, y_term), precision=precision,
+    out = jnp.einsum(spec, merge(x), merge(y), precision=precision,
                      preferred_element_type=static.accumulate)
-    if "r" in result:
-        r = result.index("r")
-        out = out.reshape(out.shape[:r] + (group, -1) + out.shape[r + 1:])
+    if "r" in spec.split("->")[1]:
+        out = out.reshape(out.shape[:2] + (group, -1) + out.shape[3:])
     return out
 
 
@@ -328,7 +300,7 @@ def _own_logits(static: _Static, q, own_kv, seg_q):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: _Units,
-           key_plan: _KeyUnits, bad: _Bad):
+           bad: _Bad):
     return _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad)
 
 
@@ -390,87 +362,67 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: 
         return None, (out, lse)
 
     xs = (qu, own_kv, seg_qu, plan, bad.q, bad.own)
-    _, result = jax.lax.scan(chunk, None, _chunks(static.chunk, xs))
+    _, result = jax.lax.scan(chunk, None, _chunks(static, xs))
     return _unchunk(result)
 
 
-def _flash_fwd(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, key_plan, bad):
+def _flash_fwd(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad):
     out, lse = _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad)
-    return (out, lse), (qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, key_plan, out, lse)
+    return (out, lse), (qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, out, lse)
 
 
 def _flash_bwd(static, residuals, cotangents):
-    """Key-major: each key block (a unit of the transposed lists) walks the query blocks that
-    see it, so every dot contracts over its left operand's last axis (XLA:CPU runs those on its
-    fast library, and the transposed-operand forms on a slower one): S^T = K Q^T,
-    dP^T = V dO^T, dV = P^T dO, dK = dS^T Q, and dQ^T = K^T dS^T with K transposed once,
-    scatter-added into the query blocks. The own-key term needs no block: it is added for all
-    queries at once."""
-    qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, key_plan, out, lse = residuals
+    qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, out, lse = residuals
     d_out, d_lse = cotangents
     acc_dtype = static.accumulate
     lse, d_out, delta = semantics.backward_rows(out, d_out, lse, d_lse)
     # Rows that see nothing: every p is masked. Poisoned rows keep lse = +inf: every p is 0.
-    lse = jnp.where(lse == -jnp.inf, 0, lse)
-    key_t = kb.transpose(0, 1, 3, 2)  # [B * nK, Hkv, D, bk]
+    lse_safe = jnp.where(lse == -jnp.inf, 0, lse)
 
-    def chunk(d_qt, xs):
-        k, v, k_t, seg_k, pos_k, units = xs
-        d_k = jnp.zeros(k.shape, acc_dtype)
-        d_v = jnp.zeros(v.shape, acc_dtype)
+    def chunk(carry, xs):
+        dk, dv = carry
+        q, own, seg_q, units, d_o, dlt, lse_c = xs
+        dq = jnp.zeros(q.shape, acc_dtype)
         for masked, start, count in _loops(units):
             def body(t, grads, masked=masked, start=start, count=count):
-                d_qt, d_k, d_v = grads
-                index, valid = _step(units.q_index, t, start, count)
-                valid = _row(valid)[..., None]  # [C, 1, 1, 1, 1]
-                q, d_o = qu[index], d_out[index]
-                lse_t, delta_t = lse[index][:, :, None], delta[index][:, :, None]
-                # [C, Hkv, bk, G, bq]: key rows, (group, query) columns
-                logits = static.scaled(_block_dot(static, "chkd,chrd->chkr", k, q))
-                mask = valid
-                if masked:
-                    mask = semantics.sees_history(seg_qu[index][:, None, :], seg_k[:, :, None],
-                                                  plan.q_pos[index][:, None, :],
-                                                  pos_k[:, :, None], static.causal)
-                    mask = mask[:, None, :, None] & valid
-                p = jnp.where(mask, jnp.exp(static.cap(logits) - lse_t), 0)
-                dp = _block_dot(static, "chkd,chrd->chkr", v, d_o)
-                ds = static.scaled(p * (dp - delta_t) * static.cap_grad(logits))
-                d_v = d_v + _block_dot(static, "chkr,chrd->chkd", p, d_o)
-                d_k = d_k + _block_dot(static, "chkr,chrd->chkd", ds, q)
-                d_qt = d_qt.at[index].add(_block_dot(static, "chdk,chkr->chdr", k_t, ds))
-                return d_qt, d_k, d_v
+                dq, dk, dv = grads
+                vis = _visit(static, masked, t, start, count, q, kb, vb, seg_q, seg_kb, pos_kb,
+                             units)
+                mask = vis.mask if masked else _row(vis.valid)[..., None]
+                p = jnp.where(mask, jnp.exp(static.cap(vis.logits) - lse_c[..., None]), 0)
+                dp = _block_dot(static, "chrd,chkd->chrk", d_o, vis.v)
+                ds = static.scaled(p * (dp - dlt[..., None]) * static.cap_grad(vis.logits))
+                dq = dq + _block_dot(static, "chrk,chkd->chrd", ds, vis.k)
+                dk = dk.at[vis.index].add(_block_dot(static, "chrk,chrd->chkd", ds, q))
+                dv = dv.at[vis.index].add(_block_dot(static, "chrk,chrd->chkd", p, d_o))
+                return dq, dk, dv
 
-            d_qt, d_k, d_v = jax.lax.fori_loop(0, count.max(), body, (d_qt, d_k, d_v))
-        return d_qt, (d_k, d_v)
+            dq, dk, dv = jax.lax.fori_loop(0, count.max(), body, (dq, dk, dv))
 
-    # Key blocks sorted by their two list lengths, so that the blocks of one step have about
-    # as many full and partial query blocks to visit: a step runs as many iterations as its
-    # longest list. (Packed rows alternate key blocks seen fully by 8 query blocks and blocks
-    # seen partially by 8: unsorted, half of every iteration was wasted, 0.64x the time of the
-    # query-major backward.) A block no query sees, such as candidates', visits none.
-    partial = key_plan.count - key_plan.full_count
-    order = jnp.argsort(-(key_plan.full_count * (qu.shape[0] + 1) + partial), stable=True)
-    xs = jax.tree.map(lambda x: x[order], (kb, vb, key_t, seg_kb, pos_kb, key_plan))
-    d_qt = jnp.zeros(qu.shape[:2] + qu.shape[-1:] + qu.shape[2:4], acc_dtype)
-    d_qt, (dk, dv) = jax.lax.scan(chunk, d_qt, _chunks(static.key_chunk, xs))
-    dq = d_qt.transpose(0, 1, 3, 4, 2)  # [U, Hkv, D, G, bq] -> [U, Hkv, G, bq, D]
-    dk, dv = (jnp.zeros_like(x).at[order].set(x) for x in _unchunk((dk, dv)))
+        d_own = None
+        if own is not None:
+            s_own, raw, is_cand = _own_logits(static, q, own, seg_q)
+            p_own = jnp.where(is_cand, jnp.exp(s_own - lse_c), 0)
+            own_k, own_v = (x[:, :, None].astype(acc_dtype) for x in own)
+            dp_own = (d_o.astype(acc_dtype) * own_v).sum(-1)
+            ds_own = static.scaled(p_own * (dp_own - dlt) * static.cap_grad(raw))
+            dq = dq + ds_own[..., None] * own_k
+            d_own = ((ds_own[..., None] * q.astype(acc_dtype)).sum(2),
+                     (p_own[..., None] * d_o.astype(acc_dtype)).sum(2))
+        return (dk, dv), (dq, d_own)
 
-    d_own = None
-    if own_kv is not None:
-        s_own, raw, is_cand = _own_logits(static, qu, own_kv, seg_qu)
-        p_own = jnp.where(is_cand, jnp.exp(s_own - lse), 0)
-        own_k, own_v = (x[:, :, None].astype(acc_dtype) for x in own_kv)
-        dp_own = (d_out.astype(acc_dtype) * own_v).sum(-1)
-        ds_own = static.scaled(p_own * (dp_own - delta) * static.cap_grad(raw))
-        dq = dq + ds_own[..., None] * own_k
-        d_own = ((ds_own[..., None] * qu.astype(acc_dtype)).sum(2),
-                 (p_own[..., None] * d_out.astype(acc_dtype)).sum(2))
+    xs = _chunks(static, (qu, own_kv, seg_qu, plan, d_out, delta, lse_safe))
+    (dk, dv), (dq, d_own) = jax.lax.scan(chunk, _key_grad_accumulators(static, kb, vb), xs)
     # Cotangents in the primal dtypes (bf16 / f16 operands on the mixed-precision path).
     like = lambda grads, primals: jax.tree.map(lambda g, x: g.astype(x.dtype), grads, primals)
-    return (like(dq, qu), like(dk, kb), like(dv, vb), like(d_own, own_kv),
-            None, None, None, None, None, None)
+    return (like(_unchunk(dq), qu), like(dk, kb), like(dv, vb), like(_unchunk(d_own), own_kv),
+            None, None, None, None, None)
+
+
+def _key_grad_accumulators(static: _Static, kb, vb):
+    """Zero dk, dv in the accumulation dtype: every query block adds into them, so in bf16
+    (the operands' dtype on the mixed-precision path) each addition would round."""
+    return jnp.zeros(kb.shape, static.accumulate), jnp.zeros(vb.shape, static.accumulate)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
