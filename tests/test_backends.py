@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from conftest import SMALL_BLOCKS, SMALL_CPU, SMALL_TRITON, needs_cpu_kernel
 from helpers import FIELDS, Case, bounds, case_id, check_against_oracle, run, segment_ids
-from rankattn.backends import BlockSizes, Cpu, PallasTriton, Xla
+from rankattn.backends import BlockSizes, Cpu, PallasTriton, Xla, xla
 
 C = Case
 SEG, ROWS, BCAST = "segment_ids", "bounds_rows", "bounds_broadcast"
@@ -149,13 +149,44 @@ class TestXlaDefaultBlockEdges(BackendTests):
 
 
 class TestXlaSmallSlab(BackendTests):
-    """Default blocks with scan steps of at most 1.2 MB of logits: 1025 and 1100 tokens make
-    9 query blocks of 512 KB, run as 4 steps of 3 units, the last with 3 padded (empty) units;
-    512 tokens make 4 steps of one unit."""
+    """Default blocks with scan steps of at most 1.2 MB of logits. 896 tokens make 7 query
+    blocks of 512 KB: 7 is prime, so they run as 3 steps of 3 units, the last with 2 padded
+    (empty) units. 1025 and 1100 tokens make 10 blocks of 104 and 112 queries, 5 steps of 2;
+    512 tokens one block of 4 MiB, a step to itself."""
 
     impl = Xla(step_logits_bytes=1_200_000)
     configs = DEFAULT_BLOCK_LENGTHS[4:5]
-    long_configs = DEFAULT_BLOCK_LENGTHS[-1:] + LONG_CONFIGS[:1]
+    long_configs = DEFAULT_BLOCK_LENGTHS[-1:] + LONG_CONFIGS[:1] + [
+        C(batch=1, seq=896, heads_q=2, heads_kv=1, dim=8, mask=SEG, softcap=2.0)]
+
+
+@pytest.mark.parametrize("q_len, block", [(1088, 136), (1152, 128), (1025, 104), (8192, 128),
+                                          (32896, 128)])
+def test_xla_query_blocks_pad_least(q_len, block):
+    """2 + 1022 history + 64 candidates took 9 blocks of 128 (64 padded queries); a length
+    that 128 divides keeps 128."""
+    assert xla.plan_sizes(None, q_len, q_len) == BlockSizes(block, 512)
+
+
+@given(q_len=st.integers(xla.SHORT_QUERY_LEN + 1, 40_000))
+def test_xla_query_block_is_near_the_target_and_pads_no_more_than_it(q_len):
+    block = xla.query_block(q_len, 128)
+    assert block % 8 == 0 and 96 <= block <= 160
+    assert xla.round_up(q_len, block) <= xla.round_up(q_len, 128)
+
+
+@pytest.mark.parametrize("units, group, per_step", [
+    (18, 2, 2), (17, 2, 1), (18, 1, 1), (1, 2, 1), (64, 5, 2)])
+def test_xla_units_per_step_never_pads_a_step_with_a_divisor_at_hand(units, group, per_step):
+    """GQA runs two units (query blocks) per scan step, MHA one; an odd count runs one at a
+    time rather than a padded last step."""
+    assert xla.units_per_step(units, 1 << 20, 9, group, None) == per_step
+
+
+def test_xla_units_per_step_pads_only_a_prime_count():
+    """7 units under a 3-unit budget: 3 steps of 3, as even as possible (no divisor >= 2)."""
+    assert xla.units_per_step(7, 1 << 20, 7, 2, 3 << 20) == 3
+    assert xla.units_per_step(8, 1 << 20, 8, 2, 3 << 20) == 2
 
 
 class TestXlaMixedPrecision(BackendTests):

@@ -6,8 +6,9 @@ so a model builds it once per batch and passes it to every attention layer
 (and the backward pass reuses it). It is a pytree, so it can be built inside
 ``jax.jit`` from traced segment ids and passed between jitted functions.
 
-Blocked backends differ in the block sizes they read (``xla`` uses 128 x 512,
-or one query block for short queries; ``pallas_triton`` 64 x 64 tiles), so a plan keeps one
+Blocked backends differ in the block sizes they read (``xla`` uses about 128 x 512, the
+query block chosen per length to pad least, or one query block for short queries; ``cpu``
+64 x 128; ``pallas_triton`` 64 x 64 tiles), so a plan keeps one
 :class:`rankattn.blocks.BlockPlan` per block-size pair, each with the lists per
 query block (forward, dq) and per key block (dk / dv). A backend asks the plan
 for its pair; a plan made for other backends still gives exact results, the

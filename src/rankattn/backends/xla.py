@@ -23,6 +23,12 @@ How it works:
    keeping the forward's p (a slot per visited block, 256 MiB cap): nano
    fwd+bwd (B=4) took 1.09x the time with kept p, the short call (B=2, 320
    tokens) the same; the memory traffic costs what the matmul and exp save.
+   A key-major backward (S^T = K Q^T, so every dot contracts its left
+   operand's last axis and XLA:CPU runs it on YNNPACK; dQ^T = K^T dS^T
+   scattered into the query blocks) took 1.07-1.16x the time on the 2-core
+   AVX2 EPYC (fwd+bwd of 2 + 1022 history + 64 candidates, nano, packed
+   rows): there YNNPACK's block dots are no faster than Eigen's. It is commit
+   c2e865f, for a machine where they are.
 
 Precision (``mixed_precision``): bf16 / f16 operands feed the dots directly
 with float32 accumulation (tensor cores on GPU, the MXU on TPU, AMX or AVX-512
@@ -47,7 +53,11 @@ from rankattn.blocks import (BlockPlan, BlockSizes, pad_axis1, pad_positions, ro
 from rankattn.validate import AttentionCall
 
 
-# The xla backend's default blocks; see STEP_LOGITS_BYTES for the measurements behind them.
+# The xla backend's default blocks. Measured on the 2-core AMD EPYC development machine
+# (nano-fwd of benchmarks/bench.py, median ms; query x key block, logits per scan step):
+# 128x128 1 MiB 237, 128x256 2 MiB 197, 128x512 4 MiB 148, 128x512 16 MiB 225, 128x1024
+# 4 MiB 155, 256x128 2 MiB 444; packed-fwd and long-history-fwd agree (128x512 4 MiB 134 ms
+# vs 215 ms at 128x128 1 MiB; 9.2 s vs 13.0 s).
 DEFAULT_BLOCK_SIZES = BlockSizes(128, 512)
 # With the default blocks, queries up to this long form a single query block: fewer, larger
 # steps. Measured (benchmarks/bench.py shapes, forward, median of per-round ratios to
@@ -59,40 +69,62 @@ SHORT_QUERY_LEN = 512
 def plan_sizes(sizes: BlockSizes | None, q_len: int, kv_len: int) -> BlockSizes:
     """Blocks no longer than the sequences (rounded up to 8), so short calls pad little.
 
-    ``None`` means the defaults chosen per shape: DEFAULT_BLOCK_SIZES, with a
-    single query block for queries of at most SHORT_QUERY_LEN tokens.
+    ``None`` means the defaults chosen per shape: DEFAULT_BLOCK_SIZES, with the
+    query block adjusted to pad least (:func:`query_block`) and a single query
+    block for queries of at most SHORT_QUERY_LEN tokens. Key blocks keep their
+    length: padded keys are candidates' or padding's, in blocks the plan skips.
     """
     if sizes is None:
         short = q_len <= SHORT_QUERY_LEN
-        sizes = BlockSizes(round_up(q_len, 8) if short else DEFAULT_BLOCK_SIZES.block_q,
+        sizes = BlockSizes(round_up(q_len, 8) if short
+                           else query_block(q_len, DEFAULT_BLOCK_SIZES.block_q),
                            DEFAULT_BLOCK_SIZES.block_k)
     return BlockSizes(min(sizes.block_q, round_up(q_len, 8)), min(sizes.block_k, round_up(kv_len, 8)))
 
 
-# Query blocks are processed a few at a time: XLA materialises each step's
-# logits for every query block it handles at once, so the slab should stay
-# near cache size, yet be large enough for both cores to share each step.
-# Measured on the 2-core AMD EPYC development machine (nano-fwd of
-# benchmarks/bench.py, median ms; query x key block, slab MiB): 128x128 1 MiB
-# 237, 128x256 2 MiB 197, 128x512 4 MiB 148, 128x512 16 MiB 225, 128x1024 4 MiB
-# 155, 256x128 2 MiB 444; packed-fwd and long-history-fwd agree (128x512 4 MiB
-# 134 ms vs 215 ms at 128x128 1 MiB; 9.2 s vs 13.0 s).
-STEP_LOGITS_BYTES = 4 << 20
-# Two exceptions, measured the same way (median of per-round ratios against the 4 MiB rule):
-# - a step holds at least two units: with 20/4 heads a 128 x 512 unit is 5 MiB, and two per
-#   step took 0.74x the time of one (nano, B=2);
-# - single-query-block calls (SHORT_QUERY_LEN) take 16 MiB steps: 0.76x the time of 4 MiB at
-#   B=16 with 2 + 254 history + 64 candidates, 0.58x with 20/4 heads at B=2.
+def query_block(q_len: int, target: int) -> int:
+    """A multiple of 8 within 25% of ``target`` whose blocks pad ``q_len`` least (the one
+    nearest ``target`` among equals): 2 + 1022 history + 64 candidates, 1088 queries, take
+    8 blocks of 136 instead of 9 of 128 (6% padded queries)."""
+    options = []
+    for blocks in range(-(-q_len * 4 // (target * 5)), -(-q_len * 4 // (target * 3)) + 1):
+        size = round_up(-(-q_len // blocks), 8)
+        options.append((blocks * size - q_len, abs(size - target), size))
+    return min(options)[2]
+
+
+# Query blocks are processed a few at a time ("units" per scan step: one query block of one
+# batch row each): XLA materialises each step's logits for every unit it handles at once.
+# Measured on the 2-core AMD EPYC development machine (AVX2; interleaved medians of per-round
+# ratios to 4 units per step, 11 rounds; 2 + 1022 history + 64 candidates, B=2, D=128):
+# - GQA (4/2 heads): 2 units per step 1.02x forward, 1.00x fwd+bwd; 1 unit 0.88x / 0.88x;
+#   8 units 0.81x / 0.90x (5 rounds). Packed rows (8 sessions in 8192 tokens): 1.01x.
+#   With 20/4 heads two units took 0.74x the time of one (nano, B=2).
+# - MHA (4/4 heads), whose K/V blocks per unit are twice as large: 1 unit per step 1.27x
+#   forward, 1.15x fwd+bwd; 2 units 1.18x / 1.14x.
+# An explicit ``step_logits_bytes`` instead sets how many units' logits a step may hold.
+UNITS_PER_STEP_MHA, UNITS_PER_STEP_GQA = 1, 2
+# Single-query-block calls (SHORT_QUERY_LEN) keep a logits budget per step instead: 16 MiB
+# took 0.76x the time of 4 MiB at B=16 with 2 + 254 history + 64 candidates, 0.58x with
+# 20/4 heads at B=2.
 SHORT_STEP_LOGITS_BYTES = 16 << 20
 
 
-def units_per_step(units: int, unit_bytes: int, n_q: int, step_logits_bytes: int | None) -> int:
-    """How many units (query blocks of a row) one scan step processes, as evenly as possible."""
-    limit = step_logits_bytes or (SHORT_STEP_LOGITS_BYTES if n_q == 1 else STEP_LOGITS_BYTES)
-    steps = -(-units * unit_bytes // limit)
-    if step_logits_bytes is None:
-        steps = min(steps, max(units // 2, 1))
-    return -(-units // steps)  # as even as possible, so little padding
+def units_per_step(units: int, unit_bytes: int, n_q: int, group: int,
+                   step_logits_bytes: int | None) -> int:
+    """How many units (query blocks of a row) one scan step processes.
+
+    A divisor of ``units`` when one is at least half the size the rule allows, so that no
+    step computes padded units (18 units of 4 took 5 steps, 2 of them padding); otherwise
+    (a prime count, say) as even as possible.
+    """
+    if step_logits_bytes is None and n_q > 1:
+        most = min(units, UNITS_PER_STEP_MHA if group == 1 else UNITS_PER_STEP_GQA)
+    else:
+        limit = step_logits_bytes or SHORT_STEP_LOGITS_BYTES
+        most = -(-units // -(-units * unit_bytes // limit))
+    divisor = max(d for d in range(1, most + 1) if units % d == 0)
+    return divisor if 2 * divisor >= most else most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +192,7 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
         pos_k = pad_positions(shard_mask.kv_positions, bk)
 
     n_q, n_k = seg_q.shape[1] // bq, seg_k.shape[1] // bk
-    chunk = units_per_step(b * n_q, hq * bq * bk * 4, n_q, step_logits_bytes)
+    chunk = units_per_step(b * n_q, hq * bq * bk * 4, n_q, hq // hkv, step_logits_bytes)
     n_units = round_up(b * n_q, chunk)
     accumulate = compute_dtype(q.dtype)
     operands = q.dtype if mixed_precision else accumulate
@@ -441,7 +473,7 @@ class Xla(Backend):
     short call; f16 0.95x and 0.85x. True or False forces either path (True on
     CPU is how the tests check the GPU / TPU numerics). ``step_logits_bytes``: the logits one scan
     step may hold (query blocks are processed that many at a time); None
-    (default) chooses it per shape, see STEP_LOGITS_BYTES.
+    (default) chooses it per shape, see UNITS_PER_STEP_GQA.
     """
 
     name = "xla"
