@@ -246,6 +246,16 @@ class TestPallasTritonDefaultBlocks(BackendTests):
     long_configs = TRITON_LONG_CONFIGS
 
 
+class TestPallasTritonSplitGrads(BackendTests):
+    """dk and dv in two kernels (float32 and D > 128 take it on GPUs), with 16 x 16 tiles."""
+
+    impl = PallasTriton(BlockSizes(16, 16), split_dkv=True, interpret=True)
+    configs = TRITON_CONFIGS[1::5]
+    # The split changes which kernel accumulates dk and dv, not how lengths are tiled (the
+    # long configurations run in TestPallasTriton), and interpret mode is slow.
+    test_long_sequence_matches_oracle = None
+
+
 # The fused C++ kernel (cpu): with 16 x 8 blocks every configuration has ragged last blocks,
 # blocks of one token and mixed full / partial visits; float16 joins bf16 and f32.
 CPU_CONFIGS = CONFIGS + [

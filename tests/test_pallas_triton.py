@@ -6,7 +6,8 @@
   Triton is picky about (non-power-of-two head dims and GQA ratios, lengths
   over 1000, bf16 / f16, soft caps): this is what catches unsupported
   primitives and non-power-of-two tiles without a GPU. It cannot catch
-  register or shared-memory limits; benchmarks/gpu.py checks those on a GPU.
+  register or shared-memory limits; tests/test_gpu_compile.py compiles for real targets.
+* The configuration per GPU, dtype and head dim, and plans that prepare all of them.
 * Options are checked (RA116), float64 is declined with a reason.
 * The scale is applied to float32 logits, never rounded into bf16 q first
   (also for the xla backend's mixed-precision path).
@@ -24,7 +25,9 @@ import pytest
 import rankattn
 from conftest import CPU_KERNEL_REASONS, SMALL_TRITON
 from helpers import attention_jit, random_qkv, random_segments
-from rankattn.backends import BlockSizes, PallasTriton, Xla
+from rankattn.backends import BlockSizes, GpuTarget, PallasTriton, Xla
+from rankattn.backends.pallas_triton import (PORTABLE_TARGET, SHARED_MEMORY_PER_BLOCK,
+                                             KernelConfig)
 from tolerances import assert_close_f32
 
 
@@ -80,7 +83,9 @@ def test_forward_and_backward_lower_for_cuda_on_cpu(shape):
     lowered = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(*args).lower(
         lowering_platforms=("cuda",))
     kernels = re.findall(r'name = "(rankattn_\w+)"', lowered.as_text())
-    assert sorted(kernels) == ["rankattn_dkv", "rankattn_dq", "rankattn_forward"]
+    split = PallasTriton().config(dtype, max(d, dv)).split_dkv  # float32 and D > 128
+    grads = ["rankattn_dk", "rankattn_dv"] if split else ["rankattn_dkv"]
+    assert sorted(kernels) == sorted(grads + ["rankattn_dq", "rankattn_forward"])
 
 
 def test_lowering_catches_what_triton_rejects():
@@ -92,7 +97,8 @@ def test_lowering_catches_what_triton_rejects():
 
     def f(q, seg):
         return triton_attention(q, q, q, seg, causal=False, scale=1.0, softcap=None,
-                                softcap_method="tanh", block_sizes=BlockSizes(48, 48))
+                                softcap_method="tanh",
+                                config=KernelConfig(BlockSizes(48, 48), False, 8))
 
     with pytest.raises(ValueError, match="power of 2"):
         jax.jit(f).trace(q, seg).lower(lowering_platforms=("cuda",))
@@ -138,6 +144,53 @@ def test_one_plan_serves_both_blocked_backends():
         without = grad(q, k, v, seg, impl, False)
         for a, b in zip(jax.tree.leaves(with_plan), jax.tree.leaves(without)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("target, dtype, head_dim, sizes, split", [
+    ("sm_90", jnp.bfloat16, 128, BlockSizes(64, 32), False),  # wgmma, no spills
+    ("sm_90", jnp.float16, 80, BlockSizes(64, 32), False),    # D=80 runs as 128
+    ("sm_80", jnp.bfloat16, 128, BlockSizes(32, 32), False),  # mma.sync: 64 x 32 spilled
+    ("sm_89", jnp.bfloat16, 64, BlockSizes(32, 32), False),
+    ("sm_90", jnp.bfloat16, 200, BlockSizes(32, 32), True),   # D=256: dk, dv apart
+    ("sm_89", jnp.float32, 128, BlockSizes(16, 16), True),    # no tensor cores: 4 warps
+])
+def test_the_configuration_follows_the_gpu_dtype_and_head_dim(target, dtype, head_dim, sizes,
+                                                               split):
+    """The no-spill choices of benchmarks/GPU_COMPILE.md (test_gpu_compile checks them)."""
+    config = PallasTriton(target=target).config(dtype, head_dim)
+    assert (config.block_sizes, config.split_dkv) == (sizes, split)
+    forced = PallasTriton(BlockSizes(16, 16), split_dkv=False, num_warps=2, target=target)
+    assert forced.config(dtype, head_dim) == KernelConfig(BlockSizes(16, 16), False, 2)
+
+
+def test_without_a_gpu_or_a_target_it_configures_for_every_gpu(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert PallasTriton().gpu_target() == PORTABLE_TARGET
+    assert PORTABLE_TARGET.shared_memory_per_block == min(SHARED_MEMORY_PER_BLOCK.values())
+    assert PallasTriton(target="sm_90").gpu_target() == GpuTarget((9, 0), 232448)
+
+
+@pytest.mark.parametrize("spec, capability", [("sm_90", (9, 0)), ("sm_90a", (9, 0)),
+                                              ("8.9", (8, 9)), ((8, 0), (8, 0)),
+                                              ("sm_100", (10, 0))])
+def test_targets_are_named_as_nvidia_and_jax_name_them(spec, capability):
+    assert GpuTarget.of(spec).compute_capability == capability
+
+
+def test_an_unknown_target_says_what_to_pass():
+    with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
+        PallasTriton(target="sm_75")
+    assert "(7, 5)" in str(err.value) and "GpuTarget(" in str(err.value)
+
+
+def test_a_plan_prepares_every_tile_pair_a_call_may_use():
+    """Tiles depend on dtype and head dim, which a plan does not know: it prepares each pair
+    the backend may use, so every call reads prepared lists."""
+    impl = PallasTriton(target="sm_90")
+    plan = rankattn.plan(segment_ids=jnp.ones((1, 300), jnp.int32), impls=[impl])
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        for head_dim in (8, 64, 128, 200, 256):
+            assert impl.config(dtype, head_dim).block_sizes in plan.block_sizes
 
 
 def test_default_plan_prepares_what_auto_uses_here():

@@ -123,10 +123,13 @@ _KINDS = [
     ErrorKind(
         "RA116", "a static option has the wrong type",
         "causal and return_lse are Python bools; block sizes are positive ints (for "
-        "pallas_triton, powers of two >= 16) and Triton launch options positive ints or None. "
-        "They select the compiled program, so they cannot be traced arrays.",
+        "pallas_triton, powers of two >= 16) and Triton launch options positive ints or None; "
+        "a PallasTriton target is a GPU whose compute capability rankattn knows (sm_80, sm_86, "
+        "sm_87, sm_89, sm_90, sm_100, sm_120). They select the compiled program, so they cannot "
+        "be traced arrays.",
         "Pass Python values (True/False, ints), not jax arrays; for PallasTriton tiles, "
-        "e.g. BlockSizes(64, 64).",
+        "e.g. BlockSizes(32, 32); for another GPU, GpuTarget((major, minor), "
+        "shared_memory_per_block).",
         RankattnTypeError),
     ErrorKind(
         "RA117", "a plan was misused",

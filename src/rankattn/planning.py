@@ -8,7 +8,7 @@ so a model builds it once per batch and passes it to every attention layer
 
 Blocked backends differ in the block sizes they read (``xla`` uses about 128 x 512, the
 query block chosen per length to pad least, or one query block for short queries; ``cpu``
-64 x 128; ``pallas_triton`` 64 x 64 tiles), so a plan keeps one
+64 x 128; ``pallas_triton`` 16-64 x 16-32 tiles per GPU, dtype and head dim), so a plan keeps one
 :class:`rankattn.blocks.BlockPlan` per block-size pair, each with the lists per
 query block (forward, dq) and per key block (dk / dv). A backend asks the plan
 for its pair; a plan made for other backends still gives exact results, the
@@ -92,7 +92,7 @@ def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: b
         batch, length = np.shape(segment_ids)[0], np.shape(segment_ids)[-1]
     segment_ids, causal = check_mask_args(segment_ids, bounds, causal, batch, length)
     backends = resolve_impls("auto" if impls is None else impls, "impls")
-    sizes = tuple(dict.fromkeys(s for s in (b.plan_sizes(length) for b in backends) if s))
+    sizes = tuple(dict.fromkeys(s for b in backends for s in b.plan_sizes(length)))
     return Plan(segment_ids=segment_ids,
                 block_plans=tuple(self_attention_block_plan(segment_ids, s, causal) for s in sizes),
                 causal=causal, block_sizes=sizes)

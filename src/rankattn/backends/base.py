@@ -36,9 +36,10 @@ class Backend(abc.ABC):
         """Why this backend cannot run ``call``; empty when it can."""
         return []
 
-    def plan_sizes(self, seq_len: int) -> BlockSizes | None:
-        """The block sizes of the :class:`rankattn.Plan` lists this backend reads, if any."""
-        return None
+    def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
+        """The block sizes of the :class:`rankattn.Plan` lists this backend may read for
+        sequences of ``seq_len`` tokens (every dtype and head dim it may be called with)."""
+        return ()
 
     @abc.abstractmethod
     def __call__(self, call: AttentionCall):

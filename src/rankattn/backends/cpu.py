@@ -163,8 +163,8 @@ class Cpu(Backend):
     def _library_reasons() -> list[str]:
         return [f"cpu: {why}; impl='auto' uses 'xla' instead" for why in library().reasons]
 
-    def plan_sizes(self, seq_len: int) -> BlockSizes:
-        return plan_sizes(self.block_sizes, seq_len, seq_len)
+    def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
+        return (plan_sizes(self.block_sizes, seq_len, seq_len),)
 
     def __call__(self, call: AttentionCall):
         why = self._library_reasons()
@@ -172,7 +172,8 @@ class Cpu(Backend):
             raise fail("RA115", "impl=Cpu() cannot run this call:\n    - " + "\n    - ".join(why))
         blocks = None
         if call.plan is not None:
-            blocks = call.plan.block_plan(self.plan_sizes(call.q.shape[1]))
+            seq_len = call.q.shape[1]
+            blocks = call.plan.block_plan(plan_sizes(self.block_sizes, seq_len, seq_len))
         return fused_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
                                scale=call.scale, softcap=call.softcap,
                                softcap_method=call.softcap_method, block_sizes=self.block_sizes,

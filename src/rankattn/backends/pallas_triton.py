@@ -58,7 +58,6 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # Triton's dot needs every dimension >= 16, and its loads power-of-two shapes.
 MIN_BLOCK = 16
-DEFAULT_BLOCK_SIZES = BlockSizes(64, 64)
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -70,6 +69,82 @@ def plan_sizes(sizes: BlockSizes, seq_len: int) -> BlockSizes:
     """Blocks no longer than the sequence needs (a power of two >= 16)."""
     longest = max(MIN_BLOCK, _next_power_of_2(seq_len))
     return BlockSizes(min(sizes.block_q, longest), min(sizes.block_k, longest))
+
+
+# --- The kernels' configuration per GPU. ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """The GPU the kernels are compiled for, as far as their configuration depends on it."""
+
+    compute_capability: tuple[int, int]
+    shared_memory_per_block: int  # bytes one block may opt into
+
+    @classmethod
+    def of(cls, spec) -> "GpuTarget":
+        """A GpuTarget from itself, "sm_90", "9.0" or (9, 0) (shared memory by architecture)."""
+        if isinstance(spec, GpuTarget):
+            return spec
+        if isinstance(spec, str):
+            digits = spec.removeprefix("sm_").rstrip("a")
+            major, minor = digits.split(".") if "." in digits else (digits[:-1], digits[-1])
+            spec = (int(major), int(minor))
+        capability = tuple(spec)
+        known = SHARED_MEMORY_PER_BLOCK.get(capability)
+        if known is None:
+            raise fail("RA116", f"PallasTriton target {spec!r}: compute capability {capability} "
+                                f"is not one of {sorted(SHARED_MEMORY_PER_BLOCK)}; pass "
+                                "GpuTarget(compute_capability, shared_memory_per_block) for "
+                                "another GPU.")
+        return cls(capability, known)
+
+    @property
+    def name(self) -> str:
+        return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
+
+
+# Opt-in shared memory per block (CUDA programming guide, compute capabilities table).
+SHARED_MEMORY_PER_BLOCK = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376,
+                           (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
+# Lowering for CUDA without a GPU and without a named target: settings that compile on every
+# supported GPU (the 99 KB parts' shared memory, no Hopper-only instructions).
+PORTABLE_TARGET = GpuTarget((8, 0), 101376)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tiles and launch options of the three kernels for one (target, dtype, head dim)."""
+
+    block_sizes: BlockSizes
+    split_dkv: bool  # dk and dv in two kernels: half the accumulators, p computed twice
+    num_warps: int
+
+
+def default_config(target: GpuTarget, dtype, head_dim: int) -> KernelConfig:
+    """The configuration with no register spills, from benchmarks/GPU_COMPILE.md.
+
+    ``head_dim``: the larger of D and Dv after padding to a power of two. What the
+    deviceless compile showed (ptxas 12.9, bf16, 4/2 heads; regs / spill bytes per thread):
+    - 64 x 64 tiles, one dk / dv kernel: dk / dv at 255 registers, spilling 136-568 bytes on
+      sm_90 and more on sm_80, and dq at 255 with causal + softcap.
+    - 64 x 32 on sm_90 (wgmma): no spills at D <= 128, causal and caps included (dk / dv
+      197-254 registers). On sm_80 / sm_89 (mma.sync) its dk / dv spills 96-136 bytes with a cap.
+    - 32 x 32 on sm_80 / sm_89: no spills at D <= 128 (dk / dv 204). On sm_90 it loses wgmma.
+    - D = 256: every tile with one dk / dv kernel spills 424-1008 bytes; 32 x 32 with dk and dv
+      in two kernels spills none on sm_80 / sm_90 (24 bytes in the sm_89 forward).
+    - float32 ("ieee" dots, no tensor cores): with 64 x 32 tiles ptxas gives dk / dv 32
+      registers and 57-72 KB of spill traffic per thread. 16 x 16 tiles, dk and dv apart and
+      4 warps bring it to 2.1 KB (dk) and 0.5 KB (dv) on sm_90; forward and dq spill nothing.
+    """
+    if jnp.dtype(dtype) == jnp.float32:
+        return KernelConfig(BlockSizes(16, 16), True, 4)
+    warps = 8 if head_dim > 64 else 4
+    if head_dim > 128:
+        return KernelConfig(BlockSizes(32, 32), True, warps)
+    if target.compute_capability >= (9, 0):
+        return KernelConfig(BlockSizes(64, 32), False, warps)
+    return KernelConfig(BlockSizes(32, 32), False, warps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +159,7 @@ class _Static:
     block_q: int
     block_k: int
     group: int  # query heads per kv head
+    split_dkv: bool  # dk and dv in two kernels (see default_config)
     num_warps: int
     num_stages: int
     interpret: bool
@@ -320,17 +396,17 @@ def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
 
 
 def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref,
-                do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, st: _Static):
+                do_ref, lse_ref, delta_ref, *out_refs, st: _Static, grads: tuple[str, ...]):
+    """The key block's gradients named in ``grads`` ("dk", "dv" or both), in that order."""
     k_start = pl.program_id(0) * st.block_k
     keys = _rows(k_start, st.block_k)
     k, v = k_ref[...], v_ref[...]
     seg_k = seg_k_ref[keys]
     full, count = full_ref[...], count_ref[...]
 
-    def head(g, grads):
-        """Add query head g of the group's contributions to (dk, dv)."""
-        def block(i, masked, grads):
-            dk, dv = grads
+    def head(g, acc):
+        """Add query head g of the group's contributions."""
+        def block(i, masked, acc):
             queries = _rows(i * st.block_q, st.block_q)
             q, do = q_ref[queries, g, :], do_ref[queries, g, :]
             lse = lse_ref[g, queries]
@@ -339,30 +415,46 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
                 mask = _mask(st, seg_q_ref[queries], seg_k, i * st.block_q, k_start)
                 s2 = jnp.where(mask, s2, -jnp.inf)
             p = jnp.exp2(s2 - _lse2(lse)[:, None])
-            dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
-            ds = _ds(st, p, _dot(do, v), delta_ref[g, queries][:, None], s)
-            return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv
+            acc = dict(acc)
+            if "dv" in acc:
+                acc["dv"] = acc["dv"] + _dot(p.astype(do.dtype), do, (0, 0))
+            if "dk" in acc:
+                ds = _ds(st, p, _dot(do, v), delta_ref[g, queries][:, None], s)
+                acc["dk"] = acc["dk"] + _dot(ds.astype(q.dtype), q, (0, 0))
+            return acc
 
-        dk, dv = _two_loops(q_index_ref, full, count, block, grads)
+        acc = dict(_two_loops(q_index_ref, full, count, block, acc))
         if st.own_key:  # queries at this block's positions, each on its own key
             q = q_ref[keys, g, :].astype(jnp.float32)
             do = do_ref[keys, g, :].astype(jnp.float32)
             lse = lse_ref[g, keys]
             s2, s = _own_logits(st, q, k, seg_q_ref[keys])
             p = jnp.exp2(s2 - _lse2(lse))
-            ds = _ds(st, p, (do * v.astype(jnp.float32)).sum(1), delta_ref[g, keys], s)
-            dk = dk + ds[:, None] * q
-            dv = dv + p[:, None] * do
-        return dk, dv
+            if "dv" in acc:
+                acc["dv"] = acc["dv"] + p[:, None] * do
+            if "dk" in acc:
+                ds = _ds(st, p, (do * v.astype(jnp.float32)).sum(1), delta_ref[g, keys], s)
+                acc["dk"] = acc["dk"] + ds[:, None] * q
+        return acc
 
-    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = jax.lax.fori_loop(0, st.group, head, zeros)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    like = dict(dk=k, dv=v)
+    acc = jax.lax.fori_loop(0, st.group, head,
+                            {n: jnp.zeros(like[n].shape, jnp.float32) for n in grads})
+    for name, ref in zip(grads, out_refs):
+        ref[...] = acc[name].astype(ref.dtype)
 
 
 def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
-    """dk, dv [B, S_pad, Hkv, D / Dv] (rows past nK * bk are never written)."""
+    """dk, dv [B, S_pad, Hkv, D / Dv] (rows past nK * bk are never written): one kernel, or
+    with ``st.split_dkv`` one kernel each (half the accumulators, p computed twice)."""
+    if st.split_dkv:
+        return (_dkv_call(st, ("dk",), q, k, v, seg, plan, d_out, lse, delta)[0],
+                _dkv_call(st, ("dv",), q, k, v, seg, plan, d_out, lse, delta)[0])
+    return tuple(_dkv_call(st, ("dk", "dv"), q, k, v, seg, plan, d_out, lse, delta))
+
+
+def _dkv_call(st: _Static, grads: tuple[str, ...], q, k, v, seg, plan: BlockPlan, d_out, lse,
+              delta):
     b, s_pad, hkv, d = k.shape
     dv = v.shape[-1]
     n_k = plan.q_index.shape[1]
@@ -372,8 +464,9 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
     key_block = lambda j, b_, h: (b_, j, h, 0)
     group = lambda j, b_, h: (b_, 0, h, 0)  # the G query heads of kv head h
     group_rows = lambda j, b_, h: (b_, h, 0)
+    like = dict(dk=k, dv=v)
     return pl.pallas_call(
-        functools.partial(_dkv_kernel, st=st),
+        functools.partial(_dkv_kernel, st=st, grads=grads),
         grid=(n_k, b, hkv),
         in_specs=[
             pl.BlockSpec((None, None, plan.q_index.shape[2]), lambda j, b_, h: (b_, j, 0)),
@@ -388,11 +481,9 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
             pl.BlockSpec((None, g, s_pad), group_rows),
             pl.BlockSpec((None, g, s_pad), group_rows),
         ],
-        out_specs=[pl.BlockSpec((None, bk, None, d), key_block),
-                   pl.BlockSpec((None, bk, None, dv), key_block)],
-        out_shape=[jax.ShapeDtypeStruct((b, s_pad, hkv, d), k.dtype),
-                   jax.ShapeDtypeStruct((b, s_pad, hkv, dv), v.dtype)],
-        name="rankattn_dkv",
+        out_specs=[pl.BlockSpec((None, bk, None, like[n].shape[-1]), key_block) for n in grads],
+        out_shape=[jax.ShapeDtypeStruct(like[n].shape, like[n].dtype) for n in grads],
+        name="rankattn_dkv" if len(grads) == 2 else f"rankattn_{grads[0]}",
         **st.launch(),
     )(plan.q_index, plan.q_full_count, plan.q_count, *seg, q, k, v, d_out, lse, delta)
 
@@ -433,23 +524,28 @@ def _pad_last(x, length: int):
     return x if not extra else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
+def _padded_head_dim(size: int) -> int:
+    """A head dim as the kernels see it: a power of two >= 16."""
+    return max(MIN_BLOCK, _next_power_of_2(size))
+
+
 def _pad_head_dim(x):
     """Zero-pad the last axis to a power of two >= 16 (zeros change no dot product)."""
-    return _pad_last(x, max(MIN_BLOCK, _next_power_of_2(x.shape[-1])))
+    return _pad_last(x, _padded_head_dim(x.shape[-1]))
 
 
 def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
-                     softcap_method: str, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
-                     block_plan: BlockPlan | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, interpret: bool = False):
+                     softcap_method: str, config: KernelConfig,
+                     block_plan: BlockPlan | None = None, num_stages: int | None = None,
+                     interpret: bool = False):
     """Blocked attention on Pallas/Triton; arguments and results as :func:`rankattn.attention`.
 
     ``block_plan``, if given, is the self-attention plan of these segment ids
-    at ``plan_sizes(block_sizes, S)``; without one it is made here.
+    at ``plan_sizes(config.block_sizes, S)``; without one it is made here.
     """
     b, sq, hq, d = q.shape
     skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
-    sizes = plan_sizes(block_sizes, max(sq, skv))
+    sizes = plan_sizes(config.block_sizes, max(sq, skv))
     bq, bk = sizes.block_q, sizes.block_k
     seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, sizes, causal,
                                                  block_plan)
@@ -464,7 +560,7 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
     d_pad, dv_pad = q_p.shape[-1], v_p.shape[-1]
     st = _Static(causal=causal, scale=scale, softcap=softcap, softcap_method=softcap_method,
                  own_key=segment_ids is not None, block_q=bq, block_k=bk, group=hq // hkv,
-                 num_warps=num_warps or (8 if max(d_pad, dv_pad) > 64 else 4),
+                 split_dkv=config.split_dkv, num_warps=config.num_warps,
                  num_stages=num_stages or _default_stages(sizes, d_pad, dv_pad, q.dtype.itemsize),
                  interpret=interpret)
     out, lse = _attention(st, q_p, k_p, v_p, seg, block_plan, poison)
@@ -486,12 +582,18 @@ def _default_stages(sizes: BlockSizes, d: int, dv: int, itemsize: int) -> int:
 class PallasTriton(Backend):
     """The Pallas kernels on the Triton lowering, for NVIDIA GPUs of sm80 (Ampere) and newer.
 
-    ``block_sizes``: query x key tile, powers of two >= 16 (default 64 x 64;
-    shorter sequences get smaller tiles). ``num_warps`` / ``num_stages``:
-    Triton launch options (default: 8 warps for head dims over 64, else 4; two
-    pipeline stages when they fit in shared memory). ``interpret=True`` runs
-    the same kernels in Pallas interpret mode, on any backend (CPU included):
-    slow, for tests.
+    The tiles, the number of warps and whether dk and dv share a kernel are chosen per GPU,
+    dtype and head dim (:func:`default_config`: the configuration without register spills
+    in the deviceless compile of benchmarks/gpu_compile.py). ``target`` names the GPU: None
+    (default) reads it from the device on a GPU machine, and uses ``PORTABLE_TARGET``
+    (settings that compile on every supported GPU) when lowering for CUDA elsewhere; or
+    "sm_80", "sm_89", "sm_90", (9, 0), a :class:`GpuTarget`.
+
+    Overrides, each fixed for every call: ``block_sizes``, the query x key tile (powers of
+    two >= 16; shorter sequences get smaller tiles); ``num_warps``; ``num_stages`` (default:
+    two pipeline stages when they fit in shared memory); ``split_dkv``.
+    ``interpret=True`` runs the same kernels in Pallas interpret mode, on any backend (CPU
+    included): slow, for tests.
 
     By name (``impl='pallas_triton'`` or ``'auto'``) it runs only where JAX's
     default backend is a GPU; an instance passed as ``impl=`` is not checked,
@@ -501,12 +603,12 @@ class PallasTriton(Backend):
 
     name = "pallas_triton"
 
-    def __init__(self, block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES, *,
-                 num_warps: int | None = None, num_stages: int | None = None,
+    def __init__(self, block_sizes: BlockSizes | None = None, *, num_warps: int | None = None,
+                 num_stages: int | None = None, split_dkv: bool | None = None, target=None,
                  interpret: bool = False):
         for field in ("block_q", "block_k"):
-            value = getattr(block_sizes, field)
-            if value < MIN_BLOCK or value & (value - 1):
+            value = None if block_sizes is None else getattr(block_sizes, field)
+            if value is not None and (value < MIN_BLOCK or value & (value - 1)):
                 raise fail("RA116", f"PallasTriton block_sizes.{field}={value}; Triton tiles must "
                                     f"be powers of two >= {MIN_BLOCK}, e.g. 32, 64 or 128.")
         for option, value in (("num_warps", num_warps), ("num_stages", num_stages)):
@@ -517,7 +619,24 @@ class PallasTriton(Backend):
         self.block_sizes = block_sizes
         self.num_warps = num_warps
         self.num_stages = num_stages
+        self.split_dkv = split_dkv
+        self.target = None if target is None else GpuTarget.of(target)
         self.interpret = bool(interpret)
+
+    def gpu_target(self) -> GpuTarget:
+        """The GPU the kernels are configured for (see the class docstring)."""
+        if self.target is not None:
+            return self.target
+        if jax.default_backend() == "gpu" and not self.interpret:
+            return GpuTarget.of(jax.devices()[0].compute_capability)
+        return PORTABLE_TARGET
+
+    def config(self, dtype, head_dim: int) -> KernelConfig:
+        """The configuration of a call with this dtype and (larger) head dim."""
+        chosen = default_config(self.gpu_target(), dtype, _padded_head_dim(head_dim))
+        return KernelConfig(self.block_sizes or chosen.block_sizes,
+                            chosen.split_dkv if self.split_dkv is None else self.split_dkv,
+                            self.num_warps or chosen.num_warps)
 
     def platform_reasons(self) -> list[str]:
         if IMPORT_ERROR is not None:
@@ -540,18 +659,22 @@ class PallasTriton(Backend):
                     "cannot run on one context shard of a sequence yet; use impl='xla'"]
         return []
 
-    def plan_sizes(self, seq_len: int) -> BlockSizes:
-        return plan_sizes(self.block_sizes, seq_len)
+    def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
+        """Every tile pair a call of this length may use, over dtypes and head dims."""
+        return tuple(dict.fromkeys(plan_sizes(self.config(dtype, head_dim).block_sizes, seq_len)
+                                   for dtype in (jnp.bfloat16, jnp.float32)
+                                   for head_dim in (128, 256)))
 
     def __call__(self, call: AttentionCall):
+        config = self.config(call.q.dtype, max(call.q.shape[-1], call.v.shape[-1]))
         blocks = None
         if call.plan is not None:
-            blocks = call.plan.block_plan(self.plan_sizes(call.q.shape[1]))
+            blocks = call.plan.block_plan(plan_sizes(config.block_sizes, call.q.shape[1]))
         return triton_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
                                 scale=call.scale, softcap=call.softcap,
-                                softcap_method=call.softcap_method, block_sizes=self.block_sizes,
-                                block_plan=blocks, num_warps=self.num_warps,
-                                num_stages=self.num_stages, interpret=self.interpret)
+                                softcap_method=call.softcap_method, config=config,
+                                block_plan=blocks, num_stages=self.num_stages,
+                                interpret=self.interpret)
 
     @staticmethod
     def _no_lowering() -> str:
@@ -559,9 +682,11 @@ class PallasTriton(Backend):
                 f"({IMPORT_ERROR}); use impl='xla'")
 
     def __repr__(self) -> str:
-        options = [f"{self.block_sizes}"]
-        options += [f"{n}={getattr(self, n)}" for n in ("num_warps", "num_stages")
+        options = [f"{self.block_sizes or 'tiles per GPU, dtype and head dim'}"]
+        options += [f"{n}={getattr(self, n)}" for n in ("num_warps", "num_stages", "split_dkv")
                     if getattr(self, n) is not None]
+        if self.target is not None:
+            options.append(f"target={self.target.name}")
         if self.interpret:
             options.append("interpret=True")
         return f"<rankattn backend 'pallas_triton' {' '.join(options)}>"

@@ -486,13 +486,14 @@ class Xla(Backend):
         self.mixed_precision = mixed_precision
         self.step_logits_bytes = step_logits_bytes
 
-    def plan_sizes(self, seq_len: int) -> BlockSizes:
-        return plan_sizes(self.block_sizes, seq_len, seq_len)
+    def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
+        return (plan_sizes(self.block_sizes, seq_len, seq_len),)
 
     def __call__(self, call: AttentionCall):
         blocks = None
         if call.plan is not None:
-            blocks = call.plan.block_plan(self.plan_sizes(call.q.shape[1]))
+            seq_len = call.q.shape[1]
+            blocks = call.plan.block_plan(plan_sizes(self.block_sizes, seq_len, seq_len))
         mixed = self.mixed_precision
         if mixed is None:
             mixed = jax.default_backend() != "cpu" or call.q.dtype == jnp.bfloat16

@@ -1,0 +1,373 @@
+"""Deviceless compile report: the pallas_triton kernels compiled for real NVIDIA GPUs, no GPU.
+
+    .venv/bin/python benchmarks/gpu_compile.py            # every target and axis -> GPU_COMPILE.md
+    .venv/bin/python benchmarks/gpu_compile.py --targets sm_90 --axes default causal --print
+
+Lowering a Pallas kernel stops at Triton IR, which cannot show registers or shared
+memory. XLA's GPU compiler can finish the compile on a CPU-only machine, given
+jax's CUDA plugin, ptxas (PyPI's nvidia-cuda-nvcc-cu12) and a description of the
+target GPU (``gpu_targets/*.txtpb``, one per target). The first run installs those
+three packages, at the installed jax's version (jax itself is never touched), into
+``~/.cache/rankattn/cuda-compiler-<jax version>`` (about 600 MB; pip's --no-deps,
+so no CUDA runtime), and every compile runs in a child process with that folder on
+its path, so this process and the test suite's stay CPU-only.
+
+For each target and configuration it compiles ``jax.value_and_grad`` of a loss with
+an lse term (so the forward, dq and dk / dv kernels) and reads, per kernel:
+registers, spill stores / loads and stack (``ptxas -v``, logged by XLA),
+threads and dynamic shared memory (XLA's thunk sequence), the tensor-core
+instruction family in its PTX (wgmma, mma.sync or none) and the occupancy those
+imply (resident warps per SM out of the SM's maximum). Configurations vary one
+axis at a time around the default (bfloat16, D=128, 4 query / 2 kv heads, S=1031,
+no cap): S does not change the kernels' resources.
+
+It writes benchmarks/GPU_COMPILE.md (generated: never edit it by hand), with the
+versions of jax, the plugin and ptxas it used: register allocation changes
+between CUDA toolkits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TARGETS_DIR = os.path.join(HERE, "gpu_targets")
+COMMAND = ".venv/bin/python benchmarks/gpu_compile.py"
+# target -> (description file, GPUs it stands for, warps an SM holds at most)
+TARGETS = {
+    "sm_90": ("h100.txtpb", "H100 / H200", 64),
+    "sm_80": ("a100.txtpb", "A100", 64),
+    "sm_89": ("l4.txtpb", "L4; like every 99 KB part: RTX 3090 / 4090, A10, L40S", 48),
+}
+KERNELS = ("rankattn_forward", "rankattn_dq", "rankattn_dkv", "rankattn_dk", "rankattn_dv")
+# Shared memory the driver reserves per resident block.
+RESERVED_SHARED_PER_BLOCK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One compiled configuration: the default, with one axis changed."""
+
+    axis: str
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    q_heads: int = 4
+    kv_heads: int = 2
+    seq_len: int = 1031
+    causal: bool = False
+    softcap_method: str | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [self.dtype, f"D={self.head_dim}", f"{self.q_heads}/{self.kv_heads} heads"]
+        if self.causal:
+            parts.append("causal")
+        if self.softcap_method:
+            parts.append(f"softcap {self.softcap_method}")
+        return ", ".join(parts)
+
+
+def configs(axes: list[str] | None = None) -> list[Config]:
+    """The default and each axis varied on its own (``axes`` picks by axis name)."""
+    out = [Config("default")]
+    out += [Config("dtype", dtype=d) for d in ("float16", "float32")]
+    out += [Config("head_dim", head_dim=d) for d in (32, 64, 96, 192, 256)]
+    out += [Config("gqa", q_heads=h, kv_heads=kv) for h, kv in ((4, 4), (20, 4), (8, 1))]
+    out += [Config("causal", causal=True)]
+    out += [Config("softcap", softcap_method=m) for m in ("tanh", "soft_sign")]
+    out += [Config("causal+softcap", causal=True, softcap_method="tanh")]
+    return [c for c in out if axes is None or c.axis in axes]
+
+
+# --- The compiler packages. --------------------------------------------------------
+
+
+def compiler_packages() -> list[str]:
+    import jax
+    return [f"jax-cuda12-plugin=={jax.__version__}", f"jax-cuda12-pjrt=={jax.__version__}",
+            "nvidia-cuda-nvcc-cu12"]
+
+
+def compiler_dir() -> str:
+    """The folder holding the CUDA plugin and ptxas, installed there on first use.
+
+    Raises RuntimeError with pip's last lines when the packages cannot be had.
+    """
+    import jax
+    path = os.path.join(os.path.expanduser("~"), ".cache", "rankattn",
+                        f"cuda-compiler-{jax.__version__}")
+    marker = os.path.join(path, ".complete")
+    if os.path.exists(marker):
+        return path
+    staging = tempfile.mkdtemp(prefix="cuda-compiler-", dir=os.path.dirname(path)
+                               if os.path.isdir(os.path.dirname(path)) else None)
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                             "--target", staging, *compiler_packages()],
+                            capture_output=True, text=True)
+    if result.returncode:
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-5:])
+        raise RuntimeError(f"pip could not install {' '.join(compiler_packages())}:\n{tail}")
+    open(os.path.join(staging, ".complete"), "w").close()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.rename(staging, path)  # atomic: a concurrent run either wins or finds it done
+    except OSError:
+        if not os.path.exists(marker):
+            raise
+    return path
+
+
+def child_env(packages: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [packages, os.path.join(os.path.dirname(HERE), "src")]
+        + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",  # no CUDA runtime: nothing to check
+               TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="subprocess_compilation=3")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+# --- One target, in a child process. ----------------------------------------------
+
+
+def target_limits(target: str) -> dict:
+    """Numbers of the target description that occupancy and the report need."""
+    text = open(os.path.join(TARGETS_DIR, TARGETS[target][0])).read()
+    number = lambda key: int(re.search(rf"\b{key}: (\d+)", text).group(1))
+    return dict(shared_per_sm=number("shared_memory_per_core"),
+                shared_per_block=number("shared_memory_per_block_optin"),
+                registers_per_sm=number("registers_per_core_limit"),
+                max_warps=TARGETS[target][2])
+
+
+def compile_in_child(target: str, cfgs: list[Config], packages: str,
+                     options: dict | None = None) -> list[dict]:
+    """Compile ``cfgs`` for ``target`` in a child process; one result dict per config.
+    ``options``: PallasTriton's keyword arguments (block_sizes as [block_q, block_k])."""
+    result = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", target,
+         json.dumps([dataclasses.asdict(c) for c in cfgs]), json.dumps(options or {})],
+        env=child_env(packages), capture_output=True, text=True)
+    lines = [l for l in result.stdout.splitlines() if l.startswith("{")]
+    if result.returncode or len(lines) != len(cfgs):
+        tail = "\n".join(result.stderr.strip().splitlines()[-8:])
+        raise RuntimeError(f"the compile worker for {target} failed:\n{tail}")
+    return [json.loads(l) for l in lines]
+
+
+def child(target: str, cfgs_json: str, options_json: str):
+    """Runs in the child: compile each config, print one JSON line each."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    import rankattn
+    from rankattn.backends import BlockSizes, PallasTriton
+
+    options = json.loads(options_json)
+    if "block_sizes" in options:
+        options["block_sizes"] = BlockSizes(*options["block_sizes"])
+
+    text = open(os.path.join(TARGETS_DIR, TARGETS[target][0])).read()
+    topology = topologies.get_topology_desc(platform="cuda", target_config=text,
+                                            topology="1x1x1")
+    sharding = SingleDeviceSharding(topology.devices[0])
+    for fields in json.loads(cfgs_json):
+        cfg = Config(**fields)
+        dtype = jnp.dtype(cfg.dtype)
+        spec = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+        b, s, d = 1, cfg.seq_len, cfg.head_dim
+
+        def loss(q, k, v, seg, cfg=cfg):
+            out, lse = rankattn.attention(
+                q, k, v, segment_ids=seg, causal=cfg.causal,
+                softcap=None if cfg.softcap_method is None else 20.0,
+                softcap_method=cfg.softcap_method or "tanh", return_lse=True,
+                impl=PallasTriton(target=target, **options))
+            return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
+
+        dump = tempfile.mkdtemp(prefix="gpu-compile-")
+        log = os.path.join(dump, "stderr.txt")
+        saved = os.dup(2)
+        error = None
+        with open(log, "w") as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(
+                    spec(b, s, cfg.q_heads, d), spec(b, s, cfg.kv_heads, d),
+                    spec(b, s, cfg.kv_heads, d), spec(b, s, dt=jnp.int32),
+                ).lower().compile(compiler_options={"xla_dump_to": dump})
+            except Exception as e:  # a kernel that does not fit: reported, not fatal
+                error = str(e).strip().splitlines()[0][:300]
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+        print(json.dumps(dict(config=fields, error=error, kernels=read_kernels(dump, log),
+                              ptxas=ptxas_version(log))), flush=True)
+        shutil.rmtree(dump, ignore_errors=True)
+
+
+def read_kernels(dump: str, log: str) -> dict:
+    """Per kernel: ptxas' registers / spills / stack, XLA's launch and the PTX's MMA family."""
+    kernels = {}
+    text = open(log).read()
+    for name in KERNELS:
+        m = re.search(rf"Function properties for {name}\n\s*(\d+) bytes stack frame, (\d+) bytes "
+                      rf"spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers", text)
+        if m:
+            kernels[name] = dict(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]),
+                                 registers=int(m[4]))
+    for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
+        for m in re.finditer(r"kCustomKernel.*? (rankattn_\w+) grid: \[([\d, ]+)\] threads: "
+                             r"\[(\d+), \d+, \d+\]\s+shared_memory: (\d+) bytes", open(path).read()):
+            kernels.setdefault(m[1], {}).update(threads=int(m[3]), shared=int(m[4]))
+    for path in glob.glob(os.path.join(dump, "*.ptx")):
+        ptx = open(path).read()
+        for name in KERNELS:
+            if f".entry {name}(" in ptx:
+                family = "wgmma" if "wgmma." in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+                kernels.setdefault(name, {})["mma"] = family
+    return kernels
+
+
+def ptxas_version(log: str) -> str | None:
+    m = re.search(r"ptxas with version ([\d.]+)", open(log).read())
+    return m[1] if m else None
+
+
+# --- The report. -----------------------------------------------------------------
+
+
+def occupancy(kernel: dict, limits: dict) -> float | None:
+    """Resident warps per SM / the SM's maximum, from registers, shared memory and warps."""
+    if not {"registers", "threads", "shared"} <= kernel.keys():
+        return None
+    warps = kernel["threads"] // 32
+    per_warp = -(-kernel["registers"] * 32 // 256) * 256  # allocated per warp, 256 at a time
+    blocks = min(limits["registers_per_sm"] // (per_warp * warps),
+                 limits["shared_per_sm"] // (kernel["shared"] + RESERVED_SHARED_PER_BLOCK),
+                 limits["max_warps"] // warps)
+    return blocks * warps / limits["max_warps"]
+
+
+def run(targets: list[str], axes: list[str] | None, options: dict | None = None) -> dict:
+    packages = compiler_dir()
+    cfgs = configs(axes)
+    results = {}
+    for target in targets:
+        print(f"{target}: compiling {len(cfgs)} configurations ...", file=sys.stderr, flush=True)
+        results[target] = compile_in_child(target, cfgs, packages, options)
+    import jax
+    ptxas = next((r["ptxas"] for rows in results.values() for r in rows if r["ptxas"]), None)
+    return dict(results=results, jax=jax.__version__, plugin=jax.__version__, ptxas=ptxas,
+                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
+
+
+def rows(report: dict):
+    """(target, config label, kernel name, kernel dict or None, error, occupancy) per kernel."""
+    for target, results in report["results"].items():
+        limits = target_limits(target)
+        for r in results:
+            label = Config(**r["config"]).label
+            if r["error"]:
+                yield target, label, None, None, r["error"], None
+                continue
+            for name in KERNELS:
+                if name not in r["kernels"]:
+                    continue
+                k = r["kernels"][name]
+                yield target, label, name, k, None, occupancy(k, limits)
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# pallas_triton compiled for real GPUs, without a GPU",
+        "",
+        "Generated by `benchmarks/gpu_compile.py`; do not edit by hand. Reproduce with",
+        "",
+        f"    {COMMAND}",
+        "",
+        f"{report['date']}: jax {report['jax']}, jax-cuda12-plugin {report['plugin']}, "
+        f"ptxas {report['ptxas']} (a GPU machine's toolkit may allocate registers differently).",
+        "",
+        "Each row is one kernel of `jax.value_and_grad` of a loss with an lse term, B=1, S=1031; "
+        "configurations vary one axis at a time around bfloat16, D=128, 4/2 heads. \"spill\" is "
+        "ptxas' spill stores + loads per thread (bytes); \"smem\" XLA's dynamic shared memory per "
+        "block; \"occ.\" resident warps per SM over the SM's maximum.",
+        "",
+    ]
+    spilled = [(t, label, name, k) for t, label, name, k, error, _ in rows(report)
+               if not error and k.get("spill_stores", 0) + k.get("spill_loads", 0)]
+    failed = [(t, label, error) for t, label, _, _, error, _ in rows(report) if error]
+    lines += ["## Summary", "",
+              f"- {len(failed)} configurations do not compile"
+              + "".join(f"\n  - {t}, {label}: {error}" for t, label, error in failed),
+              f"- {len(spilled)} kernels spill registers"
+              + "".join(f"\n  - {t}, {label}, {name.removeprefix('rankattn_')}: "
+                        f"{k['spill_stores'] + k['spill_loads']} bytes per thread"
+                        for t, label, name, k in spilled), ""]
+    for target in report["results"]:
+        limits = target_limits(target)
+        lines += [f"## {target} ({TARGETS[target][1]}; {limits['shared_per_block'] // 1024} KB "
+                  "shared memory per block)", "",
+                  "| config | kernel | regs | spill | stack | smem KB | warps | MMA | occ. |",
+                  "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+        for t, label, name, k, error, occ in rows(report):
+            if t != target:
+                continue
+            if error:
+                lines.append(f"| {label} | **does not compile**: {error} | | | | | | | |")
+                continue
+            spill = k.get("spill_stores", 0) + k.get("spill_loads", 0)
+            lines.append(
+                f"| {label} | {name.removeprefix('rankattn_')} | {k.get('registers', '?')} | "
+                f"{'**' + str(spill) + '**' if spill else 0} | {k.get('stack', '?')} | "
+                f"{k.get('shared', 0) / 1024:.1f} | {k.get('threads', 0) // 32} | "
+                f"{k.get('mma', '?')} | {'' if occ is None else f'{occ:.0%}'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", nargs="*", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--axes", nargs="*", help="only these axes (default: all)")
+    parser.add_argument("--print", action="store_true", help="print the table; write nothing")
+    parser.add_argument("--report", action="store_true",
+                        help="only rewrite GPU_COMPILE.md from results/gpu_compile.json")
+    parser.add_argument("--options", type=json.loads,
+                        help='PallasTriton options as JSON, e.g. \'{"num_warps": 4}\'; with --print')
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(*args.child)
+    if args.report:
+        with open(os.path.join(HERE, "results", "gpu_compile.json")) as f:
+            report = json.load(f)
+    else:
+        report = run(args.targets, args.axes, args.options)
+    text = markdown(report)
+    if args.print:
+        print(text)
+        return
+    with open(os.path.join(HERE, "GPU_COMPILE.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(HERE, "results", "gpu_compile.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

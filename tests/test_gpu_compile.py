@@ -1,0 +1,60 @@
+"""The pallas_triton kernels compiled by XLA:GPU for real NVIDIA GPUs, on this CPU-only machine.
+
+benchmarks/gpu_compile.py installs jax's CUDA plugin and ptxas at the installed jax's
+version (once, into ~/.cache/rankattn, about 600 MB) and compiles in a child process, so
+this process stays CPU-only. Checked, per target (sm_80 A100, sm_89 99 KB parts, sm_90
+H100): every kernel compiles; no register spills at bfloat16 D = 128, causal and soft cap
+included; shared memory within the target's limit at D = 256. Where the package index
+cannot serve the packages, the tests skip and say so.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+import gpu_compile  # noqa: E402
+from gpu_compile import Config  # noqa: E402
+
+GRID = [Config("default"), Config("causal+softcap", causal=True, softcap_method="tanh"),
+        Config("head_dim", head_dim=256)]
+
+
+@pytest.fixture(scope="module")
+def packages():
+    try:
+        return gpu_compile.compiler_dir()
+    except RuntimeError as error:
+        pytest.skip("the CUDA compiler packages could not be installed, so the kernels were "
+                    f"not compiled for real GPUs: {error}")
+
+
+def spill(kernel: dict) -> int:
+    return kernel["spill_stores"] + kernel["spill_loads"]
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_89", "sm_90"])
+def test_kernels_compile_without_spills_within_shared_memory(target, packages):
+    limits = gpu_compile.target_limits(target)
+    for result in gpu_compile.compile_in_child(target, GRID, packages):
+        config = Config(**result["config"])
+        assert result["error"] is None, f"{target}, {config.label}: {result['error']}"
+        kernels = result["kernels"]
+        grads = {"rankattn_dkv"} if "rankattn_dkv" in kernels else {"rankattn_dk", "rankattn_dv"}
+        assert set(kernels) == {"rankattn_forward", "rankattn_dq"} | grads, kernels
+        for name, kernel in kernels.items():
+            where = f"{target}, {config.label}, {name}"
+            assert kernel["shared"] <= limits["shared_per_block"], where
+            if config.head_dim <= 128:
+                assert spill(kernel) == 0, f"{where}: {kernel}"
+
+
+def test_the_spill_check_sees_the_64x64_tiles_spill(packages):
+    """The check has teeth: the old 64 x 64 tiles with one dk / dv kernel spilled on sm_90."""
+    [result] = gpu_compile.compile_in_child("sm_90", GRID[:1], packages,
+                                            dict(block_sizes=[64, 64], split_dkv=False))
+    assert spill(result["kernels"]["rankattn_dkv"]) > 0
