@@ -66,10 +66,13 @@ class Config:
     seq_len: int = 1031
     causal: bool = False
     softcap_method: str | None = None
+    precision: str = "highest"  # of float32 dots (PallasTriton's option)
 
     @property
     def label(self) -> str:
         parts = [self.dtype, f"D={self.head_dim}", f"{self.q_heads}/{self.kv_heads} heads"]
+        if self.precision != "highest":
+            parts.append(f"precision {self.precision}")
         if self.causal:
             parts.append("causal")
         if self.softcap_method:
@@ -81,6 +84,7 @@ def configs(axes: list[str] | None = None) -> list[Config]:
     """The default and each axis varied on its own (``axes`` picks by axis name)."""
     out = [Config("default")]
     out += [Config("dtype", dtype=d) for d in ("float16", "float32")]
+    out += [Config("precision", dtype="float32", precision=p) for p in ("high", "default")]
     out += [Config("head_dim", head_dim=d) for d in (32, 64, 96, 192, 256)]
     out += [Config("gqa", q_heads=h, kv_heads=kv) for h, kv in ((4, 4), (20, 4), (8, 1))]
     out += [Config("causal", causal=True)]
@@ -195,7 +199,7 @@ def child(target: str, cfgs_json: str, options_json: str):
                 q, k, v, segment_ids=seg, causal=cfg.causal,
                 softcap=None if cfg.softcap_method is None else 20.0,
                 softcap_method=cfg.softcap_method or "tanh", return_lse=True,
-                impl=PallasTriton(target=target, **options))
+                impl=PallasTriton(target=target, precision=cfg.precision, **options))
             return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
 
         dump = tempfile.mkdtemp(prefix="gpu-compile-")

@@ -163,6 +163,27 @@ def test_the_configuration_follows_the_gpu_dtype_and_head_dim(target, dtype, hea
     assert forced.config(dtype, head_dim) == KernelConfig(BlockSizes(16, 16), False, 2)
 
 
+@pytest.mark.parametrize("precision", ["high", "default"])
+def test_float32_on_tensor_cores_lowers_and_takes_its_own_tiles(precision):
+    """"high" (three bf16 passes) and "default" (tf32) feed tensor cores: 32 x 32 tiles with
+    dk and dv apart (no spills with tf32; 56-104 bytes with three passes), not the exact
+    path's 16 x 16 (benchmarks/GPU_COMPILE.md shows their kernels use wgmma / mma.sync)."""
+    impl = PallasTriton(target="sm_90", precision=precision)
+    assert impl.config(jnp.float32, 128) == KernelConfig(BlockSizes(32, 32), True, 8)
+    assert impl.config(jnp.bfloat16, 128).block_sizes == BlockSizes(64, 32)  # 16-bit unchanged
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((1, 70, 4, 64),
+                                                                   (1, 70, 2, 64), (1, 70, 2, 64))]
+    lowered = jax.jit(jax.grad(lambda q, k, v: rankattn.attention(q, k, v, impl=impl).sum(),
+                               (0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",))
+    assert len(re.findall(r'name = "rankattn_\w+"', lowered.as_text())) == 4  # fwd, dq, dk, dv
+
+
+def test_precision_is_checked():
+    with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
+        PallasTriton(precision="tf32")
+    assert "'highest'" in str(err.value) and "'tf32'" in str(err.value)
+
+
 def test_without_a_gpu_or_a_target_it_configures_for_every_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert PallasTriton().gpu_target() == PORTABLE_TARGET

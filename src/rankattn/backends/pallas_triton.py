@@ -19,7 +19,8 @@ candidate's own key is one extra logit per row, so candidate-candidate blocks
 are never visited.
 
 Numerics: bf16 / f16 operands feed the dots with float32 accumulation
-(tensor cores); float32 operands use exact float32 dots ("ieee", not tf32).
+(tensor cores); float32 operands use exact float32 dots ("ieee", not tf32)
+unless ``PallasTriton(precision=...)`` opts into tensor cores (F32_DOTS).
 Logits are scaled and capped in float32, the softmax runs in base 2 with
 log2(e) folded into the scale, p is cast to the value dtype for the PV product
 and ds to the query / key dtype for the dq / dk products. Rows that see no
@@ -121,7 +122,8 @@ class KernelConfig:
     num_warps: int
 
 
-def default_config(target: GpuTarget, dtype, head_dim: int) -> KernelConfig:
+def default_config(target: GpuTarget, dtype, head_dim: int,
+                   precision: str = "highest") -> KernelConfig:
     """The configuration with no register spills, from benchmarks/GPU_COMPILE.md.
 
     ``head_dim``: the larger of D and Dv after padding to a power of two. What the
@@ -136,11 +138,15 @@ def default_config(target: GpuTarget, dtype, head_dim: int) -> KernelConfig:
     - float32 ("ieee" dots, no tensor cores): with 64 x 32 tiles ptxas gives dk / dv 32
       registers and 57-72 KB of spill traffic per thread. 16 x 16 tiles, dk and dv apart and
       4 warps bring it to 2.1 KB (dk) and 0.5 KB (dv) on sm_90; forward and dq spill nothing.
+    - float32 on tensor cores (``precision`` "high" / "default"): the 16-bit tiles spill
+      0.4-3 KB in dk / dv; 32 x 32 with dk and dv apart spill nothing with tf32 and 56-104
+      bytes with three bf16 passes (dq 64).
     """
-    if jnp.dtype(dtype) == jnp.float32:
+    f32 = jnp.dtype(dtype) == jnp.float32
+    if f32 and precision == "highest":
         return KernelConfig(BlockSizes(16, 16), True, 4)
     warps = 8 if head_dim > 64 else 4
-    if head_dim > 128:
+    if head_dim > 128 or f32:
         return KernelConfig(BlockSizes(32, 32), True, warps)
     if target.compute_capability >= (9, 0):
         return KernelConfig(BlockSizes(64, 32), False, warps)
@@ -160,6 +166,7 @@ class _Static:
     block_k: int
     group: int  # query heads per kv head
     split_dkv: bool  # dk and dv in two kernels (see default_config)
+    precision: str   # of float32 dots, a key of F32_DOTS
     num_warps: int
     num_stages: int
     interpret: bool
@@ -173,16 +180,24 @@ class _Static:
 # --- Pieces shared by the three kernels. ------------------------------------------
 
 
-def _dot(a, b, contract=(1, 1)):
-    """2-D dot with float32 accumulation; float32 operands stay exact float32 (no tf32)."""
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+# float32 dots by `precision` (JAX's names): "highest" exact float32 ("ieee", no tensor cores),
+# "high" three bf16 passes on tensor cores (a_hi b_hi + a_hi b_lo + a_lo b_hi), "default" one
+# tf32 pass. 16-bit operands always take one tensor-core pass.
+F32_DOTS = {"highest": jax.lax.Precision.HIGHEST,
+            "high": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+            "default": jax.lax.Precision.DEFAULT}
+
+
+def _dot(st: "_Static", a, b, contract=(1, 1)):
+    """2-D dot with float32 accumulation; float32 operands as ``st.precision`` says."""
+    precision = F32_DOTS[st.precision] if a.dtype == jnp.float32 else None
     return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
                                precision=precision, preferred_element_type=jnp.float32)
 
 
 def _logits(st: _Static, q, k):
     """(base-2 logits after scale and cap, scaled logits before the cap or None), [bq, bk]."""
-    s = _dot(q, k)
+    s = _dot(st, q, k)
     if st.softcap is None:
         return s * (st.scale * LOG2E), None
     s = s * st.scale
@@ -251,7 +266,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_r
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
         p = jnp.exp2(s - shift[:, None])
         alpha = jnp.exp2(m - shift)
-        return acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0)), m_new, \
+        return acc * alpha[:, None] + _dot(st, p.astype(v.dtype), v, (1, 0)), m_new, \
             l * alpha + p.sum(1)
 
     def block(j, masked, carry):
@@ -360,8 +375,8 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
             mask = _mask(st, seg_q, seg_k_ref[keys], q_start, j * st.block_k)
             s2 = jnp.where(mask, s2, -jnp.inf)
         p = jnp.exp2(s2 - lse2[:, None])
-        ds = _ds(st, p, _dot(do, v), delta[:, None], s)
-        return dq + _dot(ds.astype(k.dtype), k, (1, 0))
+        ds = _ds(st, p, _dot(st, do, v), delta[:, None], s)
+        return dq + _dot(st, ds.astype(k.dtype), k, (1, 0))
 
     dq = _two_loops(kv_index_ref, full_ref[...], count_ref[...], block,
                     jnp.zeros(q.shape, jnp.float32))
@@ -417,10 +432,10 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
             p = jnp.exp2(s2 - _lse2(lse)[:, None])
             acc = dict(acc)
             if "dv" in acc:
-                acc["dv"] = acc["dv"] + _dot(p.astype(do.dtype), do, (0, 0))
+                acc["dv"] = acc["dv"] + _dot(st, p.astype(do.dtype), do, (0, 0))
             if "dk" in acc:
-                ds = _ds(st, p, _dot(do, v), delta_ref[g, queries][:, None], s)
-                acc["dk"] = acc["dk"] + _dot(ds.astype(q.dtype), q, (0, 0))
+                ds = _ds(st, p, _dot(st, do, v), delta_ref[g, queries][:, None], s)
+                acc["dk"] = acc["dk"] + _dot(st, ds.astype(q.dtype), q, (0, 0))
             return acc
 
         acc = dict(_two_loops(q_index_ref, full, count, block, acc))
@@ -537,7 +552,7 @@ def _pad_head_dim(x):
 def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
                      softcap_method: str, config: KernelConfig,
                      block_plan: BlockPlan | None = None, num_stages: int | None = None,
-                     interpret: bool = False):
+                     precision: str = "highest", interpret: bool = False):
     """Blocked attention on Pallas/Triton; arguments and results as :func:`rankattn.attention`.
 
     ``block_plan``, if given, is the self-attention plan of these segment ids
@@ -560,7 +575,8 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
     d_pad, dv_pad = q_p.shape[-1], v_p.shape[-1]
     st = _Static(causal=causal, scale=scale, softcap=softcap, softcap_method=softcap_method,
                  own_key=segment_ids is not None, block_q=bq, block_k=bk, group=hq // hkv,
-                 split_dkv=config.split_dkv, num_warps=config.num_warps,
+                 split_dkv=config.split_dkv, precision=precision,
+                 num_warps=config.num_warps,
                  num_stages=num_stages or _default_stages(sizes, d_pad, dv_pad, q.dtype.itemsize),
                  interpret=interpret)
     out, lse = _attention(st, q_p, k_p, v_p, seg, block_plan, poison)
@@ -589,6 +605,11 @@ class PallasTriton(Backend):
     (settings that compile on every supported GPU) when lowering for CUDA elsewhere; or
     "sm_80", "sm_89", "sm_90", (9, 0), a :class:`GpuTarget`.
 
+    ``precision`` (JAX's names, for float32 inputs): "highest" (default) exact float32
+    dots, without tensor cores; "high" three bf16 tensor-core passes per dot (the error of
+    about 2^-16 relative per product); "default" one tf32 pass (about 2^-11). 16-bit
+    inputs always take one tensor-core pass with float32 accumulation.
+
     Overrides, each fixed for every call: ``block_sizes``, the query x key tile (powers of
     two >= 16; shorter sequences get smaller tiles); ``num_warps``; ``num_stages`` (default:
     two pipeline stages when they fit in shared memory); ``split_dkv``.
@@ -605,7 +626,7 @@ class PallasTriton(Backend):
 
     def __init__(self, block_sizes: BlockSizes | None = None, *, num_warps: int | None = None,
                  num_stages: int | None = None, split_dkv: bool | None = None, target=None,
-                 interpret: bool = False):
+                 precision: str = "highest", interpret: bool = False):
         for field in ("block_q", "block_k"):
             value = None if block_sizes is None else getattr(block_sizes, field)
             if value is not None and (value < MIN_BLOCK or value & (value - 1)):
@@ -616,10 +637,14 @@ class PallasTriton(Backend):
                                       or value < 1):
                 raise fail("RA116", f"PallasTriton {option}={value!r}; pass a positive int "
                                     "or None for the default.")
+        if precision not in F32_DOTS:
+            raise fail("RA116", f"PallasTriton precision={precision!r}; pass one of "
+                                f"{', '.join(map(repr, F32_DOTS))}.")
         self.block_sizes = block_sizes
         self.num_warps = num_warps
         self.num_stages = num_stages
         self.split_dkv = split_dkv
+        self.precision = precision
         self.target = None if target is None else GpuTarget.of(target)
         self.interpret = bool(interpret)
 
@@ -633,7 +658,8 @@ class PallasTriton(Backend):
 
     def config(self, dtype, head_dim: int) -> KernelConfig:
         """The configuration of a call with this dtype and (larger) head dim."""
-        chosen = default_config(self.gpu_target(), dtype, _padded_head_dim(head_dim))
+        chosen = default_config(self.gpu_target(), dtype, _padded_head_dim(head_dim),
+                                self.precision)
         return KernelConfig(self.block_sizes or chosen.block_sizes,
                             chosen.split_dkv if self.split_dkv is None else self.split_dkv,
                             self.num_warps or chosen.num_warps)
@@ -674,7 +700,7 @@ class PallasTriton(Backend):
                                 scale=call.scale, softcap=call.softcap,
                                 softcap_method=call.softcap_method, config=config,
                                 block_plan=blocks, num_stages=self.num_stages,
-                                interpret=self.interpret)
+                                precision=self.precision, interpret=self.interpret)
 
     @staticmethod
     def _no_lowering() -> str:
@@ -687,6 +713,8 @@ class PallasTriton(Backend):
                     if getattr(self, n) is not None]
         if self.target is not None:
             options.append(f"target={self.target.name}")
+        if self.precision != "highest":
+            options.append(f"precision={self.precision!r}")
         if self.interpret:
             options.append("interpret=True")
         return f"<rankattn backend 'pallas_triton' {' '.join(options)}>"
