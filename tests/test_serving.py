@@ -311,14 +311,17 @@ def test_budget_covering_the_history_is_dense(gqa):
 
 
 @pytest.mark.parametrize("gqa", serving.GQA_MODES)
-def test_selected_pages_are_what_attend_reads(gqa):
-    """attend(budget) == exact attention restricted to the pages select_pages reports."""
+@pytest.mark.parametrize("budget", [40, 24])
+def test_selected_pages_are_what_attend_reads(gqa, budget):
+    """attend(budget) == exact attention restricted to the pages select_pages reports. 24
+    tokens buy exactly the 1 sink + 2 recent pages: StreamingLLM's window, which RA208 once
+    refused."""
     cache, k, v = random_cache(4)
     rng = np.random.default_rng(5)
     q = rng.normal(size=(3, 2, 4, 8)).astype(np.float32)
     users = np.array([0, 1, 0])
     lengths = np.asarray(cache.lengths)
-    budget, p = 40, cache.page_size
+    p = cache.page_size
     pages = np.asarray(serving.select_pages(jnp.asarray(q), cache, jnp.asarray(users),
                                             budget=budget, gqa=gqa, sink_pages=1, recent_pages=2))
     out = np.asarray(serving.attend(jnp.asarray(q), cache, jnp.asarray(users), budget=budget,
@@ -332,6 +335,8 @@ def test_selected_pages_are_what_attend_reads(gqa):
                 real = chosen[chosen >= 0]
                 assert len(set(real.tolist())) == len(real) == min(npages, budget // p)
                 assert {0, npages - 1, npages - 2} <= set(real.tolist())  # sink + recent
+                if budget == 24:
+                    assert set(real.tolist()) == {0, npages - 1, npages - 2}
                 tokens = np.concatenate([np.arange(j * p, min((j + 1) * p, lengths[u]))
                                          for j in sorted(real)])
                 kk, vv = k[u, tokens, h // 2], v[u, tokens, h // 2]

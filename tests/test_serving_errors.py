@@ -147,7 +147,8 @@ def test_integer_query(cache):
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    (dict(budget=4), "budget=4"),                              # 1 page < sink + recent + 1
+    (dict(budget=4), "budget=4"),                              # 1 page < sink + recent
+    (dict(budget=7, sink_pages=4, recent_pages=4), "budget >= 32"),
     (dict(budget=0), "budget=0"),
     (dict(budget=2.5), "budget=2.5"),
     (dict(budget=64, sink_pages=-1), "sink_pages=-1"),

@@ -55,11 +55,11 @@ register(
     ErrorKind(
         "RA208", "budget, sink_pages or recent_pages is invalid",
         "budget is a token count (a Python int, or None for exact attention); it buys "
-        "budget // P pages per query, which must leave room for at least one scored page after "
-        "the sink_pages first and recent_pages last pages that are always kept. sink_pages and "
-        "recent_pages are non-negative Python ints.",
+        "budget // P pages per query, at least the sink_pages first and recent_pages last pages "
+        "that are always kept (exactly those is a StreamingLLM window), and at least one. "
+        "sink_pages and recent_pages are non-negative Python ints.",
         "Pass budget=None for the exact path, or a budget of at least "
-        "(sink_pages + recent_pages + 1) * P tokens."),
+        "max(sink_pages + recent_pages, 1) * P tokens."),
     ErrorKind(
         "RA209", "unknown gqa mode or group rule",
         "gqa is 'per_head' (each query head picks its pages), 'group' (one page set per kv "

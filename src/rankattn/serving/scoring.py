@@ -284,12 +284,14 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_p
     pages = None
     if budget is not None:
         p = cache.page_size
-        kept = sink_pages + recent_pages
-        if not _positive_int(budget) or budget // p < kept + 1:
+        # Exactly the kept pages is StreamingLLM's window (sink + recent), which users run on
+        # purpose; fewer would drop a page that is always kept.
+        least = max(sink_pages + recent_pages, 1)
+        if not _positive_int(budget) or budget // p < least:
             raise fail("RA208", f"budget={budget!r} tokens buys {budget // p if _positive_int(budget) else 0} "
                                 f"pages of P={p}, but sink_pages={sink_pages} + recent_pages="
-                                f"{recent_pages} are always kept and at least one page must be "
-                                f"scored. Pass budget >= {(kept + 1) * p}, or budget=None for "
+                                f"{recent_pages} are always kept (and at least one page is "
+                                f"attended). Pass budget >= {least * p}, or budget=None for "
                                 "exact attention.")
         pages = budget // p
     if not isinstance(gqa, str) or gqa not in GQA_MODES:
