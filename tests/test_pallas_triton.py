@@ -198,6 +198,17 @@ def test_targets_are_named_as_nvidia_and_jax_name_them(spec, capability):
     assert GpuTarget.of(spec).compute_capability == capability
 
 
+@pytest.mark.parametrize("capability, target", [
+    ("9.0", GpuTarget((9, 0), 232448)), ("8.6", GpuTarget((8, 6), 101376)),
+    ("10.3", GpuTarget((10, 3), 101376))])  # unknown: its own instructions, 99 KB
+def test_on_a_gpu_the_target_is_read_from_the_device(monkeypatch, capability, target):
+    class Device:
+        compute_capability = capability
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda: [Device()])
+    assert PallasTriton().gpu_target() == target
+
+
 def test_an_unknown_target_says_what_to_pass():
     with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
         PallasTriton(target="sm_75")

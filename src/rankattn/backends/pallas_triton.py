@@ -653,7 +653,11 @@ class PallasTriton(Backend):
         if self.target is not None:
             return self.target
         if jax.default_backend() == "gpu" and not self.interpret:
-            return GpuTarget.of(jax.devices()[0].compute_capability)
+            capability = tuple(map(int, jax.devices()[0].compute_capability.split(".")))
+            if capability in SHARED_MEMORY_PER_BLOCK:
+                return GpuTarget.of(capability)
+            # A GPU newer than this table: its instructions, the smallest shared memory.
+            return GpuTarget(capability, PORTABLE_TARGET.shared_memory_per_block)
         return PORTABLE_TARGET
 
     def config(self, dtype, head_dim: int) -> KernelConfig:
