@@ -113,21 +113,25 @@ def compiler_dir() -> str:
     marker = os.path.join(path, ".complete")
     if os.path.exists(marker):
         return path
-    staging = tempfile.mkdtemp(prefix="cuda-compiler-", dir=os.path.dirname(path)
-                               if os.path.isdir(os.path.dirname(path)) else None)
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                             "--target", staging, *compiler_packages()],
-                            capture_output=True, text=True)
-    if result.returncode:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-5:])
-        raise RuntimeError(f"pip could not install {' '.join(compiler_packages())}:\n{tail}")
-    open(os.path.join(staging, ".complete"), "w").close()
+    # Staged beside the final folder (same file system, so the rename is atomic): a
+    # concurrent install (two test workers) either wins the rename or finds it done.
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix="cuda-compiler-staging-", dir=os.path.dirname(path))
     try:
-        os.rename(staging, path)  # atomic: a concurrent run either wins or finds it done
-    except OSError:
-        if not os.path.exists(marker):
-            raise
+        result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                                 "--target", staging, *compiler_packages()],
+                                capture_output=True, text=True)
+        if result.returncode:
+            tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-5:])
+            raise RuntimeError(f"pip could not install {' '.join(compiler_packages())}:\n{tail}")
+        open(os.path.join(staging, ".complete"), "w").close()
+        try:
+            os.rename(staging, path)
+        except OSError:
+            if not os.path.exists(marker):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone after a rename; else a loser's copy
     return path
 
 
