@@ -72,9 +72,10 @@ CHECKS = [
 # Max error / max(1, max |reference|) allowed: float32 math on both sides, or bf16 / f16
 # operands and outputs (a real mask, scale or gradient bug moves results by O(1)).
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
-# PallasTriton(precision="default") rounds float32 operands to tf32 (10-bit mantissas); its
-# errors are measured here, first on a GPU, so only O(1) bugs fail it.
-PRECISION_TOLERANCE = {"default": 1e-2}
+# PallasTriton(precision="default") rounds float32 operands to tf32 (10-bit mantissas), "high"
+# to three bf16 products: up to 5.2e-3 and 5.9e-5 in interpret mode's emulation
+# (benchmarks/PRECISION.md); the GPU's own rounding is checked here with that much margin again.
+PRECISION_TOLERANCE = {"default": 1e-2, "high": 5e-4}
 # Dense-mask peers are skipped when their float32 logits alone would exceed this.
 DENSE_LIMIT_BYTES = 24 << 30
 

@@ -256,6 +256,15 @@ class TestPallasTritonSplitGrads(BackendTests):
     test_long_sequence_matches_oracle = None
 
 
+class TestPallasTritonQueryMajor(BackendTests):
+    """The dk / dv kernel with q k^T logits, as sm_90 runs 16-bit D <= 128 (interpret mode
+    elsewhere takes the key-major k q^T of PORTABLE_TARGET), with 16 x 16 tiles."""
+
+    impl = PallasTriton(BlockSizes(16, 16), key_major=False, interpret=True)
+    configs = TRITON_CONFIGS[2::5]
+    test_long_sequence_matches_oracle = None
+
+
 # The fused C++ kernel (cpu): with 16 x 8 blocks every configuration has ragged last blocks,
 # blocks of one token and mixed full / partial visits; float16 joins bf16 and f32.
 CPU_CONFIGS = CONFIGS + [

@@ -98,7 +98,7 @@ def test_lowering_catches_what_triton_rejects():
     def f(q, seg):
         return triton_attention(q, q, q, seg, causal=False, scale=1.0, softcap=None,
                                 softcap_method="tanh",
-                                config=KernelConfig(BlockSizes(48, 48), False, 8))
+                                config=KernelConfig(BlockSizes(48, 48), False, 8, key_major=True))
 
     with pytest.raises(ValueError, match="power of 2"):
         jax.jit(f).trace(q, seg).lower(lowering_platforms=("cuda",))
@@ -146,21 +146,23 @@ def test_one_plan_serves_both_blocked_backends():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("target, dtype, head_dim, sizes, split", [
-    ("sm_90", jnp.bfloat16, 128, BlockSizes(64, 32), False),  # wgmma, no spills
-    ("sm_90", jnp.float16, 80, BlockSizes(64, 32), False),    # D=80 runs as 128
-    ("sm_80", jnp.bfloat16, 128, BlockSizes(32, 32), False),  # mma.sync: 64 x 32 spilled
-    ("sm_89", jnp.bfloat16, 64, BlockSizes(32, 32), False),
-    ("sm_90", jnp.bfloat16, 200, BlockSizes(32, 32), True),   # D=256: dk, dv apart
-    ("sm_89", jnp.float32, 128, BlockSizes(16, 16), True),    # no tensor cores: 4 warps
+@pytest.mark.parametrize("target, dtype, head_dim, sizes, split, key_major", [
+    ("sm_90", jnp.bfloat16, 128, BlockSizes(64, 32), False, False),  # wgmma, no spills
+    ("sm_90", jnp.float16, 80, BlockSizes(64, 32), False, False),    # D=80 runs as 128
+    ("sm_80", jnp.bfloat16, 128, BlockSizes(32, 32), False, True),   # mma.sync: 64 x 32 spilled
+    ("sm_89", jnp.bfloat16, 64, BlockSizes(32, 32), False, True),
+    ("sm_90", jnp.bfloat16, 200, BlockSizes(32, 32), True, True),    # D=256: dk, dv apart
+    ("sm_89", jnp.bfloat16, 192, BlockSizes(32, 16), True, True),    # 32 x 32 fwd spilled
+    ("sm_89", jnp.float32, 128, BlockSizes(16, 16), True, True),     # no tensor cores: 4 warps
 ])
 def test_the_configuration_follows_the_gpu_dtype_and_head_dim(target, dtype, head_dim, sizes,
-                                                               split):
+                                                               split, key_major):
     """The no-spill choices of benchmarks/GPU_COMPILE.md (test_gpu_compile checks them)."""
     config = PallasTriton(target=target).config(dtype, head_dim)
-    assert (config.block_sizes, config.split_dkv) == (sizes, split)
+    assert (config.block_sizes, config.split_dkv, config.key_major) == (sizes, split, key_major)
     forced = PallasTriton(BlockSizes(16, 16), split_dkv=False, num_warps=2, target=target)
-    assert forced.config(dtype, head_dim) == KernelConfig(BlockSizes(16, 16), False, 2)
+    assert forced.config(dtype, head_dim) == KernelConfig(BlockSizes(16, 16), False, 2,
+                                                          key_major)
 
 
 @pytest.mark.parametrize("precision", ["high", "default"])
@@ -169,7 +171,8 @@ def test_float32_on_tensor_cores_lowers_and_takes_its_own_tiles(precision):
     dk and dv apart (no spills with tf32; 56-104 bytes with three passes), not the exact
     path's 16 x 16 (benchmarks/GPU_COMPILE.md shows their kernels use wgmma / mma.sync)."""
     impl = PallasTriton(target="sm_90", precision=precision)
-    assert impl.config(jnp.float32, 128) == KernelConfig(BlockSizes(32, 32), True, 8)
+    assert impl.config(jnp.float32, 128) == KernelConfig(BlockSizes(32, 32), True, 8,
+                                                         key_major=True)
     assert impl.config(jnp.bfloat16, 128).block_sizes == BlockSizes(64, 32)  # 16-bit unchanged
     args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((1, 70, 4, 64),
                                                                    (1, 70, 2, 64), (1, 70, 2, 64))]
@@ -245,3 +248,24 @@ def test_scale_is_applied_in_float32(impl):
     want = attention_jit(q, k, v, segment_ids=seg, scale=scale, impl="reference")
     ulp = 2.0 ** -8 * np.abs(np.asarray(want, np.float32)).max()
     assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() <= ulp
+
+
+def test_interpret_mode_rounds_float32_operands_as_the_tensor_cores_would():
+    """Interpret mode emulates "high" (3 bf16 passes) and "default" (tf32), so their accuracy
+    is measured on CPU (benchmarks/PRECISION.md). Against float64: "highest" is float32-exact,
+    "high" within 2^-12 of the output's scale, "default" between 2^-14 and 2^-7 (tf32 keeps
+    10 mantissa bits). Were the modes computed exactly, "default" would fail its lower
+    bound; the "high" - "highest" ordering checks the three passes are kept apart."""
+    q, k, v, _ = random_qkv(6, 1, 40, 2, 1, 64, q_std=4.0)
+    seg = np.array([[1] * 30 + [-1] * 10], np.int32)
+    with jax.enable_x64(True):
+        want = np.asarray(rankattn.attention(*(x.astype(np.float64) for x in (q, k, v)),
+                                             segment_ids=seg, impl="reference"))
+    errors = {}
+    for precision in ("highest", "high", "default"):
+        impl = PallasTriton(BlockSizes(16, 16), precision=precision, interpret=True)
+        got = np.asarray(attention_jit(q, k, v, segment_ids=seg, impl=impl), np.float64)
+        errors[precision] = np.abs(got - want).max() / np.abs(want).max()
+    assert errors["highest"] < 2.0 ** -20, errors
+    assert errors["highest"] < errors["high"] < 2.0 ** -12, errors
+    assert 2.0 ** -14 < errors["default"] < 2.0 ** -7, errors

@@ -120,6 +120,10 @@ class KernelConfig:
     block_sizes: BlockSizes
     split_dkv: bool  # dk and dv in two kernels: half the accumulators, p computed twice
     num_warps: int
+    # The dk / dv kernel's logits as [block_k, block_q] (k q^T), so dk += ds q and dv += p dO
+    # need no transposed operand; query-major keeps q k^T, whose block_q rows let sm_90 use
+    # wgmma (64-row tiles) where block_k is 32.
+    key_major: bool
 
 
 def default_config(target: GpuTarget, dtype, head_dim: int,
@@ -135,22 +139,33 @@ def default_config(target: GpuTarget, dtype, head_dim: int,
     - 32 x 32 on sm_80 / sm_89: no spills at D <= 128 (dk / dv 204). On sm_90 it loses wgmma.
     - D = 256: every tile with one dk / dv kernel spills 424-1008 bytes; 32 x 32 with dk and dv
       in two kernels spills none on sm_80 / sm_90 (24 bytes in the sm_89 forward).
+      On the 99 KB parts (sm_89) that config's forward spills 24 bytes; 32 x 16 spills
+      nothing on any target.
     - float32 ("ieee" dots, no tensor cores): with 64 x 32 tiles ptxas gives dk / dv 32
       registers and 57-72 KB of spill traffic per thread. 16 x 16 tiles, dk and dv apart and
-      4 warps bring it to 2.1 KB (dk) and 0.5 KB (dv) on sm_90; forward and dq spill nothing.
+      4 warps bring it to 2.1 KB (dk) and 0.5 KB (dv); computing the dk / dv kernels' logits
+      key-major (k q^T, no transposed operand in dk += ds q) to none. Larger float32 tiles
+      spill 0.3-36 KB.
+    - Key-major dk / dv kernels on sm_80 / sm_89 also take 150-190 registers where
+      query-major took 196-204. On sm_90 at D <= 128 query-major stays: with 32-key tiles
+      key-major loses wgmma, and 64 x 64 tiles spill 72-360 bytes (96-120 with dk, dv apart).
     - float32 on tensor cores (``precision`` "high" / "default"): the 16-bit tiles spill
       0.4-3 KB in dk / dv; 32 x 32 with dk and dv apart spill nothing with tf32 and 56-104
       bytes with three bf16 passes (dq 64).
     """
     f32 = jnp.dtype(dtype) == jnp.float32
     if f32 and precision == "highest":
-        return KernelConfig(BlockSizes(16, 16), True, 4)
+        return KernelConfig(BlockSizes(16, 16), True, 4, key_major=True)
     warps = 8 if head_dim > 64 else 4
-    if head_dim > 128 or f32:
-        return KernelConfig(BlockSizes(32, 32), True, warps)
+    if head_dim > 128:
+        small_smem = target.shared_memory_per_block <= PORTABLE_TARGET.shared_memory_per_block
+        return KernelConfig(BlockSizes(32, 16 if small_smem else 32), True, warps,
+                            key_major=True)
+    if f32:
+        return KernelConfig(BlockSizes(32, 32), True, warps, key_major=True)
     if target.compute_capability >= (9, 0):
-        return KernelConfig(BlockSizes(64, 32), False, warps)
-    return KernelConfig(BlockSizes(32, 32), False, warps)
+        return KernelConfig(BlockSizes(64, 32), False, warps, key_major=False)
+    return KernelConfig(BlockSizes(32, 32), False, warps, key_major=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +181,7 @@ class _Static:
     block_k: int
     group: int  # query heads per kv head
     split_dkv: bool  # dk and dv in two kernels (see default_config)
+    key_major: bool  # the dk / dv kernels' logits as [bk, bq] (see KernelConfig)
     precision: str   # of float32 dots, a key of F32_DOTS
     num_warps: int
     num_stages: int
@@ -189,10 +205,37 @@ F32_DOTS = {"highest": jax.lax.Precision.HIGHEST,
 
 
 def _dot(st: "_Static", a, b, contract=(1, 1)):
-    """2-D dot with float32 accumulation; float32 operands as ``st.precision`` says."""
-    precision = F32_DOTS[st.precision] if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
-                               precision=precision, preferred_element_type=jnp.float32)
+    """2-D dot with float32 accumulation; float32 operands as ``st.precision`` says.
+
+    In interpret mode the tensor-core modes are emulated (XLA:CPU computes every float32 dot
+    exactly), so CPU tests and benchmarks/precision.py see the GPU's rounding of operands.
+    """
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    if a.dtype != jnp.float32:
+        return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    if not st.interpret or st.precision == "highest":
+        return jax.lax.dot_general(a, b, dims, precision=F32_DOTS[st.precision],
+                                   preferred_element_type=jnp.float32)
+    exact = functools.partial(jax.lax.dot_general, dimension_numbers=dims,
+                              precision=jax.lax.Precision.HIGHEST)
+    if st.precision == "default":
+        return exact(_round_to_tf32(a), _round_to_tf32(b))
+    (a_hi, a_lo), (b_hi, b_lo) = _bf16_split(a), _bf16_split(b)
+    return exact(a_hi, b_hi) + (exact(a_hi, b_lo) + exact(a_lo, b_hi))
+
+
+def _round_to_tf32(x):
+    """float32 rounded to tf32's 10-bit mantissa (nearest, ties away from zero), as the
+    tensor cores' operand conversion does."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    rounded = (bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000)
+    return jax.lax.bitcast_convert_type(rounded, jnp.float32)
+
+
+def _bf16_split(x):
+    """x = hi + lo + O(2^-16 |x|), both parts bfloat16 values held in float32."""
+    hi = x.astype(jnp.bfloat16).astype(jnp.float32)
+    return hi, (x - hi).astype(jnp.bfloat16).astype(jnp.float32)
 
 
 def _logits(st: _Static, q, k):
@@ -229,12 +272,15 @@ def _lse2(lse):
     return jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
 
 
-def _mask(st: _Static, seg_q, seg_k, q_start, k_start):
-    """The history part of the mask for a [bq, bk] block pair (rankattn.semantics)."""
+def _mask(st: _Static, seg_q, seg_k, q_start, k_start, key_major: bool = False):
+    """The history part of the mask for a block pair (rankattn.semantics): [bq, bk], or
+    [bk, bq] with ``key_major``."""
     pos_q = q_start + jnp.arange(st.block_q)
     pos_k = k_start + jnp.arange(st.block_k)
-    return semantics.sees_history(seg_q[:, None], seg_k[None, :], pos_q[:, None],
-                                  pos_k[None, :], st.causal)
+    q_axis, k_axis = (0, 1) if key_major else (1, 0)
+    seg_q, pos_q = jnp.expand_dims(seg_q, q_axis), jnp.expand_dims(pos_q, q_axis)
+    seg_k, pos_k = jnp.expand_dims(seg_k, k_axis), jnp.expand_dims(pos_k, k_axis)
+    return semantics.sees_history(seg_q, seg_k, pos_q, pos_k, st.causal)
 
 
 def _two_loops(index_ref, full, count, body, carry):
@@ -418,24 +464,30 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
     k, v = k_ref[...], v_ref[...]
     seg_k = seg_k_ref[keys]
     full, count = full_ref[...], count_ref[...]
+    query_axis = 1 if st.key_major else 0  # of p and ds
+
+    def per_query(x):
+        """A per-query vector shaped to broadcast along p's query axis."""
+        return jnp.expand_dims(x, 1 - query_axis)
 
     def head(g, acc):
         """Add query head g of the group's contributions."""
         def block(i, masked, acc):
             queries = _rows(i * st.block_q, st.block_q)
             q, do = q_ref[queries, g, :], do_ref[queries, g, :]
-            lse = lse_ref[g, queries]
-            s2, s = _logits(st, q, k)
+            s2, s = _logits(st, *((k, q) if st.key_major else (q, k)))
             if masked:
-                mask = _mask(st, seg_q_ref[queries], seg_k, i * st.block_q, k_start)
+                mask = _mask(st, seg_q_ref[queries], seg_k, i * st.block_q, k_start,
+                             st.key_major)
                 s2 = jnp.where(mask, s2, -jnp.inf)
-            p = jnp.exp2(s2 - _lse2(lse)[:, None])
+            p = jnp.exp2(s2 - per_query(_lse2(lse_ref[g, queries])))
             acc = dict(acc)
             if "dv" in acc:
-                acc["dv"] = acc["dv"] + _dot(st, p.astype(do.dtype), do, (0, 0))
+                acc["dv"] = acc["dv"] + _dot(st, p.astype(do.dtype), do, (query_axis, 0))
             if "dk" in acc:
-                ds = _ds(st, p, _dot(st, do, v), delta_ref[g, queries][:, None], s)
-                acc["dk"] = acc["dk"] + _dot(st, ds.astype(q.dtype), q, (0, 0))
+                dp = _dot(st, v, do) if st.key_major else _dot(st, do, v)
+                ds = _ds(st, p, dp, per_query(delta_ref[g, queries]), s)
+                acc["dk"] = acc["dk"] + _dot(st, ds.astype(q.dtype), q, (query_axis, 0))
             return acc
 
         acc = dict(_two_loops(q_index_ref, full, count, block, acc))
@@ -575,7 +627,7 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
     d_pad, dv_pad = q_p.shape[-1], v_p.shape[-1]
     st = _Static(causal=causal, scale=scale, softcap=softcap, softcap_method=softcap_method,
                  own_key=segment_ids is not None, block_q=bq, block_k=bk, group=hq // hkv,
-                 split_dkv=config.split_dkv, precision=precision,
+                 split_dkv=config.split_dkv, key_major=config.key_major, precision=precision,
                  num_warps=config.num_warps,
                  num_stages=num_stages or _default_stages(sizes, d_pad, dv_pad, q.dtype.itemsize),
                  interpret=interpret)
@@ -612,7 +664,8 @@ class PallasTriton(Backend):
 
     Overrides, each fixed for every call: ``block_sizes``, the query x key tile (powers of
     two >= 16; shorter sequences get smaller tiles); ``num_warps``; ``num_stages`` (default:
-    two pipeline stages when they fit in shared memory); ``split_dkv``.
+    two pipeline stages when they fit in shared memory); ``split_dkv``; ``key_major`` (the
+    dk / dv kernels' logits as k q^T, see :class:`KernelConfig`).
     ``interpret=True`` runs the same kernels in Pallas interpret mode, on any backend (CPU
     included): slow, for tests.
 
@@ -625,8 +678,9 @@ class PallasTriton(Backend):
     name = "pallas_triton"
 
     def __init__(self, block_sizes: BlockSizes | None = None, *, num_warps: int | None = None,
-                 num_stages: int | None = None, split_dkv: bool | None = None, target=None,
-                 precision: str = "highest", interpret: bool = False):
+                 num_stages: int | None = None, split_dkv: bool | None = None,
+                 key_major: bool | None = None, target=None, precision: str = "highest",
+                 interpret: bool = False):
         for field in ("block_q", "block_k"):
             value = None if block_sizes is None else getattr(block_sizes, field)
             if value is not None and (value < MIN_BLOCK or value & (value - 1)):
@@ -644,6 +698,7 @@ class PallasTriton(Backend):
         self.num_warps = num_warps
         self.num_stages = num_stages
         self.split_dkv = split_dkv
+        self.key_major = key_major
         self.precision = precision
         self.target = None if target is None else GpuTarget.of(target)
         self.interpret = bool(interpret)
@@ -666,7 +721,8 @@ class PallasTriton(Backend):
                                 self.precision)
         return KernelConfig(self.block_sizes or chosen.block_sizes,
                             chosen.split_dkv if self.split_dkv is None else self.split_dkv,
-                            self.num_warps or chosen.num_warps)
+                            self.num_warps or chosen.num_warps,
+                            chosen.key_major if self.key_major is None else self.key_major)
 
     def platform_reasons(self) -> list[str]:
         if IMPORT_ERROR is not None:
@@ -713,7 +769,8 @@ class PallasTriton(Backend):
 
     def __repr__(self) -> str:
         options = [f"{self.block_sizes or 'tiles per GPU, dtype and head dim'}"]
-        options += [f"{n}={getattr(self, n)}" for n in ("num_warps", "num_stages", "split_dkv")
+        options += [f"{n}={getattr(self, n)}" for n in ("num_warps", "num_stages", "split_dkv",
+                                                  "key_major")
                     if getattr(self, n) is not None]
         if self.target is not None:
             options.append(f"target={self.target.name}")
