@@ -145,10 +145,13 @@ def segment_ids(batch: int, seq: int):
 
 @st.composite
 def bounds_row(draw, seq: int):
-    """Non-overlapping half-open ranges at any offsets: either order, gaps, empty ranges."""
+    """Half-open ranges at any offsets: either order, gaps, empty ranges, and overlapping
+    ranges (partly, or one inside the other)."""
     a, b, c, d = sorted(draw(st.lists(st.integers(0, seq), min_size=4, max_size=4)))
     history, candidates = draw(st.sampled_from([((a, b), (c, d)), ((c, d), (a, b)),
-                                                ((a, a), (c, d)), ((a, b), (c, c))]))
+                                                ((a, a), (c, d)), ((a, b), (c, c)),
+                                                ((a, c), (b, d)), ((b, d), (a, c)),
+                                                ((a, d), (b, c)), ((b, c), (a, d))]))
     return history + candidates
 
 

@@ -71,13 +71,28 @@ def mask_dense(seg, causal: bool) -> np.ndarray:
 
 
 def bounds_to_segments(bounds, seq_len: int, batch: int) -> np.ndarray:
-    """Segment ids [B, S] from bounds [4] or [B, 4] (non-overlapping ranges)."""
+    """Segment ids [B, S] from bounds [4] or [B, 4]; a token in both ranges is history."""
     bounds = np.broadcast_to(np.asarray(bounds), (batch, 4))
     seg = np.zeros((batch, seq_len), np.int32)
     for r, (hl, hh, cl, ch) in enumerate(bounds.tolist()):
-        seg[r, hl:hh] = 1
         seg[r, cl:ch] = -1
+        seg[r, hl:hh] = 1
     return seg
+
+
+def phoenix_bounds_mask(bounds, seq_len: int, batch: int) -> np.ndarray:
+    """bool [B, S, S] of the Phoenix ranker's mask function for bounds [4] or [B, 4], written
+    from its documented predicate (x-algorithm phoenix/xrex/pallas/ranker_attention_utils.py,
+    ``history_candidate_mask``): vis(i, j) = (H(j) and (H(i) or C(i))) or (C(i) and C(j) and
+    i == j), with H / C membership of the half-open history / candidate ranges."""
+    bounds = np.broadcast_to(np.asarray(bounds), (batch, 4))
+    pos = np.arange(seq_len)
+    masks = []
+    for hl, hh, cl, ch in bounds.tolist():
+        h, c = (hl <= pos) & (pos < hh), (cl <= pos) & (pos < ch)
+        hi, ci, hj, cj = h[:, None], c[:, None], h[None, :], c[None, :]
+        masks.append((hj & (hi | ci)) | (ci & cj & (pos[:, None] == pos[None, :])))
+    return np.stack(masks)
 
 
 def softcap(s, cap, method: str):

@@ -63,6 +63,28 @@ def test_jit_with_traced_bounds(impl):
         assert_close_f32(lse, want_lse, f"lse for bounds {bounds.tolist()}")
 
 
+OVERLAPPING_BOUNDS = [[[0, 12, 8, 20], [4, 16, 0, 20]],    # partly; candidates around history
+                      [[2, 18, 5, 9], [10, 20, 10, 20]],    # inside; the same range
+                      [0, 20, 3, 7]]                        # one row for the batch
+
+
+@pytest.mark.parametrize("bounds", OVERLAPPING_BOUNDS, ids=["partly", "inside", "broadcast"])
+def test_overlapping_bounds_follow_phoenix_mask_concrete_and_traced(impl, bounds):
+    """Issue 19's rule: a token in both ranges is history (Phoenix's history_candidate_mask).
+    Traced bounds once resolved overlaps the other way (candidates won): the two spellings
+    must agree with each other bit for bit and with the predicate written from Phoenix."""
+    q, k, v, _ = random_qkv(3, B, S, HQ, HKV, D)
+    bounds = np.array(bounds, np.int32)
+    concrete = rankattn.attention(q, k, v, bounds=bounds, return_lse=True, impl=impl)
+    traced = jax.jit(lambda b: rankattn.attention(q, k, v, bounds=b, return_lse=True,
+                                                  impl=impl))(bounds)
+    for a, b in zip(concrete, traced):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want_out, want_lse = oracle.attention_loops(q, k, v, oracle.phoenix_bounds_mask(bounds, S, B))
+    assert_close_f32(concrete[0], want_out, "out")
+    assert_close_f32(concrete[1], want_lse, "lse")
+
+
 def test_vmap_over_an_extra_leading_axis(impl):
     n = 3
     qs, ks, vs, ws = (np.stack(x) for x in zip(*(random_qkv(10 + i, B, S, HQ, HKV, D)

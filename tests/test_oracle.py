@@ -11,7 +11,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import helpers
 import oracle
 from helpers import LSE_WEIGHT, Case, case_id, random_segments, run
 from tolerances import assert_close_f32
@@ -58,6 +61,18 @@ def test_vectorised_oracle_mask_matches_loops(seed, causal):
 def test_oracle_bounds_match_segment_ids():
     seg = oracle.bounds_to_segments(np.array([[1, 3, 4, 6], [5, 7, 0, 2]]), 8, 2)
     assert seg.tolist() == [[0, 1, 1, 0, -1, -1, 0, 0], [-1, -1, 0, 0, 0, 1, 1, 0]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_oracle_bounds_follow_the_phoenix_predicate(data):
+    """Two formulations of bounds, overlaps included: segment ids (a token in both ranges is
+    history) through the segment-id mask, and Phoenix's predicate on the ranges."""
+    seq = data.draw(st.integers(1, 12))
+    bounds = data.draw(helpers.bounds(2, seq, broadcast=False))
+    seg = oracle.bounds_to_segments(bounds, seq, 2)
+    np.testing.assert_array_equal(oracle.mask_dense(seg, causal=False),
+                                  oracle.phoenix_bounds_mask(bounds, seq, 2))
 
 
 def _segments(case: Case, layout: str) -> Case:

@@ -90,11 +90,12 @@ _KINDS = [
         "batch row.",
         RankattnTypeError),
     ErrorKind(
-        "RA109", "bounds values are out of range or overlap",
-        "Each range must satisfy 0 <= lo <= hi <= S, and the history and candidate ranges "
-        "must not overlap. (Only concrete bounds can be checked; traced bounds are used as "
-        "given, with candidates winning where the ranges overlap.)",
-        "Clip the bounds to the sequence length and make hist_hi <= cand_lo (or cand_hi <= hist_lo)."),
+        "RA109", "bounds values are out of range",
+        "Each range must satisfy 0 <= lo <= hi <= S. (Only concrete bounds can be checked; "
+        "traced bounds are used as given: positions outside [0, S) do not exist.) The ranges "
+        "may overlap; a token in both is history, as in the Phoenix ranker's mask.",
+        "Clip the bounds to the sequence length, e.g. min(hi, S); a range with lo > hi is "
+        "empty, so write it as (lo, lo)."),
     ErrorKind(
         "RA110", "both segment_ids and bounds were given",
         "They are two spellings of the same mask; rankattn will not guess which one you meant.",
@@ -175,6 +176,45 @@ _KINDS = [
         "does not yet.",
         "Use impl='cpu' or 'xla' (or 'auto') with context sharding; batch and head sharding run any "
         "impl."),
+    # --- The Flax NNX adapter, rankattn.flax (RA3xx). ------------------------------------------
+    # Listed here rather than registered by rankattn.flax, which imports flax: the catalog and
+    # docs/errors.md must not depend on an optional package being installed.
+    ErrorKind(
+        "RA301", "a Flax mask that is not a rankattn plan",
+        "The rankattn.flax attention_fn takes its mask per call through the mask= argument of "
+        "nnx.MultiHeadAttention, as a rankattn.Plan (or None). A boolean [batch, heads, Sq, Skv] "
+        "mask has in general no segment-id spelling, so it is refused rather than densely "
+        "applied. nnx.MultiHeadAttention(decode=True) builds such a mask for its cache itself.",
+        "Build plan = rankattn.plan(segment_ids=segment_ids) once per batch (0 padding, +s history, "
+        "-s candidates of session s) and call every layer with mask=plan; for plain causal "
+        "attention call it with is_causal=True and no mask. Score against cached history with "
+        "rankattn.serving instead of decode=True.",
+        RankattnTypeError),
+    ErrorKind(
+        "RA302", "is_causal together with a plan",
+        "Flax's is_causal overlays a causal mask on the given one; with a rankattn plan the plan "
+        "holds the whole mask, and its causal rule differs (history is causal, candidates still "
+        "see their whole session history).",
+        "Build the plan with rankattn.plan(segment_ids=..., causal=True) and call the layer with "
+        "is_causal=False."),
+    ErrorKind(
+        "RA303", "an attention bias was given to the Flax adapter",
+        "rankattn computes softmax(scale * q . k, capped, masked) and adds no bias to the logits, "
+        "so an additive bias (ALiBi, relative positions) cannot be honoured.",
+        "Pass bias=None: encode positions in q and k (rotary embeddings), or keep "
+        "nnx.dot_product_attention for a layer that needs a bias."),
+    ErrorKind(
+        "RA304", "attention dropout with the Flax adapter",
+        "Dropout of the attention weights needs the weights; rankattn never forms them.",
+        "Build the layer with dropout_rate=0.0 and drop its output instead (nnx.Dropout on the "
+        "residual branch), or call it with deterministic=True."),
+    ErrorKind(
+        "RA305", "sow_weights with the Flax adapter",
+        "nnx.MultiHeadAttention(..., sow_weights=True) passes module= so that the attention "
+        "weights are sown into nnx.Intermediate; rankattn never forms the weights (that is what "
+        "keeps its memory O(S)).",
+        "Call the layer with sow_weights=False; to inspect weights, compute them for a small "
+        "batch with nnx.dot_product_attention_weights(query, key, mask=dense_mask)."),
 ]
 
 CATALOG: dict[str, ErrorKind] = {kind.code: kind for kind in _KINDS}

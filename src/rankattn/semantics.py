@@ -17,7 +17,13 @@ and themselves, never another candidate.
 
 ``bounds = (hist_lo, hist_hi, cand_lo, cand_hi)`` is the reference kernels'
 spelling of one session per row: segment id 1 on ``[hist_lo, hist_hi)``, -1 on
-``[cand_lo, cand_hi)`` and 0 elsewhere.
+``[cand_lo, cand_hi)`` and 0 elsewhere. The ranges may overlap: a token in both
+is history. That is the Phoenix ranker's mask function (``history_candidate_mask``
+in xai-org/x-algorithm, phoenix/xrex/pallas/ranker_attention_utils.py): key j is
+visible to query i iff j is history and i is in either range, or i == j is a
+candidate; a token in both ranges sees every history key and is seen by every
+query of either range, as a history token is. Concrete and traced bounds follow
+the same rule.
 
 Logits: ``s = (q . k) * scale``, then the soft cap, then the mask, then a
 softmax over the visible keys. A query with no visible key has output 0 and
@@ -101,12 +107,12 @@ class ShardMask:
 
 
 def bounds_to_segment_ids(bounds, seq_len: int):
-    """Segment ids [B, S] (int32) equal to ``bounds`` [B, 4]; candidates win where ranges overlap."""
+    """Segment ids [B, S] (int32) equal to ``bounds`` [B, 4]; a token in both ranges is history."""
     pos = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
     b = bounds.astype(jnp.int32)
     hist = (pos >= b[:, 0:1]) & (pos < b[:, 1:2])
     cand = (pos >= b[:, 2:3]) & (pos < b[:, 3:4])
-    return jnp.where(cand, -1, jnp.where(hist, 1, 0)).astype(jnp.int32)
+    return jnp.where(hist, 1, jnp.where(cand, -1, 0)).astype(jnp.int32)
 
 
 def softcap(s, cap: float | None, method: str):

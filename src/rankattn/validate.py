@@ -209,13 +209,9 @@ def _check_bounds(bounds, batch: int, seq_len: int):
     values = concrete(bounds)
     if values is not None:
         for row, (hl, hh, cl, ch) in enumerate(values.tolist()):
-            problem = None
             if not (0 <= hl <= hh <= seq_len and 0 <= cl <= ch <= seq_len):
-                problem = f"each range needs 0 <= lo <= hi <= S = {seq_len}"
-            elif hl < hh and cl < ch and hl < ch and cl < hh:
-                problem = "the history and candidate ranges overlap"
-            if problem:
-                raise fail("RA109", f"bounds row {row} = ({hl}, {hh}, {cl}, {ch}): {problem}. "
-                                    f"Use e.g. (0, h, h, {seq_len}) for h history tokens followed "
-                                    "by candidates.")
+                raise fail("RA109", f"bounds row {row} = ({hl}, {hh}, {cl}, {ch}): each range "
+                                    f"needs 0 <= lo <= hi <= S = {seq_len}. Use e.g. "
+                                    f"(0, h, h, {seq_len}) for h history tokens followed by "
+                                    "candidates.")
     return jnp.asarray(bounds, jnp.int32)
