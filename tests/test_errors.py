@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import rankattn
+import rankattn.phoenix
 from helpers import assert_explained, message_body
 from rankattn import errors
 from rankattn.backends import BlockSizes
@@ -152,6 +153,13 @@ ERROR_CASES = [
     ("context-pallas", "RA122", V,
      sharded(shard(context="seq"), impl=rankattn.backends.PallasTriton(interpret=True)),
      ["pallas_triton", "context shard", "impl='xla'"]),
+    ("cu-seqlens-decreasing", "RA123", V,
+     lambda: rankattn.segment_ids_from_cu_seqlens(np.array([0, 5, 3]), length=8),
+     ["[0, 5, 3]", "non-decreasing", "T = 8"]),
+    ("phoenix-temp-varies", "RA124", V,
+     lambda: rankattn.phoenix.ranker_attention_v2.mha(
+         x(), x(h=1), x(h=1), np.arange(16.0).reshape(2, 8), SEG, cap=5.0),
+     ["16 different values", "cap > 0", "cap <= 0"]),
 ]
 
 

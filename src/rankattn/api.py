@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from rankattn import distributed
+import jax.numpy as jnp
+import numpy as np
+
+from rankattn import distributed, semantics
 from rankattn.backends import BACKENDS, Backend
 from rankattn.errors import fail
-from rankattn.validate import AttentionCall, check_attention_args, check_static_bool
+from rankattn.validate import AttentionCall, check_attention_args, check_static_bool, concrete
 
 
 def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=None, softcap=None,
@@ -79,6 +82,59 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
         backend = _select(impl, distributed.local_call(call, sharding, strategy), per_shard=True)
         out, lse = distributed.sharded_attention(backend, call, sharding, strategy)
     return (out, lse) if return_lse else out
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens, roles=None, *, length: int | None = None):
+    """rankattn segment ids of sessions packed FlashAttention-style (varlen), by ``cu_seqlens``.
+
+    FlashAttention's varlen functions take q [T, H, D] of N sequences packed end to end and
+    ``cu_seqlens`` = [0, len_0, len_0 + len_1, ..., T']. This gives the segment ids that
+    say the same to :func:`attention`, plus which tokens are history and which candidates::
+
+        seg = rankattn.segment_ids_from_cu_seqlens(cu_seqlens, roles)   # [T]
+        out = rankattn.attention(q[None], k[None], v[None], segment_ids=seg[None])[0]
+
+    Args:
+      cu_seqlens: int [N + 1], non-decreasing: session n is tokens
+        ``cu_seqlens[n] <= t < cu_seqlens[n + 1]``. Tokens before ``cu_seqlens[0]`` or
+        from ``cu_seqlens[-1]`` on are padding. May be traced (works under jit).
+      roles: optional int [T], each token's role inside its session: > 0 history, < 0
+        candidate, 0 padding (the Phoenix ranker's per-token ids 1 / -1 / 0). Default:
+        every token of a session is history (plain packed self-attention).
+      length: T, the packed length; needed only without ``roles``.
+
+    Returns:
+      int32 [T]: ``n + 1`` for a history token of session n, ``-(n + 1)`` for a candidate,
+      0 for padding.
+
+    Raises:
+      RA123 for a cu_seqlens that is not 1-D int, decreases, starts below 0 or ends past T
+      (checked when concrete), or roles that are not int [T].
+    """
+    if roles is None:
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            raise fail("RA123", f"roles=None needs length=T, the packed length as a Python int; "
+                                f"got length={length!r}.")
+        roles = np.ones(length, np.int32)
+    for name, x in (("cu_seqlens", cu_seqlens), ("roles", roles)):
+        if not hasattr(x, "shape"):
+            x = np.asarray(x)
+        if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise fail("RA123", f"{name} must be a 1-D int array; got shape {tuple(x.shape)} and "
+                                f"dtype {x.dtype}.")
+    cu_seqlens, roles = jnp.asarray(cu_seqlens), jnp.asarray(roles)
+    if length is not None and length != roles.shape[0]:
+        raise fail("RA123", f"length={length} but roles has {roles.shape[0]} tokens; pass one "
+                            "role per packed token, or leave length out.")
+    if cu_seqlens.shape[0] == 0:
+        raise fail("RA123", "cu_seqlens is empty; N sessions need N + 1 offsets, e.g. [0, T].")
+    values = concrete(cu_seqlens)
+    if values is not None and (values[0] < 0 or (np.diff(values) < 0).any()
+                               or values[-1] > roles.shape[0]):
+        raise fail("RA123", f"cu_seqlens {values.tolist()[:8]}{' ...' if len(values) > 8 else ''}"
+                            f" must be non-decreasing from >= 0 to <= T = {roles.shape[0]} "
+                            "tokens.")
+    return semantics.cu_seqlens_to_segment_ids(cu_seqlens, roles)
 
 
 def available_impls() -> list[str]:

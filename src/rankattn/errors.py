@@ -176,6 +176,22 @@ _KINDS = [
         "does not yet.",
         "Use impl='cpu' or 'xla' (or 'auto') with context sharding; batch and head sharding run any "
         "impl."),
+    ErrorKind(
+        "RA123", "cu_seqlens or roles are malformed",
+        "cu_seqlens are FlashAttention's cumulative session lengths: int [N + 1], non-decreasing, "
+        "session n being tokens cu_seqlens[n] <= t < cu_seqlens[n + 1] of the packed sequence. "
+        "roles, if given, is one int per packed token (> 0 history, < 0 candidate, 0 padding). "
+        "(Only concrete values can be checked; traced ones are used as given.)",
+        "Pass cu_seqlens as a 1-D int array starting at 0 (e.g. jnp.cumsum of the lengths with a "
+        "0 prepended), ending at most at the packed length, and roles of shape [T]."),
+    ErrorKind(
+        "RA124", "a Phoenix temp that rankattn cannot apply",
+        "rankattn.phoenix.ranker_attention_v2.mha takes Phoenix's per-query temp [B, S], which "
+        "multiplies the logits after the cap. rankattn caps inside its kernels, so with a cap "
+        "it applies temp exactly only when it is one positive value for the whole batch (then "
+        "as cap * temp and scale * temp).",
+        "Pass temp of shape [B, S]; with cap > 0 pass one positive value everywhere (Phoenix's "
+        "model passes ones), or pass cap <= 0 to have any temp folded into q."),
     # --- The Flax NNX adapter, rankattn.flax (RA3xx). ------------------------------------------
     # Listed here rather than registered by rankattn.flax, which imports flax: the catalog and
     # docs/errors.md must not depend on an optional package being installed.

@@ -115,6 +115,17 @@ def bounds_to_segment_ids(bounds, seq_len: int):
     return jnp.where(hist, 1, jnp.where(cand, -1, 0)).astype(jnp.int32)
 
 
+def cu_seqlens_to_segment_ids(cu_seqlens, roles):
+    """Segment ids [T] (int32) of packed sessions: token t of session n (``cu_seqlens[n] <= t <
+    cu_seqlens[n + 1]``) gets ``n + 1`` with the sign of ``roles[t]`` (> 0 history, < 0
+    candidate, 0 padding); tokens outside ``[cu_seqlens[0], cu_seqlens[-1])`` get 0."""
+    t = jnp.arange(roles.shape[0], dtype=jnp.int32)
+    cu = cu_seqlens.astype(jnp.int32)
+    session = jnp.searchsorted(cu, t, side="right").astype(jnp.int32)  # n + 1 inside session n
+    inside = (t >= cu[0]) & (t < cu[-1])
+    return jnp.where(inside, jnp.sign(roles).astype(jnp.int32) * session, 0)
+
+
 def softcap(s, cap: float | None, method: str):
     """Apply the logit cap (identity when ``cap`` is None)."""
     if cap is None:

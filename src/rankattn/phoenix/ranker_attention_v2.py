@@ -1,0 +1,100 @@
+"""Drop-in for Phoenix's ``ranker_attention_v2.mha`` (phoenix/xrex/pallas/ranker_attention_v2.py
+at x-algorithm 28e414f), computed by :func:`rankattn.attention`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rankattn.errors import fail
+from rankattn.phoenix._shared import attend, cap_options, with_z_loss
+from rankattn.validate import concrete
+
+__all__ = ["mha"]
+
+
+def mha(q, k, v, temp, segment_ids, sm_scale=1.0, cap=-1.0, cap_method="tanh", causal=True,
+        window_len=-1, z_loss_weight=0.0, block_q_fwd=128, block_k_fwd=128,
+        block_q_bwd_dq=128, block_k_bwd_dq=16, block_q_bwd_dkv=16, block_k_bwd_dkv=128,
+        backward_pass_impl="triton_split", num_warps=None, num_stages=2, grid=None,
+        interpret=False, debug=False, *, impl="auto"):
+    """Phoenix's v2 ranker attention: per-token ids, one session per row.
+
+    Args:
+      q: [B, S, Hq, D]; k, v: [B, S, Hkv, D], float32 / bfloat16 / float16, any S and D.
+        Hq a multiple of Hkv (Phoenix's v2 needs Hq == Hkv and the model repeats K/V;
+        repeated K/V give the same result here).
+      temp: [B, S], per query: multiplies the logits after the cap (v2:117-138); no
+        gradient (v2:934). One value t for the whole batch (the model passes ones,
+        phoenix/xrex/models/layers.py:300) is exact: the scale times t, and with a cap the
+        cap times t too (``t * cap(s) = cap_t(t * s)``, t > 0). A temp that varies
+        without a cap multiplies each row's query (rounded to q's dtype); with a cap, a
+        concrete one raises RA124 and a traced one is taken as 1, with NaN in rows where
+        it is not: never a silently different softmax.
+      segment_ids: int [B, S]: 1 history, 0 padding, any other value a candidate
+        (v2:24-26, 41-48). Key j is visible to query i iff i is not padding, and j is
+        history or j == i, and with ``causal`` j <= i (v2:117-138): ``causal`` applies to
+        candidates too, unlike rankattn's own ``causal``. A padding row outputs 0.
+      sm_scale, cap, cap_method, z_loss_weight: see :mod:`rankattn.phoenix`.
+      causal: default True, as in Phoenix (the model passes False).
+      window_len: ignored, as Phoenix deletes it (v2:85).
+      block_*, backward_pass_impl, num_warps, num_stages, grid, interpret, debug: Phoenix's
+        kernel options; accepted and ignored (rankattn picks its own tiles).
+      impl: rankattn's backend choice, as in :func:`rankattn.attention`. With ``causal``
+        the history part runs on a backend taking split query / key ids: cpu, xla or
+        reference.
+
+    Returns:
+      out [B, S, Hq, D] in q's dtype (only ``out``, as Phoenix).
+    """
+    del (window_len, block_q_fwd, block_k_fwd, block_q_bwd_dq, block_k_bwd_dq, block_q_bwd_dkv,
+         block_k_bwd_dkv, backward_pass_impl, num_warps, num_stages, grid, interpret, debug)
+    options = cap_options(cap, cap_method)
+    if np.shape(temp) != q.shape[:2]:
+        raise fail("RA124", f"temp has shape {np.shape(temp)}; it must be [B, S] = {q.shape[:2]}, "
+                            "one value per query.")
+    scale, row_factor, bad_rows = _fold_temp(temp, float(sm_scale), options)
+    ids = jnp.asarray(segment_ids)
+    ids = jnp.where(ids == 1, 1, jnp.where(ids == 0, 0, -1)).astype(jnp.int32)
+
+    def outputs(q, k, v):
+        if row_factor is not None:  # t_i * s_ij for every key of row i
+            q = q * row_factor[:, :, None, None].astype(q.dtype)
+        return attend(q, k, v, ids, causal=causal, scale=scale, impl=impl, **options)
+
+    out, _ = with_z_loss(outputs, float(z_loss_weight), q, k, v)
+    if bad_rows is not None:
+        out = jnp.where(bad_rows[:, :, None, None], jnp.nan, out)
+    return out
+
+
+def _fold_temp(temp, scale: float, options: dict):
+    """Where temp goes: (scale, a per-row factor for q or None, rows to poison or None).
+
+    A uniform temp t (concrete) scales the logits exactly: scale * t, and with a cap the
+    cap times t (t * cap(s) = cap_t(t * s) for t > 0). Otherwise, without a cap, each row's
+    t multiplies its query (rounded to q's dtype); with a cap, a concrete temp that varies
+    cannot be honoured (RA124), and a traced one is taken as 1 with NaN in rows where it
+    is not.
+    """
+    values = concrete(temp)  # before any jnp op, which would trace it under jit
+    temp = jax.lax.stop_gradient(jnp.asarray(temp))
+    if values is not None and values.size and (values == values.flat[0]).all():
+        t = float(values.flat[0])
+        if options["softcap"] is not None:
+            if t <= 0:
+                raise fail("RA124", f"temp is {t} everywhere with cap > 0; rankattn applies "
+                                    "temp as cap * temp, which must be positive. Pass a "
+                                    "positive temp or cap <= 0.")
+            options["softcap"] *= t
+        return (scale * t, None, None) if t else (scale, temp, None)
+    if options["softcap"] is None:
+        return scale, temp, None
+    if values is None:
+        return scale, None, temp != 1
+    raise fail("RA124", f"temp takes {len(np.unique(values))} different values (e.g. "
+                        f"{np.unique(values)[:3].tolist()}) with cap > 0; rankattn caps before any "
+                        "per-query factor, so with a cap temp must be one value for the whole "
+                        "batch (the model passes ones). Pass cap <= 0, or fold the temperature "
+                        "into q.")

@@ -1,0 +1,298 @@
+"""rankattn.phoenix: the Phoenix ranker's three attention entry points, each against a dense
+float64 expectation written from Phoenix's documented behaviour (x-algorithm 28e414f,
+phoenix/xrex/pallas/): the mask predicate of each entry point, logits cap(sm_scale q . k)
+(times temp in v2), a softmax over visible keys with 0 for rows that see nothing, base-2
+residuals in fa3, and z-loss as the gradient of w / 2 * sum(lse ** 2).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oracle
+import rankattn
+from helpers import assert_explained, random_qkv
+from rankattn.phoenix import ranker_attention_fa3 as fa3
+from rankattn.phoenix import ranker_attention_v2 as v2
+from rankattn.phoenix import ranker_attention_varlen as varlen
+from tolerances import assert_close_f32
+
+# --- The expectation: dense, float64, differentiable (jnp under x64). ------------------------
+
+
+def cap_fn(s, cap, method):
+    if cap <= 0 or method == "none":
+        return s
+    if method == "tanh":
+        return cap * jnp.tanh(s / cap)
+    return s / (1 + jnp.abs(s) / cap)
+
+
+def dense(q, k, v, mask, *, sm_scale, cap=-1.0, cap_method="tanh", temp=None):
+    """(out [B, S, Hq, Dv], natural lse [B, Hq, S]) of the visible keys, float64; GQA by
+    query head h -> kv head h // G; temp [B, S] multiplies row i's logits after the cap."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = cap_fn(jnp.einsum("bihd,bjhd->bhij", q, k) * sm_scale, cap, cap_method)
+    if temp is not None:
+        s = s * temp[:, None, :, None]
+    s = jnp.where(mask[:, None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.where(mask[:, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
+    return jnp.einsum("bhij,bjhd->bihd", p, v), lse
+
+
+def v2_mask(seg, causal):
+    """Phoenix v2 (ranker_attention_v2.py:117-138): seg_i != 0, seg_j == 1 or i == j,
+    and i >= j when causal."""
+    seg = np.asarray(seg)
+    i, j = np.arange(seg.shape[1])[:, None], np.arange(seg.shape[1])[None, :]
+    mask = (seg[:, :, None] != 0) & ((seg[:, None, :] == 1) | (i == j))
+    return mask & (i >= j) if causal else mask
+
+
+def varlen_mask(seg, cu, causal):
+    """Phoenix varlen (ranker_attention_varlen.py:272-292): one session, i not padding,
+    seg_j > 0 or i == j, and i >= j when causal; rows in no session see nothing."""
+    seg = np.asarray(seg)
+    total = seg.shape[0]
+    session = np.full(total, -1)
+    for n in range(len(cu) - 1):
+        session[cu[n]:cu[n + 1]] = n
+    i, j = np.arange(total)[:, None], np.arange(total)[None, :]
+    mask = ((session[:, None] == session[None, :]) & (session[:, None] >= 0)
+            & (seg[:, None] != 0) & ((seg[None, :] > 0) | (i == j)))
+    return (mask & (i >= j) if causal else mask)[None]
+
+
+def expected_with_grads(mask, q, k, v, w, z_loss_weight=0.0, **options):
+    """out, lse and d/d(q, k, v) of sum(out * w) + z / 2 * sum(lse ** 2), in float64."""
+    with jax.enable_x64(True):
+        def loss(q, k, v):
+            out, lse = dense(q, k, v, jnp.asarray(mask), **options)
+            z = jnp.where(jnp.isfinite(lse), lse, 0)
+            return (out * w).sum() + z_loss_weight / 2 * (z ** 2).sum(), (out, lse)
+
+        args = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
+        (_, (out, lse)), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(*args)
+        return [np.asarray(x) for x in (out, lse, *grads)]
+
+
+def got_with_grads(f, q, k, v, w):
+    """out and d/d(q, k, v) of sum(out * w), for a drop-in f(q, k, v) -> out."""
+    def loss(q, k, v):
+        out = f(q, k, v)
+        return (out.astype(jnp.float32) * w).sum(), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    return [np.asarray(x) for x in (out, *grads)]
+
+
+def check(got, want, names=("out", "dq", "dk", "dv")):
+    for name, a, b in zip(names, got, want):
+        assert_close_f32(a, b, name)
+
+
+# --- fa3 attention. ---------------------------------------------------------------------
+
+B, S, HQ, HKV, D = 2, 21, 4, 2, 16
+SCALE = math.sqrt(128) / 128  # what the model passes at key_size 128
+
+
+@pytest.mark.parametrize("bound", [
+    None, (0, 16, 16, 21), (0, 13, 13, 21),     # all history; aligned; unaligned boundary
+    (0, 15, 9, 21), (3, 18, 0, 21),             # overlapping: partly, history inside
+    (0, 40, 40, 40), (5, 2, 10, 30),            # past S (clamped); hi < lo is empty
+    ((0, 12, 12, 21), (2, 9, 9, 17)),           # one row per batch row (an extension)
+], ids=["none", "aligned", "unaligned", "overlap", "inside", "past-end", "empty", "rows"])
+def test_fa3_matches_the_mask_function(bound):
+    q, k, v, w = random_qkv(0, B, S, HQ, HKV, D, q_std=4.0)
+    got = got_with_grads(lambda q, k, v: fa3.attention(q, k, v, None, bound=bound,
+                                                        sm_scale=SCALE), q, k, v, w)
+    clipped = (0, S, S, S) if bound is None else np.clip(np.array(bound), 0, S)
+    mask = oracle.phoenix_bounds_mask(clipped, S, B)
+    check(got, [x for i, x in enumerate(expected_with_grads(mask, q, k, v, w, sm_scale=SCALE))
+                if i != 1])
+
+
+@pytest.mark.parametrize("cap, cap_method", [(5.0, "tanh"), (5.0, "soft_sign"), (5.0, "none"),
+                                             (0.0, "tanh"), (-1.0, "soft_sign")])
+def test_fa3_caps_and_base2_residuals_and_z_loss(cap, cap_method):
+    """cap <= 0 or "none" is no cap; save_residuals gives lse [B, Hq, S] in base 2; the
+    z-loss adds w / 2 * sum(lse ** 2)'s gradient whatever the output's cotangent."""
+    q, k, v, w = random_qkv(1, B, S, HQ, HKV, D, q_std=4.0)
+    bound, z = (0, 14, 11, 19), 0.3
+    mask = oracle.phoenix_bounds_mask(bound, S, B)
+    want = expected_with_grads(mask, q, k, v, w, z_loss_weight=z, sm_scale=SCALE, cap=cap,
+                               cap_method=cap_method)
+    options = dict(bound=bound, sm_scale=SCALE, cap=cap, cap_method=cap_method,
+                   z_loss_weight=z)
+    out, (lse2,) = fa3.attention(q, k, v, fa3.TuningConfig(64, 64, 2), True, **options)
+    assert lse2.shape == (B, HQ, S) and lse2.dtype == jnp.float32
+    assert_close_f32(lse2, want[1] / math.log(2), "lse base 2")
+    assert np.isneginf(np.asarray(lse2)[:, :, 19:]).all()  # rows in neither range
+    got = got_with_grads(lambda q, k, v: fa3.attention(q, k, v, None, **options), q, k, v, w)
+    check(got, [want[0], *want[2:]])
+
+
+def test_fa3_keeps_phoenix_signature():
+    """Porting is an import change: same parameters, order and defaults as Phoenix's."""
+    parameters = inspect.signature(fa3.attention).parameters
+    assert list(parameters)[:10] == ["q", "k", "v", "config", "save_residuals", "bound",
+                                     "sm_scale", "cap", "cap_method", "z_loss_weight"]
+    defaults = {n: p.default for n, p in parameters.items()}
+    assert (defaults["save_residuals"], defaults["bound"], defaults["sm_scale"],
+            defaults["cap"], defaults["cap_method"], defaults["z_loss_weight"]) == (
+        False, None, 1.0, -1.0, "tanh", 0.0)
+
+
+# --- v2 mha. ------------------------------------------------------------------------------
+
+V2_SEG = np.array([[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, 2, -1, -1, 0, 0, 0],
+                   [0, 1, 1, -1, 1, 1, 1, -1, 1, 1, -1, 1, 1, 1, 1, -1, -1, -1, -1, -1, 0]])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cap, cap_method", [(-1.0, "tanh"), (3.0, "soft_sign")])
+def test_v2_matches_its_mask_with_causal_candidates(causal, cap, cap_method):
+    """Only id 1 is history; id 0 is padding (out 0); causal masks candidates too."""
+    q, k, v, w = random_qkv(2, B, S, HQ, HKV, D, q_std=4.0)
+    temp = np.ones((B, S), np.int32)  # what the model passes
+    options = dict(sm_scale=SCALE, cap=cap, cap_method=cap_method)
+    got = got_with_grads(lambda q, k, v: v2.mha(q, k, v, temp, V2_SEG, causal=causal,
+                                                z_loss_weight=0.2, **options), q, k, v, w)
+    want = expected_with_grads(v2_mask(V2_SEG, causal), q, k, v, w, z_loss_weight=0.2, **options)
+    check(got, [want[0], *want[2:]])
+    assert not np.asarray(got[0])[V2_SEG == 0].any()
+
+
+@pytest.mark.parametrize("temp, cap", [(2.5, 3.0), ("rows", -1.0), (0.0, -1.0)],
+                         ids=["uniform-capped", "per-row-uncapped", "zero"])
+def test_v2_temp_multiplies_logits_after_the_cap(temp, cap):
+    q, k, v, w = random_qkv(3, B, S, HQ, HKV, D, q_std=2.0)
+    if temp == "rows":
+        temp = np.random.default_rng(0).uniform(0.5, 2.0, (B, S)).astype(np.float32)
+    else:
+        temp = np.full((B, S), temp, np.float32)
+    options = dict(sm_scale=SCALE, cap=cap, cap_method="tanh")
+    got = got_with_grads(lambda q, k, v: v2.mha(q, k, v, temp, V2_SEG, causal=False, **options),
+                         q, k, v, w)
+    want = expected_with_grads(v2_mask(V2_SEG, False), q, k, v, w, temp=temp, **options)
+    check(got, [want[0], *want[2:]])
+
+
+def test_v2_temp_that_cannot_be_honoured_is_never_silent():
+    """With a cap, a concrete temp that varies raises RA124; a traced one gives NaN in the
+    rows where it is not 1 and the exact result elsewhere."""
+    q, k, v, _ = random_qkv(4, B, S, HQ, HKV, D)
+    temp = np.ones((B, S), np.float32)
+    temp[1, 5] = 2.0
+    with pytest.raises(rankattn.RankattnValueError, match="RA124") as err:
+        v2.mha(q, k, v, temp, V2_SEG, cap=3.0)
+    assert_explained(err.value)
+    out = np.asarray(jax.jit(lambda t: v2.mha(q, k, v, t, V2_SEG, cap=3.0, causal=False))(temp))
+    assert np.isnan(out[1, 5]).all() and np.isfinite(np.delete(out.reshape(B * S, -1),
+                                                                 S + 5, axis=0)).all()
+    with pytest.raises(rankattn.RankattnValueError, match="RA124"):
+        v2.mha(q, k, v, np.ones((B, S + 1)), V2_SEG)
+
+
+def test_v2_ignores_what_phoenix_ignores():
+    """window_len and every kernel option change nothing (Phoenix deletes window_len)."""
+    q, k, v, _ = random_qkv(5, B, S, HQ, HKV, D)
+    temp = np.ones((B, S), np.float32)
+    plain = v2.mha(q, k, v, temp, V2_SEG)
+    tuned = v2.mha(q, k, v, temp, V2_SEG, 1.0, -1.0, "tanh", True, 7, 0.0, 64, 64, 64, 16, 16,
+                   64, "triton_split", 4, 3, (1, 2, 3), True, True)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(tuned))
+
+
+# --- varlen mha. --------------------------------------------------------------------------
+
+
+@st.composite
+def packed_sessions(draw):
+    """cu_seqlens over sessions of 0-9 tokens (roles 1 / -1 / 0), plus trailing rows."""
+    lengths = draw(st.lists(st.integers(0, 9), min_size=1, max_size=4))
+    tail = draw(st.integers(0, 3))
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    roles = draw(st.lists(st.sampled_from([1, 1, 2, -1, -3, 0]), min_size=int(cu[-1]) + tail,
+                          max_size=int(cu[-1]) + tail))
+    return cu, np.array(roles, np.int32)
+
+
+@settings(max_examples=8, deadline=None)
+@given(packed_sessions(), st.booleans())
+def test_varlen_matches_its_mask(packed, causal):
+    cu, roles = packed
+    total = len(roles)
+    if total == 0:
+        return
+    q, k, v, w = (x[0] for x in random_qkv(6, 1, total, HQ, HKV, D, q_std=3.0))
+    got = got_with_grads(lambda q, k, v: varlen.mha(q, k, v, None, roles, cu, cu, 16, 16,
+                                                    sm_scale=SCALE, causal=causal), q, k, v, w)
+    want = expected_with_grads(varlen_mask(roles, cu, causal), q[None], k[None], v[None],
+                               w[None], sm_scale=SCALE)
+    check(got, [want[0][0], *(g[0] for g in want[2:])])
+
+
+def test_varlen_under_jit_and_its_errors():
+    cu, roles = np.array([0, 5, 5, 12], np.int32), np.array([1, 1, -1, -1, 1] + [1] * 5
+                                                            + [-1, 0, 0, 1], np.int32)
+    q, k, v, _ = (x[0] for x in random_qkv(7, 1, 14, HQ, HKV, D))
+    eager = varlen.mha(q, k, v, None, roles, cu, cu, 7, 7, causal=False)
+    traced = jax.jit(lambda c, r: varlen.mha(q, k, v, None, r, c, c, 7, 7, causal=False))(cu,
+                                                                                         roles)
+    np.testing.assert_array_equal(np.asarray(eager), np.asarray(traced))
+    assert not np.asarray(eager)[12:].any()  # past cu_seqlens[-1]: padding, zeros
+    with pytest.raises(rankattn.RankattnValueError, match="RA123") as err:
+        varlen.mha(q, k, v, None, roles, cu, np.array([0, 4, 5, 12]), 7, 7)
+    assert_explained(err.value)
+
+
+# --- The cu_seqlens helper (rankattn.segment_ids_from_cu_seqlens). ------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(packed_sessions())
+def test_segment_ids_from_cu_seqlens_equals_a_loop(packed):
+    cu, roles = packed
+    want = np.zeros(len(roles), np.int32)
+    for n in range(len(cu) - 1):
+        for t in range(cu[n], cu[n + 1]):
+            want[t] = (n + 1) * np.sign(roles[t])
+    np.testing.assert_array_equal(rankattn.segment_ids_from_cu_seqlens(cu, roles), want)
+    traced = jax.jit(rankattn.segment_ids_from_cu_seqlens)(cu, roles)
+    np.testing.assert_array_equal(traced, want)
+
+
+def test_segment_ids_from_cu_seqlens_packs_like_separate_calls():
+    """Three sessions packed by cu_seqlens give each session's own attention."""
+    cu = np.array([0, 6, 7, 15])
+    seg = rankattn.segment_ids_from_cu_seqlens(cu, length=17)
+    np.testing.assert_array_equal(seg, [1] * 6 + [2] + [3] * 8 + [0, 0])
+    q, k, v, _ = random_qkv(8, 1, 17, HQ, HKV, D)
+    packed = np.asarray(rankattn.attention(q, k, v, segment_ids=seg[None]))
+    for a, b in zip(cu[:-1], cu[1:]):
+        alone = rankattn.attention(q[:, a:b], k[:, a:b], v[:, a:b])
+        assert_close_f32(packed[:, a:b], alone, f"session [{a}, {b})")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (([0, 4, 3],), "non-decreasing"), (([0, 9],), "T = 8"), (([-1, 8],), "non-decreasing"),
+    ((np.zeros((2, 2), np.int32),), "1-D"), (([0.0, 8.0],), "float64"),
+    ((np.zeros(0, np.int32),), "empty"),
+], ids=["decreasing", "past-end", "negative", "2d", "float", "empty"])
+def test_segment_ids_from_cu_seqlens_errors(args, fragment):
+    with pytest.raises(rankattn.RankattnError, match="RA123") as err:
+        rankattn.segment_ids_from_cu_seqlens(np.asarray(args[0]), np.ones(8, np.int32))
+    assert fragment in str(err.value)
+    assert_explained(err.value)
