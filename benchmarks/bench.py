@@ -155,7 +155,7 @@ def rankattn_with(impl="auto"):
     """rankattn with one plan per call, as a model would build it once per batch."""
     def attend(q, k, v, seg):
         impls = None if impl == "auto" else [impl]
-        return rankattn.attention(q, k, v, plan=rankattn.plan(segment_ids=seg, impls=impls),
+        return rankattn.attention(q, k, v, plan=rankattn.plan(segment_ids=seg, impl=impls),
                                   impl=impl)
     return attend
 

@@ -91,7 +91,7 @@ def exact_path(candidates: tuple[int, ...], repeats: int, history: int) -> tuple
 
     @jax.jit
     def cached(cache, qc, kc, vc):
-        return serving.attend(qc, cache, users, (kc, vc))
+        return serving.attend(qc, cache, users, self_kv=(kc, vc))
 
     fns, diffs = {}, {}
     for c in candidates:

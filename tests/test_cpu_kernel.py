@@ -114,7 +114,7 @@ def test_results_are_bit_identical_for_any_thread_count_and_backward_memory(tmp_
 def test_prepared_plan_is_used_not_rebuilt(monkeypatch):
     """A plan made for the cpu backend holds its block lists; the call then makes none."""
     seg = jnp.asarray(np.tile(np.r_[np.ones(150), -np.ones(50)], (2, 1)), jnp.int32)
-    prepared = rankattn.plan(segment_ids=seg, impls=["cpu"])
+    prepared = rankattn.plan(segment_ids=seg, impl=["cpu"])
     assert Cpu().plan_sizes(200)[0] in prepared.block_sizes
 
     def rebuilt(*args, **kwargs):

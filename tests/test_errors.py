@@ -156,6 +156,8 @@ ERROR_CASES = [
     ("cu-seqlens-decreasing", "RA123", V,
      lambda: rankattn.segment_ids_from_cu_seqlens(np.array([0, 5, 3]), length=8),
      ["[0, 5, 3]", "non-decreasing", "T = 8"]),
+    ("plan-impls", "RA125", V, lambda: rankattn.plan(segment_ids=SEG, impls=["xla"]),
+     ["impls=['xla']", "impl=['xla']"]),
     ("phoenix-temp-varies", "RA124", V,
      lambda: rankattn.phoenix.ranker_attention_v2.mha(
          x(), x(h=1), x(h=1), np.arange(16.0).reshape(2, 8), SEG, cap=5.0),

@@ -78,7 +78,8 @@ def test_plan_arguments(data):
 @given(data=st.data())
 def test_serving_arguments(data):
     cache = serving.cache_from_history(np.ones((2, 5, 1, 2), np.float32),
-                                       np.ones((2, 5, 1, 2), np.float32), np.array([5, 2]), 2)
+                                       np.ones((2, 5, 1, 2), np.float32), np.array([5, 2]),
+                                       page_size=2)
     args = [data.draw(st.one_of(st.just(np.ones((2, 1, 2, 2), np.float32)), anything()), label="q"),
             data.draw(st.one_of(st.just(cache), anything()), label="cache"),
             data.draw(st.one_of(st.just(np.array([0, 1])), anything()), label="users")]

@@ -129,7 +129,7 @@ def test_one_plan_serves_both_blocked_backends():
     each backend reads its own and gives the results (and gradients) of passing the mask."""
     seg = jnp.asarray(random_segments(3, 2, 45, "packed"))
     xla = Xla(BlockSizes(16, 8))
-    plan = rankattn.plan(segment_ids=seg, causal=True, impls=[xla, SMALL_TRITON])
+    plan = rankattn.plan(segment_ids=seg, causal=True, impl=[xla, SMALL_TRITON])
     assert plan.block_sizes == (BlockSizes(16, 8), BlockSizes(16, 16))
     q, k, v, _ = random_qkv(4, 2, 45, 4, 2, 16)
 
@@ -222,7 +222,7 @@ def test_a_plan_prepares_every_tile_pair_a_call_may_use():
     """Tiles depend on dtype and head dim, which a plan does not know: it prepares each pair
     the backend may use, so every call reads prepared lists."""
     impl = PallasTriton(target="sm_90")
-    plan = rankattn.plan(segment_ids=jnp.ones((1, 300), jnp.int32), impls=[impl])
+    plan = rankattn.plan(segment_ids=jnp.ones((1, 300), jnp.int32), impl=[impl])
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
         for head_dim in (8, 64, 128, 200, 256):
             assert impl.config(dtype, head_dim).block_sizes in plan.block_sizes

@@ -30,13 +30,40 @@ def _segments(seed=0, batch=2, seq=53):
 def test_plan_is_bit_identical_to_passing_the_mask(causal):
     seg = _segments()
     q, k, v, _ = random_qkv(1, 2, 53, 4, 2, 16)
-    plan = rankattn.plan(segment_ids=seg, causal=causal, impls=[SMALL_XLA])
+    plan = rankattn.plan(segment_ids=seg, causal=causal, impl=[SMALL_XLA])
     with_plan = jax.jit(lambda p: rankattn.attention(q, k, v, plan=p, return_lse=True,
                                                      impl=SMALL_XLA))(plan)
     without = jax.jit(lambda s: rankattn.attention(q, k, v, segment_ids=s, causal=causal,
                                                    impl=SMALL_XLA, return_lse=True))(seg)
     for a, b in zip(with_plan, without):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("impl", [SMALL_XLA, "auto"], ids=["xla-16x8", "auto"])
+def test_a_one_row_plan_broadcasts_like_one_row_of_bounds(impl):
+    """Issue 19: attention(bounds=[4]) broadcast over the batch while plan(bounds=[4]) made a
+    plan for one row only. Now both broadcast, bit for bit, and a [1, S] plan too."""
+    q, k, v, _ = random_qkv(3, 3, 40, 4, 2, 8)
+    bounds = np.array([0, 25, 22, 37], np.int32)  # overlapping: the token in both is history
+    want = rankattn.attention(q, k, v, bounds=bounds, return_lse=True, impl=impl)
+    for plan in (rankattn.plan(bounds=bounds, seq_len=40, impl=impl),
+                 rankattn.plan(segment_ids=rankattn.plan(bounds=bounds[None], seq_len=40)
+                               .segment_ids, impl=impl)):
+        assert plan.shape == (1, 40)
+        got = jax.jit(lambda p: rankattn.attention(q, k, v, plan=p, return_lse=True,
+                                                   impl=impl))(plan)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_old_spellings_raise_naming_the_new_ones():
+    with pytest.raises(rankattn.RankattnValueError, match="RA125") as err:
+        rankattn.plan(segment_ids=_segments(), impls=[SMALL_XLA])
+    assert "impl=" in str(err.value)
+    with pytest.raises(rankattn.RankattnValueError, match="RA125") as err:
+        Xla(SMALL, True)
+    assert "mixed_precision=" in str(err.value)
+    assert Xla(SMALL, mixed_precision=True).mixed_precision is True
 
 
 def test_plan_from_bounds_equals_segment_ids():
@@ -55,7 +82,7 @@ def test_one_plan_serves_every_layer_and_the_backward_pass():
                for i in range(3)]
 
     def model(x, weights, seg, use_plan):
-        plan = rankattn.plan(segment_ids=seg, impls=[SMALL_XLA]) if use_plan else None
+        plan = rankattn.plan(segment_ids=seg, impl=[SMALL_XLA]) if use_plan else None
         for w in weights:
             q = jnp.einsum("bshd,hde->bshe", x, w)
             kv = q[:, :, ::2]
@@ -80,7 +107,7 @@ def test_jitted_plan_sees_new_segment_values():
 
     @jax.jit
     def run(seg):
-        return rankattn.attention(q, k, v, plan=rankattn.plan(segment_ids=seg, impls=[SMALL_XLA]),
+        return rankattn.attention(q, k, v, plan=rankattn.plan(segment_ids=seg, impl=[SMALL_XLA]),
                                   impl=SMALL_XLA)
 
     for seed in (6, 7):
@@ -91,7 +118,7 @@ def test_jitted_plan_sees_new_segment_values():
 
 def test_plan_passes_through_jit_boundaries_as_a_pytree():
     seg = _segments(8)
-    plan = jax.jit(lambda s: rankattn.plan(segment_ids=s, impls=[SMALL_XLA]))(seg)
+    plan = jax.jit(lambda s: rankattn.plan(segment_ids=s, impl=[SMALL_XLA]))(seg)
     q, k, v, _ = random_qkv(9, 2, 53, 2, 2, 8)
     got = jax.jit(lambda q, k, v, p: rankattn.attention(q, k, v, plan=p, impl=SMALL_XLA))(q, k, v, plan)
     assert_close_f32(got, reference(q, k, v, segment_ids=seg), "out")
@@ -100,7 +127,7 @@ def test_plan_passes_through_jit_boundaries_as_a_pytree():
 def test_plan_blocks_follow_the_backend_classification():
     """One session of 32 history + 8 candidates in 16x8 blocks: full, partial and empty lists."""
     seg = jnp.asarray(np.r_[[1] * 32, [-1] * 8, [0] * 8][None], jnp.int32)
-    plan = rankattn.plan(segment_ids=seg, impls=[SMALL_XLA])
+    plan = rankattn.plan(segment_ids=seg, impl=[SMALL_XLA])
     # Query blocks 0-1 are history (all real): key blocks 0-3 are all history -> full.
     # Query block 2 holds 8 candidates and 8 padding tokens -> history blocks are partial.
     np.testing.assert_array_equal(np.asarray(plan.block_plans[0].full_count), [[4, 4, 0]])
@@ -115,7 +142,7 @@ def test_ragged_last_query_block_is_full_despite_internal_padding():
     so it makes a block partial, as the test above shows.)
     """
     seg = jnp.asarray(np.r_[[1] * 32, [-1] * 12][None], jnp.int32)
-    plan = rankattn.plan(segment_ids=seg, impls=[SMALL_XLA])
+    plan = rankattn.plan(segment_ids=seg, impl=[SMALL_XLA])
     np.testing.assert_array_equal(np.asarray(plan.block_plans[0].full_count), [[4, 4, 4]])
     np.testing.assert_array_equal(np.asarray(plan.block_plans[0].count), [[4, 4, 4]])
     q, k, v, _ = random_qkv(10, 1, 44, 2, 1, 8)

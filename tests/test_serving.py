@@ -214,7 +214,8 @@ def test_exact_path_equals_core_candidate_rows(hq, hkv, d, dv, t, with_self, opt
     ks = rng.normal(size=(len(users), t, hkv, d)).astype(np.float32)
     vs = rng.normal(size=(len(users), t, hkv, dv)).astype(np.float32)
     self_kv = (ks, vs) if with_self else None
-    out = serving.attend(jnp.asarray(q), cache, jnp.asarray(users), self_kv, **options)
+    out = serving.attend(jnp.asarray(q), cache, jnp.asarray(users), self_kv=self_kv,
+                         **options)
     assert out.shape == (len(users), t, hq, dv) and out.dtype == jnp.float32
     want = core_candidate_rows(q, k, v, users, lengths, self_kv, **options)
     assert_close_f32(out, want, "candidate rows")
@@ -232,11 +233,12 @@ def test_query_layouts_agree():
     vs = jnp.asarray(rng.normal(size=(b, hkv, dv)), jnp.float32)
     users = jnp.arange(b)
     for budget in (None, 8):
-        four = serving.attend(q[:, None], cache, users, (ks[:, None], vs[:, None]), budget=budget,
-                              sink_pages=0)
-        three = serving.attend(q, cache, users, (ks, vs), budget=budget, sink_pages=0)
+        four = serving.attend(q[:, None], cache, users, self_kv=(ks[:, None], vs[:, None]),
+                              budget=budget, sink_pages=0)
+        three = serving.attend(q, cache, users, self_kv=(ks, vs), budget=budget, sink_pages=0)
         two = serving.attend(q.reshape(b, -1), cache, users,
-                             (ks.reshape(b, -1), vs.reshape(b, -1)), budget=budget, sink_pages=0)
+                             self_kv=(ks.reshape(b, -1), vs.reshape(b, -1)), budget=budget,
+                             sink_pages=0)
         assert three.shape == (b, hq, dv) and two.shape == (b, hq * dv)
         if budget is None:
             want = core_candidate_rows(np.asarray(q)[:, None], np.asarray(k), np.asarray(v),
@@ -302,10 +304,11 @@ def test_budget_covering_the_history_is_dense(gqa):
                                 (np.asarray(ks), np.asarray(ks)), softcap=4.0)
     # 200 tokens = 25 pages: a budget of 25 pages or more never selects (static dense path).
     for budget in (200, 205, 1000):
-        out = serving.attend(q, cache, users, (ks, ks), budget=budget, gqa=gqa, softcap=4.0)
+        out = serving.attend(q, cache, users, self_kv=(ks, ks), budget=budget, gqa=gqa,
+                             softcap=4.0)
         assert_close_f32(out, exact, f"budget {budget}")
     # 6 pages: users 1 (5 pages) and 2 (1 page) fit and are attended densely; user 0 is not.
-    out = serving.attend(q, cache, users, (ks, ks), budget=48, gqa=gqa, softcap=4.0)
+    out = serving.attend(q, cache, users, self_kv=(ks, ks), budget=48, gqa=gqa, softcap=4.0)
     assert_close_f32(out[1:], exact[1:], "short users under a budget")
     assert np.abs(np.asarray(out[0] - exact[0])).max() > 1e-3
 
@@ -352,9 +355,10 @@ def test_quest_keeps_candidates_isolated(gqa):
     cache, _, _ = random_cache(6)
     q, ks = random_request(7)
     users = jnp.array([0, 1, 0])
-    together = serving.attend(q, cache, users, (ks, ks), budget=32, gqa=gqa)
+    together = serving.attend(q, cache, users, self_kv=(ks, ks), budget=32, gqa=gqa)
     for t in range(4):
-        alone = serving.attend(q[:, t], cache, users, (ks[:, t], ks[:, t]), budget=32, gqa=gqa)
+        alone = serving.attend(q[:, t], cache, users, self_kv=(ks[:, t], ks[:, t]), budget=32,
+                               gqa=gqa)
         assert_close_f32(together[:, t], alone, f"candidate {t}")
 
 
@@ -413,7 +417,7 @@ def test_attend_jits_once_for_changing_users_and_lengths():
     @partial(jax.jit, static_argnames=("budget", "gqa"))
     def score(q, cache, users, k_self, v_self, budget, gqa):
         traces.append(1)
-        return serving.attend(q, cache, users, (k_self, v_self), budget=budget, gqa=gqa)
+        return serving.attend(q, cache, users, self_kv=(k_self, v_self), budget=budget, gqa=gqa)
 
     rng = np.random.default_rng(9)
     cache = serving.empty_cache(num_users=4, num_pages=40, page_size=4, kv_heads=2, head_dim=8,

@@ -133,12 +133,12 @@ def test_bad_users(cache, users, fragment):
 def test_bad_self_kv(cache, make_self, fragment):
     code = "RA213" if fragment == "int32" else "RA207"
     with raises(code, fragment):
-        serving.attend(q4(), cache, USERS, make_self())
+        serving.attend(q4(), cache, USERS, self_kv=make_self())
 
 
 def test_self_kv_in_the_flat_layout_must_be_flat(cache):
     with raises("RA207", f"({2}, {HKV * D})"):
-        serving.attend(jnp.ones((2, 4 * D)), cache, USERS, (jnp.ones((2, HKV, D)),) * 2)
+        serving.attend(jnp.ones((2, 4 * D)), cache, USERS, self_kv=(jnp.ones((2, HKV, D)),) * 2)
 
 
 def test_integer_query(cache):
@@ -303,3 +303,104 @@ def test_sharded_attend_budget_across_context_shards(cache):
     with raises("RA215", "budget=8", "context"):
         serving.attend(q4(), sharded_view, USERS, budget=8,
                        sharding=_sharding(batch="data", context="ctx"))
+
+
+# --- Keyword-only options (RA217), stacked caches and layer= (RA218, RA201). --------------------
+
+
+@pytest.mark.parametrize("call, fragments", [
+    (lambda c: serving.attend(q4(), c, USERS, (jnp.ones((2, 3, HKV, D)),) * 2),
+     ["attend takes 3 positional arguments (q, cache, users)", "got 4",
+      "attend(q, cache, users, self_kv=<tuple>)"]),
+    (lambda c: serving.attend(q4(), c, USERS, None, 64),
+     ["got 5", "pass each option by its name"]),
+    (lambda c: serving.cache_from_history(jnp.ones((2, 8, HKV, D)), jnp.ones((2, 8, HKV, D)),
+                                          jnp.array([8, 8]), 4),
+     ["cache_from_history(k_hist, v_hist, lengths, page_size=<int>)"]),
+    (lambda c: serving.sharded_cache_from_history(jnp.ones((2, 8, HKV, D)),
+                                                  jnp.ones((2, 8, HKV, D)), jnp.array([8, 8]),
+                                                  _sharding(batch="data"), 4),
+     ["sharding=<Sharding>, page_size=<int>"]),
+])
+def test_options_passed_positionally_name_the_keyword(cache, call, fragments):
+    """Regression: attend's self_kv, cache_from_history's page_size and
+    sharded_cache_from_history's sharding were positional; passing them so now names the
+    keyword spelling instead of raising Python's TypeError or reading them differently."""
+    with raises("RA217", *fragments):
+        call(cache)
+
+
+def test_return_lse_must_be_a_bool(cache):
+    with raises("RA116", "return_lse", "int"):
+        serving.attend(q4(), cache, USERS, return_lse=1)
+
+
+@pytest.fixture(scope="module")
+def stacked(cache):
+    return serving.stack_caches([cache, cache])
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: serving.attend(q4(), s, USERS),
+    lambda s: serving.select_pages(q4(), s, USERS, budget=64),
+    lambda s: serving.page_bounds(q4(), s, USERS),
+    lambda s: serving.append(s, jnp.array([1]), jnp.ones((1, 2, HKV, D)),
+                             jnp.ones((1, 2, HKV, DV)), jnp.array([2])),
+    lambda s: serving.release(s, jnp.array([1])),
+], ids=["attend", "select_pages", "page_bounds", "append", "release"])
+def test_a_stacked_cache_needs_a_layer(stacked, call):
+    with raises("RA218", "stack of 2 layers", "(2, 12, 2, 4, 8)", "layer=i", "jax.lax.scan"):
+        call(stacked)
+
+
+@pytest.mark.parametrize("layer, fragments", [
+    (2, ["layer=2", "outside the stack's 2 layers", "0 <= layer < 2"]),
+    (-1, ["layer=-1", "0 <= layer < 2"]),
+    (1.0, ["layer=1.0", "float", "int index"]),
+    (True, ["layer=True", "int index"]),
+    (jnp.array([0, 1]), ["int32 array of shape (2,)", "integer scalar"]),
+])
+def test_a_bad_layer_index(stacked, layer, fragments):
+    with raises("RA218", *fragments):
+        serving.attend(q4(), stacked, USERS, layer=layer)
+
+
+def test_a_layer_of_a_cache_without_layers(cache):
+    with raises("RA218", "layer=0", "no layer axis", "(12, 2, 4, 8)", "stack_caches"):
+        serving.append(cache, jnp.array([1]), jnp.ones((1, 2, HKV, D)),
+                       jnp.ones((1, 2, HKV, DV)), jnp.array([2]), layer=0)
+
+
+def test_a_sharded_or_stacked_cache_passed_as_one_layer(cache):
+    """Regression: a cache with extra leading axes reached check_cache's 4-way unpacking and
+    raised Python's ValueError; it is RA201 naming sharding= and layer=."""
+    sharded = jax.tree.map(lambda x: x[None, None], cache)
+    with raises("RA201", "(1, 1, 12, 2, 4, 8)", "sharding=", "layer="):
+        serving.attend(q4(), sharded, USERS)
+
+
+@pytest.mark.parametrize("caches, fragments", [
+    ([], ["non-empty list", "got a list of []"]),
+    (lambda c: c, ["got PagedKVCache"]),
+    (lambda c: [c, {"k": 1}], ["dict"]),
+    (lambda c: [c, c._replace(k_pages=c.k_pages[:6], v_pages=c.v_pages[:6])],
+     ["caches[1].k_pages", "(6, 2, 4, 8)", "(12, 2, 4, 8)"]),
+    (lambda c: [c, c._replace(k_pages=c.k_pages.astype(jnp.bfloat16))], ["bfloat16"]),
+    (lambda c: [serving.stack_caches([c])], ["already stacked"]),
+])
+def test_stack_caches_needs_equal_single_layer_caches(cache, caches, fragments):
+    with raises("RA201", *fragments):
+        serving.stack_caches(caches(cache) if callable(caches) else caches)
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: serving.empty_cache(num_users=2, num_pages=4, page_size=4, kv_heads=1, head_dim=4,
+                                 num_layers=0), "num_layers=0"),
+    (lambda: serving.cache_from_history(jnp.ones((2, 3, 8, HKV, D)), jnp.ones((3, 3, 8, HKV, D)),
+                                        jnp.array([8, 8, 8])), "(3, 3, 8, 2, 8)"),
+    (lambda: serving.cache_from_history(jnp.ones((2, 3, 8, HKV, D)), jnp.ones((3, 8, HKV, D)),
+                                        jnp.array([8, 8, 8])), "every axis but the last"),
+])
+def test_malformed_stacked_history_or_layout(call, fragment):
+    with raises("RA212", fragment):
+        call()

@@ -55,9 +55,9 @@ def test_a_bad_history_value_stays_with_its_user(budget, value):
     users = np.array([0, 1], np.int32)
 
     def run(k, v):
-        cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(v), lengths, P)
+        cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(v), lengths, page_size=P)
         assert int(np.asarray(cache.page_table)[0, 0]) == 0, "user 0 should own page 0"
-        return np.asarray(serving.attend(q, cache, users, (k_self, v_self), budget=budget))
+        return np.asarray(serving.attend(q, cache, users, self_kv=(k_self, v_self), budget=budget))
 
     clean = run(k, v)
     k_bad = k.copy()
@@ -81,7 +81,7 @@ def test_a_released_pages_stale_values_are_never_read():
     k1, v1 = _history(3, 1, P + 1)
     cache = serving.append(cache, np.array([1]), k1, v1, np.array([P + 1]))  # reuses both pages
     q, k_self, v_self = _queries(4, 1, 2)
-    got = np.asarray(serving.attend(q, cache, np.array([1]), (k_self, v_self)))
+    got = np.asarray(serving.attend(q, cache, np.array([1]), self_kv=(k_self, v_self)))
     want = _core_candidates(k1[0], v1[0], q[0], k_self[0], v_self[0])
     assert np.isfinite(got).all()
     assert_close_f32(got[0], want, "reused pages", tol=FEW_KEYS_TOL)
@@ -89,14 +89,15 @@ def test_a_released_pages_stale_values_are_never_read():
 
 def test_a_bad_self_key_or_query_poisons_only_its_row():
     k, v = _history(5, 2, 2 * P)
-    cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(v), np.array([2 * P, P]), P)
+    cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(v), np.array([2 * P, P]),
+                                       page_size=P)
     q, k_self, v_self = _queries(6, 2, 3)
     users = np.array([0, 1], np.int32)
-    clean = np.asarray(serving.attend(q, cache, users, (k_self, v_self)))
+    clean = np.asarray(serving.attend(q, cache, users, self_kv=(k_self, v_self)))
     q_bad, v_bad = q.copy(), v_self.copy()
     q_bad[0, 1, 3, 0] = np.nan                              # row (0, 1), query head 3
     v_bad[1, 2, 1, 4] = np.inf                              # row (1, 2)'s own value, kv head 1
-    got = np.asarray(serving.attend(q_bad, cache, users, (k_self, v_bad)))
+    got = np.asarray(serving.attend(q_bad, cache, users, self_kv=(k_self, v_bad)))
     hit = np.zeros(got.shape[:3], bool)
     hit[0, 1, 3] = True
     hit[1, 2, 2:] = True                                    # query heads 2, 3 use kv head 1

@@ -84,7 +84,7 @@ class CacheMachine(RuleBasedStateMachine):
         kw = dict(budget=None if pages is None else pages * self.p, gqa=gqa, sink_pages=0,
                   recent_pages=1)
         users = np.array(users)
-        got = np.asarray(serving.attend(q, self.cache, users, (ks, vs), **kw))
+        got = np.asarray(serving.attend(q, self.cache, users, self_kv=(ks, vs), **kw))
         chosen = None
         if pages is not None:
             chosen = np.asarray(serving.select_pages(q, self.cache, users, **kw))  # [2, 1, HQ, n]

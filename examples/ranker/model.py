@@ -12,12 +12,14 @@ One ``rankattn.plan`` is built per batch and used by every layer. Serving uses
 the same blocks in two halves: :meth:`Ranker.history_kv` runs the history alone
 and returns each layer's K/V for a ``rankattn.serving`` cache (with candidate
 isolation, history states never depend on candidates), and
-:meth:`Ranker.score_cached` runs only the candidate tokens, each layer
-attending to its cache plus the candidate's own key.
+:meth:`Ranker.score_cached` runs only the candidate tokens through a
+``jax.lax.scan`` over the layers, each attending to its layer of a stacked
+cache plus the candidate's own key.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -144,20 +146,27 @@ class Ranker(nnx.Module):
         """
         return self.layers(batch)[1]
 
-    def score_cached(self, candidates: Batch, caches, users, budget: int | None = None,
+    def score_cached(self, candidates: Batch, cache, users, budget: int | None = None,
                      gqa: str = "group"):
         """Logits [B, C, A] of candidate tokens [B, C] against cached histories.
 
-        ``caches`` holds one rankattn.serving cache per layer and row b reads the
-        history of cache user ``users[b]``. ``budget`` (tokens) turns on Quest
-        page selection in every layer.
+        ``cache`` is a stacked rankattn.serving cache, layer l of it holding layer
+        l's history K/V, and row b reads the history of cache user ``users[b]``.
+        The layers run as one ``jax.lax.scan`` over the blocks' stacked weights
+        and the cache, whose body gets one block and that layer's cache.
+        ``budget`` (tokens) turns on Quest page selection in every layer.
         """
-        x = self.embed(candidates)
-        for block, cache in zip(self.blocks, caches):
+        graphdef, _ = nnx.split(self.blocks[0])
+        weights = jax.tree.map(lambda *w: jnp.stack(w), *[nnx.state(b) for b in self.blocks])
+
+        def layer(x, inputs):
+            block, cache = nnx.merge(graphdef, inputs[0]), inputs[1]
             q, k, v = block.qkv(x, candidates.positions)
             out = serving.attend(q, cache, users, self_kv=(k, v), budget=budget, gqa=gqa,
                                  softcap=self.config.softcap)
-            x = block.finish(x, out)
+            return block.finish(x, out), None
+
+        x = jax.lax.scan(layer, self.embed(candidates), (weights, cache))[0]
         return self.heads(self.final_norm(x))
 
 

@@ -1,10 +1,11 @@
 """Serving: history K/V cached per layer once, candidates scored against the caches.
 
 ``cached_logits`` is what a ranking service runs per request: the history-only
-forward pass fills one ``rankattn.serving`` cache per layer (done once per user
-and history), then the candidate tokens alone go through the layers, each
-attending to its cache and to its own key. With a ``budget`` every layer keeps
-only the history pages Quest's bound ranks highest.
+forward pass fills one stacked ``rankattn.serving`` cache, a layer axis in front
+(done once per user and history), then the candidate tokens alone go through the
+layers in a ``jax.lax.scan`` over the stacked block weights and the stacked cache,
+each layer attending to its cache and to its own key. With a ``budget`` every
+layer keeps only the history pages Quest's bound ranks highest.
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ def candidate_batch(sessions: Sessions, anchor: int) -> Batch:
 @jax.jit
 def _caches(graphdef, params, batch: Batch, lengths):
     kv = nnx.merge(graphdef, params).history_kv(batch)
-    return [serving.cache_from_history(k, v, lengths, PAGE_SIZE) for k, v in kv]
+    k, v = (jnp.stack(x) for x in zip(*kv))                 # [layers, U, S, Hkv, D]
+    return serving.cache_from_history(k, v, lengths, page_size=PAGE_SIZE)
 
 
 def build_caches(graphdef, params, sessions: Sessions, anchor: int):
-    """One serving cache per layer; cache user u is session u's [user token, history]."""
+    """One stacked serving cache (layer l of every array is layer l's cache); cache user u is
+    session u's [user token, history]."""
     rows = 1 + sessions.history_item.shape[1]
     batch, _ = pack(history_only(sessions), rows, anchor, one_per_row=True)
     return _caches(graphdef, params, batch, jnp.asarray(1 + sessions.history_len, jnp.int32))

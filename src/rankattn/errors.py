@@ -192,6 +192,14 @@ _KINDS = [
         "as cap * temp and scale * temp).",
         "Pass temp of shape [B, S]; with cap > 0 pass one positive value everywhere (Phoenix's "
         "model passes ones), or pass cap <= 0 to have any temp folded into q."),
+    ErrorKind(
+        "RA125", "an argument spelled the old way",
+        "rankattn spells each option one way everywhere: arrays are positional, options "
+        "keyword-only, and the backends are chosen with impl= (a name, a backend instance or a "
+        "list of them) in attention and plan alike. plan(impls=...) and positional options of "
+        "the backends (Xla(block_sizes, True)) were earlier spellings.",
+        "Use the spelling the message names: plan(..., impl=[...]); Xla(block_sizes, "
+        "mixed_precision=..., step_logits_bytes=...)."),
     # --- The Flax NNX adapter, rankattn.flax (RA3xx). ------------------------------------------
     # Listed here rather than registered by rankattn.flax, which imports flax: the catalog and
     # docs/errors.md must not depend on an optional package being installed.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rankattn.blocks import BlockPlan, BlockSizes, make_block_plan, pad_axis1
@@ -42,6 +43,13 @@ class Plan:
         """(B, S) of the queries and keys this plan is for."""
         return tuple(self.segment_ids.shape)
 
+    def broadcast_to(self, batch: int) -> "Plan":
+        """This plan for ``batch`` rows: a plan of one row (from [4] bounds, or segment ids
+        [1, S]) broadcasts over any batch, as [4] bounds do in ``attention``."""
+        if self.shape[0] == batch:
+            return self
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape[1:])), self)
+
     def block_plan(self, sizes: BlockSizes) -> BlockPlan:
         """The visit lists for ``sizes``: prepared ones if the plan has them, else made now."""
         if sizes in self.block_sizes:
@@ -57,20 +65,23 @@ def self_attention_block_plan(segment_ids, sizes: BlockSizes, causal: bool) -> B
 
 
 def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: bool = False,
-         impls=None) -> Plan:
+         impl="auto", impls=None) -> Plan:
     """Prepare the mask of a batch once, for every layer that attends over it.
 
     Args:
       segment_ids: int [B, S], as in :func:`rankattn.attention`.
       bounds: int [B, 4] or [4] = (hist_lo, hist_hi, cand_lo, cand_hi);
-        needs ``seq_len`` (and a [4] bounds gives a batch of one row, which
-        broadcasts over no other batch size: pass [B, 4] for B rows).
+        needs ``seq_len``. A [4] bounds (or segment ids [1, S]) gives a plan of
+        one row, which broadcasts over any batch, as [4] bounds do in
+        :func:`rankattn.attention`.
       seq_len: the sequence length S, with bounds.
       causal: as in :func:`rankattn.attention`.
-      impls: the backends (names or instances, e.g.
-        ``[rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64))]``)
-        whose block lists to prepare. Default: those ``impl='auto'`` can use
-        on this machine (``rankattn.available_impls()``).
+      impl: the backends whose block lists to prepare, as ``attention``'s
+        ``impl``: 'auto' (default: those ``impl='auto'`` can use on this
+        machine, ``rankattn.available_impls()``), a name, a backend instance,
+        or a list of those, e.g.
+        ``[rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64)), 'cpu']``.
+      impls: the old name of ``impl``; raises RA125.
 
     Returns:
       A :class:`Plan`; ``attention(q, k, v, plan=plan)`` gives bit-identical
@@ -78,6 +89,10 @@ def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: b
     """
     from rankattn.api import resolve_impls  # the dispatcher imports this module
 
+    if impls is not None:
+        raise fail("RA125", f"plan(impls={impls!r}): the argument is now impl=, as in "
+                            "rankattn.attention, and takes a name, a backend or a list of them. "
+                            f"Pass impl={impls!r}.")
     if segment_ids is None and bounds is None:
         raise fail("RA117", "plan() needs segment_ids or bounds; for unmasked attention pass "
                             "segment_ids=jnp.ones((B, S), jnp.int32).")
@@ -91,7 +106,7 @@ def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: b
     else:
         batch, length = np.shape(segment_ids)[0], np.shape(segment_ids)[-1]
     segment_ids, causal = check_mask_args(segment_ids, bounds, causal, batch, length)
-    backends = resolve_impls("auto" if impls is None else impls, "impls")
+    backends = resolve_impls(impl)
     sizes = tuple(dict.fromkeys(s for b in backends for s in b.plan_sizes(length)))
     return Plan(segment_ids=segment_ids,
                 block_plans=tuple(self_attention_block_plan(segment_ids, s, causal) for s in sizes),

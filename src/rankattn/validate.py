@@ -114,9 +114,11 @@ def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap
             others = ", ".join(n for n in mask_given if n != "plan")
             raise fail("RA117", f"plan was given together with {others}; the "
                                 "plan already holds the mask. Pass only plan=.")
-        if plan.shape != (b, sq):
+        if plan.shape not in ((b, sq), (1, sq)):
             raise fail("RA117", f"plan was made for (B, S) = {plan.shape}, but q has B={b}, S={sq}. "
-                                "Make the plan from this batch's segment ids.")
+                                "Make the plan from this batch's segment ids (a plan of one row "
+                                "broadcasts over any batch).")
+        plan = plan.broadcast_to(b)
         segment_ids, causal = plan.segment_ids, plan.causal
     else:
         segment_ids, causal = check_mask_args(segment_ids, bounds, causal, b, sq)

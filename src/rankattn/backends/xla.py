@@ -50,6 +50,7 @@ from rankattn import semantics
 from rankattn.backends.base import Backend, compute_dtype
 from rankattn.blocks import (BlockPlan, BlockSizes, pad_axis1, pad_positions, round_up,
                              segments_and_plan)
+from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
 
@@ -479,9 +480,13 @@ class Xla(Backend):
     name = "xla"
     takes_shard_mask = True
 
-    def __init__(self, block_sizes: BlockSizes | None = None,
-                 mixed_precision: bool | None = None,
-                 step_logits_bytes: int | None = None):
+    def __init__(self, block_sizes: BlockSizes | None = None, *positional,
+                 mixed_precision: bool | None = None, step_logits_bytes: int | None = None):
+        if positional:
+            raise fail("RA125", f"Xla got {len(positional) + 1} positional arguments; only "
+                                "block_sizes is positional, its options are keyword-only, as "
+                                "every backend's: Xla(block_sizes, mixed_precision=..., "
+                                "step_logits_bytes=...).")
         self.block_sizes = block_sizes
         self.mixed_precision = mixed_precision
         self.step_logits_bytes = step_logits_bytes

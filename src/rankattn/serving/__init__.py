@@ -8,9 +8,13 @@ O((S + C)^2), and scores are batch-invariant by construction.
 * :class:`PagedKVCache`, :func:`empty_cache`, :func:`cache_from_history`,
   :func:`append` (with an :class:`AppendStatus` per user on request),
   :func:`release`: the cache (a pytree; every function is pure and jittable).
+  :func:`stack_caches` (or 5-D histories, or ``empty_cache(num_layers=L)``) makes
+  one cache of L layers that ``jax.lax.scan`` can carry; the functions take
+  ``layer=i`` for one layer of it.
 * :func:`attend`: queries [B, T, Hq, D] (or [B, Hq, D], [B, Hq*D]) against their
   users' cached history plus an optional self term; exact, or with a token
-  ``budget`` using Quest's page bounds (``gqa='per_head' | 'group' | 'mean'``).
+  ``budget`` using Quest's page bounds (``gqa='per_head' | 'group' | 'mean'``);
+  ``return_lse=True`` adds each row's log-sum-exp.
 * :func:`select_pages`, :func:`page_bounds`: the selection and the bounds
   behind it, for inspection.
 * :func:`sharded_cache_from_history`, :func:`shard_cache` and ``attend(...,
@@ -24,10 +28,10 @@ from rankattn.serving import _errors  # noqa: F401  (registers RA2xx)
 from rankattn.serving.scoring import (DEFAULT_GROUP_RULE, GQA_MODES, GROUP_RULES, attend,
                                      page_bounds, select_pages)
 from rankattn.serving.cache import (AppendStatus, PagedKVCache, append, cache_from_history,
-                                    empty_cache, release)
+                                    empty_cache, release, stack_caches)
 from rankattn.serving.sharded import shard_cache, sharded_cache_from_history
 
 __all__ = ["AppendStatus", "DEFAULT_GROUP_RULE", "GQA_MODES", "GROUP_RULES", "PagedKVCache",
            "append", "attend",
            "cache_from_history", "empty_cache", "page_bounds", "release", "select_pages",
-           "shard_cache", "sharded_cache_from_history"]
+           "shard_cache", "sharded_cache_from_history", "stack_caches"]

@@ -10,9 +10,10 @@ register(
         "Serving functions take the cache built by rankattn.serving.empty_cache or "
         "cache_from_history (and returned by append / release): a PagedKVCache whose k_pages "
         "[N, Hkv, P, D] and v_pages [N, Hkv, P, Dv] agree on N, Hkv and P, with key min/max "
-        "[N, Hkv, D], page_table [U, max_pages] and lengths [U].",
+        "[N, Hkv, D], page_table [U, max_pages] and lengths [U]. stack_caches takes a list of "
+        "such caches, one per layer, all of the same shapes and dtypes.",
         "Pass the cache object that the last append or release returned; do not rebuild its "
-        "fields by hand.",
+        "fields by hand. To stack layers, build every layer's cache with the same arguments.",
         RankattnTypeError),
     ErrorKind(
         "RA202", "unsupported query shape",
@@ -83,9 +84,10 @@ register(
         "and pass counts as an int array [B]."),
     ErrorKind(
         "RA212", "history arrays or page layout are malformed",
-        "cache_from_history takes k_hist [U, S, Hkv, D], v_hist [U, S, Hkv, Dv] of one float "
-        "dtype and lengths [U] with 0 <= lengths <= S; empty_cache takes positive ints "
-        "(page_size, num_pages, max_pages, heads, head dims) and a float dtype.",
+        "cache_from_history and sharded_cache_from_history take k_hist [U, S, Hkv, D], v_hist "
+        "[U, S, Hkv, Dv] (or [L, U, S, Hkv, D] / [L, U, S, Hkv, Dv] for L stacked layers) of one "
+        "float dtype and lengths [U] with 0 <= lengths <= S; empty_cache takes positive ints "
+        "(page_size, num_pages, max_pages, heads, head dims, num_layers) and a float dtype.",
         "Pad the histories to one length S, pass their true lengths, and use positive ints "
         "such as page_size=16."),
     ErrorKind(
@@ -111,12 +113,34 @@ register(
         "heads= axes, and no budget when the history is split over context axes (Quest runs "
         "per user on batch shards only).",
         "Build the cache with rankattn.serving.sharded_cache_from_history(k, v, lengths, "
-        "sharding) or shard_cache, pass a multiple of the batch shards' count of rows, and "
-        "drop budget= or context= as the message says."),
+        "sharding=sharding) or shard_cache, pass a multiple of the batch shards' count of rows, "
+        "and drop budget= or context= as the message says."),
     ErrorKind(
         "RA216", "a query row's user is cached on another shard",
         "Rows of q are split over the batch axes (row b on shard b // (B / nb)) and batch shard "
         "i caches users [i * U, (i + 1) * U); a row can only read its own shard's cache.",
         "Route each request to the rows of the shard that holds its user (user u lives on "
         "shard u // U), padding the other rows with any user of that shard."),
+    ErrorKind(
+        "RA217", "an option was passed positionally",
+        "Serving functions take their arrays positionally and every option by keyword: "
+        "attend(q, cache, users, *, self_kv=None, budget=None, ..., return_lse=False), "
+        "cache_from_history(k_hist, v_hist, lengths, *, page_size=16, num_pages=None, "
+        "max_pages=None) and sharded_cache_from_history(k_hist, v_hist, lengths, *, sharding, "
+        "page_size=16, ...). Older spellings passed self_kv, page_size or sharding positionally; "
+        "they are refused rather than read differently.",
+        "Name the option, as the message writes it: attend(q, cache, users, "
+        "self_kv=(k_self, v_self)), cache_from_history(k, v, lengths, page_size=16), "
+        "sharded_cache_from_history(k, v, lengths, sharding=sharding).",
+        RankattnTypeError),
+    ErrorKind(
+        "RA218", "layer= does not fit the cache",
+        "A stacked cache holds L layers' caches along a leading axis (k_pages [L, N, Hkv, P, D], "
+        "every array likewise), so attend, append, release, select_pages and page_bounds need "
+        "layer=i to pick one: a Python int in [0, L), or an int32 scalar that may be traced "
+        "(a fori_loop index; a traced layer outside [0, L) reads a clamped layer and writes "
+        "nothing). A cache of one layer takes no layer=.",
+        "Pass layer=i with a stacked cache, or scan over it (jax.lax.scan(body, x, cache) hands "
+        "body one layer's cache, which takes no layer=); drop layer= with one layer's cache, or "
+        "stack the layers' caches with stack_caches."),
 )

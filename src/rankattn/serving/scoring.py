@@ -34,8 +34,9 @@ from rankattn.backends.base import compute_dtype
 from rankattn.errors import fail
 from rankattn.serving import sharded
 from rankattn.serving.cache import (PagedKVCache, _describe, _positive_int, check_cache,
-                                    check_float, check_users)
-from rankattn.validate import check_logit_options
+                                    check_float, check_users, keyword_options, layer_view,
+                                    select_layer)
+from rankattn.validate import check_logit_options, check_static_bool
 
 GQA_MODES = ("per_head", "group", "mean")
 
@@ -93,10 +94,14 @@ DEFAULT_GROUP_RULE = "standardised"
 # --- Public functions. -------------------------------------------------------------------------
 
 
-def attend(q, cache: PagedKVCache, users, self_kv=None, *, budget=None, gqa="group",
+@keyword_options("self_kv")
+def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="group",
            sink_pages=1, recent_pages=1, scale=None, softcap=None, softcap_method="tanh",
-           group_rule=DEFAULT_GROUP_RULE, sharding=None):
+           group_rule=DEFAULT_GROUP_RULE, sharding=None, layer=None, return_lse=False):
     """Attention of queries to their users' cached history (+ optional self term).
+
+    q, cache and users are positional; every option is keyword-only (a fourth
+    positional argument, the old spelling of self_kv, raises RA217).
 
     Args:
       q: queries, one of [B, T, Hq, D] (T candidates of one request, or T=1 for a
@@ -129,11 +134,23 @@ def attend(q, cache: PagedKVCache, users, self_kv=None, *, budget=None, gqa="gro
         self_kv rows are split over the batch axes and row b's user (a global
         id) must be cached on row b's batch shard. Results equal one device's;
         ``budget`` needs no context axes.
+      layer: with a stacked cache (a leading [L] axis on every array, see
+        rankattn.serving.cache; [L, nb, nc, ...] when sharded), the layer to
+        read: a Python int or an int32 scalar, traced or not (a fori_loop
+        index). None for one layer's cache (what jax.lax.scan over a stacked
+        cache hands its body).
+      return_lse: also return the log-sum-exp of each query row and head.
 
     Returns:
       out in q's layout with D replaced by Dv ([B, T, Hq, Dv], [B, Hq, Dv] or
       [B, Hq*Dv]), in q's dtype. A row whose user has no history and no self
-      term gets zeros.
+      term gets zeros. With return_lse, (out, lse): lse is the natural-log
+      log-sum-exp of the row's (scaled, capped) logits over every key it
+      attended (its user's history, or the pages selected under a budget, plus
+      its self key), shaped like out without its last axis ([B, T, Hq] for 4-D
+      q, [B, Hq] for 3-D and 2-D q), float32 (float64 for float64 inputs); -inf
+      where the row saw no key, NaN where a non-finite input poisoned it. (The
+      core's rankattn.attention returns lse head-major, [B, Hq, S].)
 
     Without a budget this equals the candidate rows of
     ``rankattn.attention(concat([history, candidates]), segment_ids=[1]*S + [-1]*T)``.
@@ -143,9 +160,10 @@ def attend(q, cache: PagedKVCache, users, self_kv=None, *, budget=None, gqa="gro
     with a budget, O(T * Hq * (S/P + budget) * D), gathering only the selected
     pages.
     """
-    view = cache
+    return_lse = check_static_bool("return_lse", return_lse)
+    view, layer = layer_view(cache, layer, "attend", lead=0 if sharding is None else 2)
     if sharding is not None:  # checked on one shard's view, with the users' local ids
-        view = sharded.local_view(cache, sharding)
+        view = sharded.local_view(view, sharding)
         if sharding.context and budget is not None:
             raise fail("RA215", f"budget={budget} with context={sharding.context!r}: Quest page "
                                 "selection does not run across context shards yet. Shard users "
@@ -158,45 +176,49 @@ def attend(q, cache: PagedKVCache, users, self_kv=None, *, budget=None, gqa="gro
                                 group_rule=group_rule)
     k_self, v_self = query.self_kv
     if sharding is not None:
-        out = sharded.attend(plan, query, cache, users, sharding, _attend_partial, _attend)
+        out, lse = sharded.attend(plan, query, cache, users, sharding, layer, _attend_partial,
+                                  _attend)
     else:
-        out = _attend(plan, query.q, cache, users, k_self, v_self)
-    return query.restore(out)
+        out, lse = _attend(plan, query.q, cache, users, k_self, v_self, layer)
+    out = query.restore(out)
+    return (out, query.restore_lse(lse)) if return_lse else out
 
 
 def select_pages(q, cache: PagedKVCache, users, *, budget, gqa="group", sink_pages=1,
-                 recent_pages=1, scale=None, group_rule=DEFAULT_GROUP_RULE):
+                 recent_pages=1, scale=None, group_rule=DEFAULT_GROUP_RULE, layer=None):
     """The history pages each query head attends to under ``attend(..., budget=budget)``.
 
-    Arguments as :func:`attend` (budget required). Returns int32 [B, T, Hq, n]
-    (or [B, Hq, n] for 3-D / 2-D queries), n = min(budget // P, max_pages):
-    logical page numbers (page j holds tokens [j*P, (j+1)*P) of the user's
-    history), -1 where the user has fewer pages than n. Order is by score, the
-    kept sink/recent pages first.
+    Arguments as :func:`attend` (budget required; ``layer`` for a stacked cache).
+    Returns int32 [B, T, Hq, n] (or [B, Hq, n] for 3-D / 2-D queries), n =
+    min(budget // P, max_pages): logical page numbers (page j holds tokens
+    [j*P, (j+1)*P) of the user's history), -1 where the user has fewer pages
+    than n. Order is by score, the kept sink/recent pages first.
     """
     if budget is None:
         raise fail("RA208", "select_pages needs budget=<tokens>; budget=None means no selection.")
-    query, users, plan = _check("select_pages", q, cache, users, None, budget=budget, gqa=gqa,
+    view, layer = layer_view(cache, layer, "select_pages")
+    query, users, plan = _check("select_pages", q, view, users, None, budget=budget, gqa=gqa,
                                 sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
                                 softcap=None, softcap_method="tanh", group_rule=group_rule)
-    pages = _select_public(plan, query.q, cache, users)
+    pages = _select_public(plan, query.q, cache, users, layer)
     return pages if query.has_t else pages[:, 0]
 
 
-def page_bounds(q, cache: PagedKVCache, users, *, scale=None):
+def page_bounds(q, cache: PagedKVCache, users, *, scale=None, layer=None):
     """Quest's upper bound of every query head's (uncapped, scaled) logit, per page.
 
-    Arguments as :func:`attend`. Returns float32 [B, T, Hq, max_pages] (or
-    [B, Hq, max_pages] for 3-D / 2-D queries): entry j bounds ``scale * q . k``
-    for every key k of the user's page j, and is -inf where the user has no
-    page j. A soft cap is monotone, so capped logits are bounded by the capped
-    bound.
+    Arguments as :func:`attend` (``layer`` for a stacked cache). Returns float32
+    [B, T, Hq, max_pages] (or [B, Hq, max_pages] for 3-D / 2-D queries): entry j
+    bounds ``scale * q . k`` for every key k of the user's page j, and is -inf
+    where the user has no page j. A soft cap is monotone, so capped logits are
+    bounded by the capped bound.
     """
-    query, users, plan = _check("page_bounds", q, cache, users, None, budget=None,
+    view, layer = layer_view(cache, layer, "page_bounds")
+    query, users, plan = _check("page_bounds", q, view, users, None, budget=None,
                                 gqa="per_head", sink_pages=0, recent_pages=0, scale=scale,
                                 softcap=None, softcap_method="tanh",
                                 group_rule=DEFAULT_GROUP_RULE)
-    bounds = _bounds_public(plan, query.q, cache, users)
+    bounds = _bounds_public(plan, query.q, cache, users, layer)
     return bounds if query.has_t else bounds[:, 0]
 
 
@@ -230,6 +252,10 @@ class _Query:
             return out
         out = out[:, 0]
         return out.reshape(out.shape[0], -1) if self.flat else out
+
+    def restore_lse(self, lse):
+        """[B, T, Hq] -> [B, T, Hq] for 4-D queries, [B, Hq] for 3-D and 2-D ones."""
+        return lse if self.has_t else lse[:, 0]
 
 
 def _check(where, q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_pages, scale,
@@ -391,7 +417,8 @@ def _select(plan: _Plan, qf, cache: PagedKVCache, table, valid):
 
 
 @partial(jax.jit, static_argnums=0)
-def _select_public(plan: _Plan, q, cache: PagedKVCache, users):
+def _select_public(plan: _Plan, q, cache: PagedKVCache, users, layer):
+    cache = select_layer(cache, layer)
     table, _, valid = _user_pages(cache, users)
     qf = _head_major(q, cache.kv_heads)
     pages = _select(plan, qf, cache, table, valid)
@@ -401,7 +428,8 @@ def _select_public(plan: _Plan, q, cache: PagedKVCache, users):
 
 
 @partial(jax.jit, static_argnums=0)
-def _bounds_public(plan: _Plan, q, cache: PagedKVCache, users):
+def _bounds_public(plan: _Plan, q, cache: PagedKVCache, users, layer):
+    cache = select_layer(cache, layer)
     table, _, valid = _user_pages(cache, users)
     qs = _head_major(q, cache.kv_heads) * plan.scale
     u, bad = _bounds(qs, cache, table, valid)
@@ -412,14 +440,17 @@ def _bounds_public(plan: _Plan, q, cache: PagedKVCache, users):
 
 
 @partial(jax.jit, static_argnums=0)
-def _attend(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
-    return _attend_partial(plan, q, cache, users, k_self, v_self)[0].astype(q.dtype)
+def _attend(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self, layer):
+    """(out [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq]) of layer ``layer`` (None: one layer)."""
+    out, lse = _attend_partial(plan, q, select_layer(cache, layer), users, k_self, v_self)
+    return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
 
 
 def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
-    """(out [B, T, Hq, Dv] float32 (float64), lse [B, Hq, T] float32): attention over the cached
-    history (+ self term), as a partial result that rankattn.distributed.merge_partials can
-    combine with others over disjoint keys (e.g. other context shards of the history)."""
+    """(out [B, T, Hq, Dv], lse [B, Hq, T]), float32 (float64 for float64 inputs): attention
+    over the cached history (+ self term), as a partial result that
+    rankattn.distributed.merge_partials can combine with others over disjoint keys (e.g.
+    other context shards of the history)."""
     b, hkv = q.shape[0], cache.kv_heads
     qf = _head_major(q.astype(jnp.promote_types(q.dtype, cache.k_pages.dtype)), hkv)
     dtype = qf.dtype
@@ -450,7 +481,7 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     seen = l != 0  # NaN: a row poisoned by a non-finite input (rankattn.semantics)
     out = acc / jnp.where(seen, l, 1)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
-    return _token_major(out), jnp.swapaxes(_token_major(lse), 1, 2).astype(jnp.float32)
+    return _token_major(out), jnp.swapaxes(_token_major(lse), 1, 2)
 
 
 def _attend_pages(plan: _Plan, qf, cache: PagedKVCache, table, length, logical, state):

@@ -17,7 +17,11 @@ the history as a partial (out, lse); the partials (C x Hq x Dv per row: the keys
 where they are) are all-gathered over the context axes and merged by
 :func:`rankattn.distributed.merge_partials`, with the self term as one more partial.
 Exact attention only: Quest (``budget=``) runs on batch shards, where every user's
-pages are whole, but not across context shards (see docs/serving.md).
+pages are whole, but not across context shards (see docs/serving.md). The merged
+log-sum-exp is what ``attend(..., return_lse=True)`` returns.
+
+A stacked sharded cache (L layers) has arrays [L, nb, nc, ...]: layer i of it is a
+sharded cache, and ``attend(..., sharding=, layer=i)`` slices it on every device.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from rankattn.distributed import (
     own_key_partial,
 )
 from rankattn.errors import fail
-from rankattn.serving.cache import PagedKVCache, cache_from_history
+from rankattn.serving.cache import (PagedKVCache, _positive_int, cache_from_history,
+                                    check_history, keyword_options, select_layer, shapes)
 from rankattn.validate import concrete
 
 
@@ -42,57 +47,94 @@ def _shards(sharding: Sharding) -> tuple[int, int]:
     return sharding.size(sharding.batch), sharding.size(sharding.context)
 
 
+def _check_sharding(sharding) -> None:
+    if not isinstance(sharding, Sharding):
+        raise fail("RA119", f"sharding must be a rankattn.Sharding; got {type(sharding).__name__}.")
+    if sharding.heads:
+        raise fail("RA215", f"serving shards users (batch=) and history (context=), not heads; "
+                            f"got heads={sharding.heads!r}. Drop heads=.")
+
+
 def shard_cache(caches, sharding: Sharding) -> PagedKVCache:
     """Stack ``caches[i][j]`` (batch shard i, context shard j; equal shapes) into a sharded
-    cache whose arrays are placed on ``sharding``'s mesh, [nb, nc, ...] over (batch, context)."""
+    cache whose arrays are placed on ``sharding``'s mesh, [nb, nc, ...] over (batch, context).
+    Stacked caches of L layers each give a stacked sharded cache, [L, nb, nc, ...] (the layer
+    axis first, so that layer i is a sharded cache)."""
+    _check_sharding(sharding)
     nb, nc = _shards(sharding)
     if len(caches) != nb or any(len(row) != nc for row in caches):
         raise fail("RA215", f"shard_cache needs {nb} x {nc} caches (batch x context shards of "
                             f"the sharding); got {[len(row) for row in caches]}.")
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs).reshape((nb, nc) + xs[0].shape),
                            *[c for row in caches for c in row])
-    placement = jax.sharding.NamedSharding(sharding.mesh, _spec(sharding.batch, sharding.context))
+    layers = stacked.k_pages.ndim == 7
+    if layers:
+        stacked = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), stacked)
+    spec = _spec(*[()] * layers, sharding.batch, sharding.context)
+    placement = jax.sharding.NamedSharding(sharding.mesh, spec)
     return jax.tree.map(lambda x: jax.device_put(x, placement), stacked)
 
 
-def sharded_cache_from_history(k_hist, v_hist, lengths, sharding: Sharding,
-                               page_size: int = 16) -> PagedKVCache:
-    """A sharded cache of dense histories k_hist [U, S, Hkv, D], v_hist, lengths [U] (numpy or
-    concrete): users split over the batch shards, each history over the context shards."""
+@keyword_options("sharding", "page_size")
+def sharded_cache_from_history(k_hist, v_hist, lengths, *, sharding: Sharding,
+                               page_size: int = 16, num_pages: int | None = None,
+                               max_pages: int | None = None) -> PagedKVCache:
+    """A sharded cache of dense histories: users split over the batch shards, each history over
+    the context shards.
+
+    Args:
+      k_hist, v_hist, lengths: as :func:`rankattn.serving.cache_from_history` ([U, S, Hkv, D],
+        or [L, U, S, Hkv, D] for a stacked cache of L layers; lengths [U]). U must be a
+        multiple of the batch shards' count nb.
+      sharding: rankattn.Sharding(mesh, batch=..., context=...) (keyword-only).
+      page_size: P, tokens per page.
+      num_pages, max_pages: per shard. Every (batch shard, context shard) has its own cache
+        of U / nb users holding C tokens of each history (C = S / nc rounded up to whole
+        pages): ``num_pages`` physical pages (default (U / nb) * max_pages) of which one user
+        may own ``max_pages`` (default C / P, a whole C-token slice). A user whose slice on a
+        shard needs more than max_pages pages is RA210.
+
+    Returns:
+      PagedKVCache with arrays [nb, nc, ...] ([L, nb, nc, ...] stacked) placed on the mesh;
+      cache [i, j] equals cache_from_history of batch shard i's users and context shard j's
+      tokens.
+    """
+    _check_sharding(sharding)
+    lengths = jnp.asarray(check_history(k_hist, v_hist, lengths, "sharded_cache_from_history"))
+    if not _positive_int(page_size):
+        raise fail("RA212", f"page_size={page_size!r}; pass a positive Python int such as 16.")
     nb, nc = _shards(sharding)
-    users, length = k_hist.shape[:2]
+    users, length = k_hist.shape[-4:-2]
     if users % nb:
         raise fail("RA215", f"{users} users cannot be split over {nb} batch shards; pass a "
                             f"multiple of {nb} users (empty histories are fine).")
     chunk = -(-length // (nc * page_size)) * page_size  # tokens per context shard
-    pad = [(0, 0), (0, nc * chunk - length), (0, 0), (0, 0)]
+    pad = [(0, 0)] * (k_hist.ndim - 3) + [(0, nc * chunk - length), (0, 0), (0, 0)]
     k_hist, v_hist = jnp.pad(k_hist, pad), jnp.pad(v_hist, pad)
-    lengths = np.asarray(lengths)
     per = users // nb
-    caches = [[cache_from_history(k_hist[i * per:(i + 1) * per, j * chunk:(j + 1) * chunk],
-                                  v_hist[i * per:(i + 1) * per, j * chunk:(j + 1) * chunk],
-                                  np.clip(lengths[i * per:(i + 1) * per] - j * chunk, 0, chunk),
-                                  page_size)
+
+    def part(x, i, j):  # batch shard i's users, context shard j's tokens (of every layer)
+        return x[..., i * per:(i + 1) * per, j * chunk:(j + 1) * chunk, :, :]
+
+    caches = [[cache_from_history(part(k_hist, i, j), part(v_hist, i, j),
+                                  jnp.clip(lengths[i * per:(i + 1) * per] - j * chunk, 0, chunk),
+                                  page_size=page_size, num_pages=num_pages, max_pages=max_pages)
                for j in range(nc)] for i in range(nb)]
     return shard_cache(caches, sharding)
 
 
 def local_view(cache, sharding: Sharding) -> PagedKVCache:
     """One shard's cache, as shapes: what the single-device checks read."""
-    if not isinstance(sharding, Sharding):
-        raise fail("RA119", f"sharding must be a rankattn.Sharding; got {type(sharding).__name__}.")
-    if sharding.heads:
-        raise fail("RA215", f"serving shards users (batch=) and history (context=), not heads; "
-                            f"got heads={sharding.heads!r}. Drop heads=.")
+    _check_sharding(sharding)
     nb, nc = _shards(sharding)
-    if not isinstance(cache, PagedKVCache) or cache.k_pages.ndim != 6 or \
-            tuple(cache.k_pages.shape[:2]) != (nb, nc):
-        shape = getattr(getattr(cache, "k_pages", None), "shape", None)
+    shape = getattr(getattr(cache, "k_pages", None), "shape", None)
+    if not isinstance(cache, PagedKVCache) or shape is None or len(shape) != 6 \
+            or tuple(shape[:2]) != (nb, nc):
         raise fail("RA215", f"with sharding=, cache must be a sharded cache whose arrays lead "
                             f"with ({nb}, {nc}) = (batch, context) shards; got k_pages of shape "
                             f"{shape}. Build it with rankattn.serving.sharded_cache_from_history "
                             "or shard_cache.")
-    return PagedKVCache(*[jax.ShapeDtypeStruct(x.shape[2:], x.dtype) for x in cache])
+    return shapes(cache, 2)
 
 
 def local_users(users, batch: int, users_per_shard: int, sharding: Sharding):
@@ -120,9 +162,10 @@ def local_users(users, batch: int, users_per_shard: int, sharding: Sharding):
     return values  # malformed: the single-device checks name the problem
 
 
-def attend(plan, query, cache: PagedKVCache, users, sharding: Sharding, attend_partial,
+def attend(plan, query, cache: PagedKVCache, users, sharding: Sharding, layer, attend_partial,
            attend_exact):
-    """Sharded scoring; ``plan`` / ``query`` are the checked single-device arguments."""
+    """Sharded scoring: (out [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq]); ``plan`` / ``query``
+    are the checked single-device arguments, ``layer`` the layer of a stacked cache (or None)."""
     batch, context = sharding.batch, sharding.context
     rows, shards = _spec(batch), _spec(batch, context)
     k_self, v_self = query.self_kv
@@ -130,16 +173,21 @@ def attend(plan, query, cache: PagedKVCache, users, sharding: Sharding, attend_p
     def body(q, users, k_self, v_self, cache):
         cache = jax.tree.map(lambda x: x[0, 0], cache)
         if not context:
-            return attend_exact(plan, q, cache, users, k_self, v_self)
+            return attend_exact(plan, q, cache, users, k_self, v_self, None)
         out, lse = attend_partial(plan, q, cache, users, None, None)
         gathered = [jax.lax.all_gather(x, context) for x in (out, lse)]  # [nc, ...]
         parts = [(o, s) for o, s in zip(*gathered)]
         if k_self is not None:  # the self key: one more partial, on every shard alike
             is_self = -jnp.ones(q.shape[:2], jnp.int32)
             parts.append(own_key_partial(plan, q, k_self, v_self, is_self))
-        return merge_partials(parts)[0].astype(q.dtype)
+        out, lse = merge_partials(parts)
+        return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
 
     specs = (rows, rows, None if k_self is None else rows, None if v_self is None else rows,
              jax.tree.map(lambda _: shards, cache))
-    mapped = _shard_map(body, sharding.mesh, specs, rows)
-    return jax.jit(mapped)(query.q, users, k_self, v_self, cache)
+    mapped = _shard_map(body, sharding.mesh, specs, (rows, rows))
+
+    def run(q, users, k_self, v_self, cache, layer):  # a stack's layer, sliced on every device
+        return mapped(q, users, k_self, v_self, select_layer(cache, layer))
+
+    return jax.jit(run)(query.q, users, k_self, v_self, cache, layer)
