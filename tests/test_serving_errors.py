@@ -321,6 +321,8 @@ def test_sharded_attend_budget_across_context_shards(cache):
                                                   jnp.ones((2, 8, HKV, D)), jnp.array([8, 8]),
                                                   _sharding(batch="data"), 4),
      ["sharding=<Sharding>, page_size=<int>"]),
+    (lambda c: serving.shard_cache([[c]], _sharding(batch="data")),
+     ["shard_cache(caches, sharding=<Sharding>)"]),
 ])
 def test_options_passed_positionally_name_the_keyword(cache, call, fragments):
     """Regression: attend's self_kv, cache_from_history's page_size and

@@ -55,7 +55,8 @@ def _check_sharding(sharding) -> None:
                             f"got heads={sharding.heads!r}. Drop heads=.")
 
 
-def shard_cache(caches, sharding: Sharding) -> PagedKVCache:
+@keyword_options("sharding")
+def shard_cache(caches, *, sharding: Sharding) -> PagedKVCache:
     """Stack ``caches[i][j]`` (batch shard i, context shard j; equal shapes) into a sharded
     cache whose arrays are placed on ``sharding``'s mesh, [nb, nc, ...] over (batch, context).
     Stacked caches of L layers each give a stacked sharded cache, [L, nb, nc, ...] (the layer
@@ -120,7 +121,7 @@ def sharded_cache_from_history(k_hist, v_hist, lengths, *, sharding: Sharding,
                                   jnp.clip(lengths[i * per:(i + 1) * per] - j * chunk, 0, chunk),
                                   page_size=page_size, num_pages=num_pages, max_pages=max_pages)
                for j in range(nc)] for i in range(nb)]
-    return shard_cache(caches, sharding)
+    return shard_cache(caches, sharding=sharding)
 
 
 def local_view(cache, sharding: Sharding) -> PagedKVCache:
