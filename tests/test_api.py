@@ -183,3 +183,19 @@ def test_any_integer_dtype_of_segment_ids(dtype):
     want = attention_jit(q, k, v, segment_ids=seg.astype(np.int32), impl="reference")
     got = rankattn.attention(q, k, v, segment_ids=seg.astype(dtype), impl="reference")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_impl_list_falls_back_in_order():
+    """impl= takes a list, tried in order, as plan(impl=) does: pallas_triton declines
+    float64, so the next entry runs; a list of backends none of which can run names each
+    one's reason."""
+    from rankattn.backends import PallasTriton
+    with jax.enable_x64(True):
+        q, k, v, _ = (x.astype(np.float64) for x in random_qkv(9, B, S, HQ, HKV, D))
+        got = rankattn.attention(q, k, v, segment_ids=PACKED,
+                                 impl=[PallasTriton(interpret=True), "xla"])
+        want = rankattn.attention(q, k, v, segment_ids=PACKED, impl="xla")
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        with pytest.raises(rankattn.RankattnValueError, match="RA115") as err:
+            rankattn.attention(q, k, v, impl=[PallasTriton(interpret=True)])
+        assert "float64" in str(err.value)

@@ -43,9 +43,11 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
       impl: 'auto' (the first of rankattn.available_impls() that can run the
         call: 'pallas_triton' on a GPU, then 'cpu' (the fused C++ kernel, on CPU
         where it builds), then 'xla', then 'reference'), a backend
-        name, or a Backend instance such as
+        name, a Backend instance such as
         rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64)) or
-        rankattn.backends.PallasTriton(interpret=True).
+        rankattn.backends.PallasTriton(interpret=True), or a list of those,
+        tried in order (the first that can run the call runs it), as
+        rankattn.plan's impl= takes.
       sharding: a rankattn.Sharding(mesh, batch=, heads=, context=, strategy=)
         to run on a device mesh: B over the batch axes, Hq and Hkv over the
         head axes, S (and the segment ids) over the context axes, with the
