@@ -26,8 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import rankattn
-from rankattn import serving
+from rankattn import peers, serving
 from rankattn.serving.synthetic import planted_history
+
+try:  # the torch peer is optional: pip install '.[bench]' torch
+    import torch
+except ImportError:
+    torch = None
 
 COMMAND = ".venv/bin/python benchmarks/bench_serving.py  # from the repository root"
 OUT = Path(__file__).with_name("SERVING.md")
@@ -37,6 +42,12 @@ BUDGETS = (512, 1024, 2048, 4096)
 Q_HEADS, KV_HEADS, HEAD_DIM, USERS, CANDIDATES = 8, 2, 64, 4, 12
 # Exact-path workload: the Phoenix-like shape of `rankattn demo`.
 EXACT = dict(users=4, history=1022, q_heads=4, kv_heads=2, head_dim=128)
+# Exact path against torch SDPA: (users, history, candidates, q heads, kv heads, dtype); the
+# Phoenix request shape, its production heads, and DLRMv3's inference shape.
+PEER_SHAPES = ((4, 1022, 64, 4, 2, "float32"), (4, 1022, 256, 4, 2, "float32"),
+               (4, 1022, 64, 20, 4, "float32"), (4, 1022, 256, 20, 4, "float32"),
+               (1, 1024, 2048, 4, 2, "float32"),
+               (4, 1022, 64, 4, 2, "bfloat16"), (4, 1022, 256, 4, 2, "bfloat16"))
 
 
 class Timings:
@@ -108,6 +119,64 @@ def exact_path(candidates: tuple[int, ...], repeats: int, history: int) -> tuple
         rows.append([c, t.ms(("recompute", c)), t.ms(("cached", c)), f"{ratios[c]:.2f}x",
                      f"{diffs[c]:.1e}"])
     text = table(["candidates", "recompute attention (ms)", "cached attend (ms)", "speed-up",
+                  "max abs diff"], rows)
+    return text, ratios
+
+
+def peer_inputs(u, s, c, hq, hkv, dtype):
+    """(the shape, (cache, q, k_self, v_self) for serving.attend, torch SDPA as a zero-argument
+    function or None): full histories of s tokens, head dim EXACT['head_dim']. The torch call
+    is what a torch user writes for the same scores: SDPA of the candidate queries over the
+    concatenated [history; candidates] K/V with a [C, S + C] boolean mask (history visible,
+    each candidate's own key), K/V repeated per query head."""
+    rng = np.random.default_rng(1)
+    d, jdt = EXACT["head_dim"], jnp.dtype(dtype)
+    k, v = (rng.standard_normal((u, s, hkv, d), np.float32) for _ in range(2))
+    qc = rng.standard_normal((u, c, hq, d), np.float32)
+    kc, vc = (rng.standard_normal((u, c, hkv, d), np.float32) for _ in range(2))
+    cache = serving.cache_from_history(jnp.asarray(k, jdt), jnp.asarray(v, jdt),
+                                       jnp.full((u,), s), page_size=PAGE)
+    args = (cache, *(jnp.asarray(x, jdt) for x in (qc, kc, vc)))
+    if torch is None:
+        return (u, s, c, hq, hkv, dtype), args, None
+
+    def heads_first(x):  # [U, L, H, D] -> [U, Hq, L, D], kv heads repeated per group
+        x = torch.from_numpy(x).to(getattr(torch, dtype)).transpose(1, 2)
+        return x.repeat_interleave(hq // x.shape[1], dim=1)
+
+    q_t = heads_first(qc)
+    k_t, v_t = (torch.cat([heads_first(a), heads_first(b)], 2) for a, b in ((k, kc), (v, vc)))
+    mask = torch.cat([torch.ones(c, s, dtype=torch.bool), torch.eye(c, dtype=torch.bool)], 1)
+
+    def sdpa():
+        with torch.no_grad():
+            return torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask)
+
+    return (u, s, c, hq, hkv, dtype), args, sdpa
+
+
+def torch_peer(shapes, repeats: int) -> tuple[str, dict]:
+    """Exact cached scoring against torch SDPA (peer_inputs), interleaved with pauses
+    (rankattn.peers.interleaved_times: torch's threads spin after a call). Ratio = torch /
+    rankattn, the median of per-round ratios."""
+    rows, ratios = [], {}
+    for shape in shapes:
+        (u, s, c, hq, hkv, dtype), (cache, q, kc, vc), sdpa = peer_inputs(*shape)
+        attend = jax.jit(lambda cache, q, kc, vc: serving.attend(q, cache, jnp.arange(u),
+                                                                 self_kv=(kc, vc)))
+        got = np.asarray(attend(cache, q, kc, vc), np.float32)
+        diff = np.abs(got - sdpa().float().transpose(1, 2).numpy()).max()
+        t = peers.interleaved_times({"rankattn": partial(attend, cache, q, kc, vc),
+                                     "torch": sdpa}, repeats)
+        ms = {n: float(np.median(x)) * 1e3 for n, x in t.items()}
+        ratios[shape] = float(np.median(t["torch"] / t["rankattn"]))
+        visible = u * hq * c * (s + 1)  # (query, key) pairs the candidates see
+        rows.append([f"{u} x {s} x {c}", f"{hq}/{hkv}", dtype, ms["rankattn"], ms["torch"],
+                     f"{ratios[shape]:.2f}x", f"{u * c / ms['rankattn'] * 1e3:.3g}",
+                     f"{4 * visible * EXACT['head_dim'] / ms['rankattn'] / 1e6:.1f}",
+                     f"{diff:.1e}"])
+    text = table(["users x history x candidates", "heads", "dtype", "rankattn attend (ms)",
+                  "torch SDPA (ms)", "ratio", "candidates / s", "GFLOP/s (visible pairs)",
                   "max abs diff"], rows)
     return text, ratios
 
@@ -300,6 +369,11 @@ def main(argv=None) -> int:
     print("exact path ...", file=sys.stderr)
     sections["exact"], exact_ratio = exact_path(exact_cands, repeats, exact_hist)
     print(sections["exact"] + "\n", file=sys.stderr)
+    if torch is not None:
+        print("exact path vs torch SDPA ...", file=sys.stderr)
+        shapes = PEER_SHAPES[:1] if args.quick else PEER_SHAPES
+        sections["peer"], _ = torch_peer(shapes, repeats)
+        print(sections["peer"] + "\n", file=sys.stderr)
     print("group rules ...", file=sys.stderr)
     sections["rules"], rule_recall = group_rules(histories, budgets[:2], seeds=2, repeats=repeats)
     print(sections["rules"] + "\n", file=sys.stderr)
@@ -394,6 +468,19 @@ The last column is the largest difference between the two outputs.
 
 Recomputation does O((S + C)^2) work (less the empty blocks the core skips), the
 cached path O(C * S): the gap shrinks as candidates outnumber the history.
+
+## 1b. Exact path against torch SDPA
+
+What a torch user writes for the same scores: `scaled_dot_product_attention` of the
+candidate queries over the concatenated [history; candidates] K/V with a [C, S + C]
+boolean mask (every history key, and each candidate's own key), K/V repeated per
+query head; head dim {EXACT['head_dim']}, pages of {PAGE}, full histories. Ratio =
+torch time / rankattn time (median of per-round ratios; above 1 rankattn is faster).
+GFLOP/s counts the visible (query, key) pairs only (4 D flops each). The exact path
+gathers each user's pages into one contiguous history and runs rankattn's own
+attention kernel on it (the fused `cpu` kernel where it builds).
+
+{sections.get('peer', 'torch is not installed: no peer was measured.')}
 
 ## 2. Choosing the `group` rule
 

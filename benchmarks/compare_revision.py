@@ -35,18 +35,24 @@ EXTRAS = [
 ]
 
 
-def backend_at(rev: str, backend: str):
-    """The backend class of ``rankattn.backends.<backend>`` as it was at ``rev``."""
-    source = subprocess.run(["git", "show", f"{rev}:src/rankattn/backends/{backend}.py"],
-                            check=True, capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), f"{backend}_at_rev.py")
-    with open(path, "w") as f:
+def module_at(rev: str, path: str, name: str):
+    """The module at ``path`` (from the repository root) as it was at ``rev``, as ``name``."""
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True,
+                            text=True).stdout
+    file = os.path.join(tempfile.mkdtemp(), f"{name}.py")
+    with open(file, "w") as f:
         f.write(source)
-    name = f"{backend}_at_rev"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
+    return module
+
+
+def backend_at(rev: str, backend: str):
+    """The backend class of ``rankattn.backends.<backend>`` as it was at ``rev``."""
+    name = f"{backend}_at_rev"
+    module = module_at(rev, f"src/rankattn/backends/{backend}.py", name)
     from rankattn.backends.base import Backend
     return next(v for v in vars(module).values()
                 if isinstance(v, type) and issubclass(v, Backend) and v.__module__ == name)

@@ -134,7 +134,7 @@ def test_auto_prefers_the_fused_kernel_on_cpu():
     call = rankattn.validate.check_attention_args(q, q, q, segment_ids=None, bounds=None,
                                                   causal=False, scale=None, softcap=None,
                                                   softcap_method="tanh", plan=None)
-    assert api._select("auto", call).name == "cpu"
+    assert api.select_backend("auto", call).name == "cpu"
 
 
 def test_turned_off_falls_back_to_xla_and_says_why():

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import oracle
+from conftest import needs_cpu_kernel
 from tolerances import FEW_KEYS_TOL, assert_close_f32, assert_matches
 
 import rankattn
@@ -200,8 +201,15 @@ EXACT_CASES = [
 ]
 
 
+# How the exact path runs: 'auto' takes the page loop at these small requests (fewer than
+# scoring.CORE_KERNEL_MIN_ROWS rows per kv head); a named backend always takes the core
+# kernel: the fused cpu kernel, or xla, which runs where the cpu kernel does not build.
+EXACT_IMPLS = ["auto", "xla", pytest.param("cpu", marks=needs_cpu_kernel)]
+
+
+@pytest.mark.parametrize("impl", EXACT_IMPLS)
 @pytest.mark.parametrize("hq,hkv,d,dv,t,with_self,options", EXACT_CASES)
-def test_exact_path_equals_core_candidate_rows(hq, hkv, d, dv, t, with_self, options):
+def test_exact_path_equals_core_candidate_rows(hq, hkv, d, dv, t, with_self, options, impl):
     rng = np.random.default_rng(hq * 100 + d)
     u, s, p = 4, 45, 8
     k = rng.normal(size=(u, s, hkv, d)).astype(np.float32)
@@ -215,7 +223,7 @@ def test_exact_path_equals_core_candidate_rows(hq, hkv, d, dv, t, with_self, opt
     vs = rng.normal(size=(len(users), t, hkv, dv)).astype(np.float32)
     self_kv = (ks, vs) if with_self else None
     out = serving.attend(jnp.asarray(q), cache, jnp.asarray(users), self_kv=self_kv,
-                         **options)
+                         impl=impl, **options)
     assert out.shape == (len(users), t, hq, dv) and out.dtype == jnp.float32
     want = core_candidate_rows(q, k, v, users, lengths, self_kv, **options)
     assert_close_f32(out, want, "candidate rows")
@@ -249,7 +257,8 @@ def test_query_layouts_agree():
         np.testing.assert_array_equal(three.reshape(b, -1), two)
 
 
-def test_low_precision_cache_and_queries():
+@pytest.mark.parametrize("impl", EXACT_IMPLS)
+def test_low_precision_cache_and_queries(impl):
     """bf16 pages with f32 queries (and bf16 queries): math in f32, output in q's dtype."""
     rng = np.random.default_rng(11)
     k = rng.normal(size=(2, 40, 2, 16)).astype(np.float32)
@@ -262,9 +271,9 @@ def test_low_precision_cache_and_queries():
     rounded = [np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (k, v)]
     want = core_candidate_rows(q, *rounded, np.arange(2), np.asarray(lengths), None)
     users = jnp.arange(2)
-    out = serving.attend(jnp.asarray(q), cache16, users)
+    out = serving.attend(jnp.asarray(q), cache16, users, impl=impl)
     assert_close_f32(out, want, "bf16 cache")
-    out16 = serving.attend(jnp.asarray(q, jnp.bfloat16), cache16, users)
+    out16 = serving.attend(jnp.asarray(q, jnp.bfloat16), cache16, users, impl=impl)
     assert out16.dtype == jnp.bfloat16
     # bf16 queries, rounded once more: the bf16 rule of tests/tolerances.py against the
     # float64 oracle over each user's history.

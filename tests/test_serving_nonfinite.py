@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import rankattn
+from conftest import needs_cpu_kernel
 from helpers import assert_explained
 from tolerances import FEW_KEYS_TOL, assert_close_f32
 from rankattn import serving
@@ -44,11 +45,14 @@ def _core_candidates(k_hist, v_hist, q, k_self, v_self):
     return np.asarray(out)[0, length:]
 
 
-@pytest.mark.parametrize("budget", [None, 3 * P])  # 3 of user 0's 5 pages: Quest selects
+@pytest.mark.parametrize("budget, impl", [(None, "auto"), (None, "xla"), (3 * P, "auto"),
+                                          pytest.param(None, "cpu", marks=needs_cpu_kernel)])
 @pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_a_bad_history_value_stays_with_its_user(budget, value):
+def test_a_bad_history_value_stays_with_its_user(budget, impl, value):
     """User 0's page 0 holds a bad key; user 1's history is shorter, so its missing page-table
-    entries are read as physical page 0 too. User 1 must not notice."""
+    entries are read as physical page 0 too. User 1 must not notice. (budget 3 * P: 3 of user
+    0's 5 pages, Quest selects; "auto" runs the exact path's page loop at this size, a named
+    backend the core kernel.)"""
     k, v = _history(0, 2, 5 * P)
     lengths = np.array([5 * P, P + 1], np.int32)            # user 1: one full + one partial page
     q, k_self, v_self = _queries(1, 2, 3)
@@ -57,7 +61,8 @@ def test_a_bad_history_value_stays_with_its_user(budget, value):
     def run(k, v):
         cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(v), lengths, page_size=P)
         assert int(np.asarray(cache.page_table)[0, 0]) == 0, "user 0 should own page 0"
-        return np.asarray(serving.attend(q, cache, users, self_kv=(k_self, v_self), budget=budget))
+        return np.asarray(serving.attend(q, cache, users, self_kv=(k_self, v_self), budget=budget,
+                                         impl=impl))
 
     clean = run(k, v)
     k_bad = k.copy()
@@ -68,7 +73,8 @@ def test_a_bad_history_value_stays_with_its_user(budget, value):
     np.testing.assert_array_equal(got[0, :, HQ // HKV:], clean[0, :, HQ // HKV:])
 
 
-def test_a_released_pages_stale_values_are_never_read():
+@pytest.mark.parametrize("impl", ["auto", "xla", pytest.param("cpu", marks=needs_cpu_kernel)])
+def test_a_released_pages_stale_values_are_never_read(impl):
     """A page released by one user and reused by another keeps the old values in the slots
     the new owner has not filled; those (inf and NaN here) must not reach its scores."""
     k, v = _history(2, 1, 2 * P)
@@ -81,7 +87,8 @@ def test_a_released_pages_stale_values_are_never_read():
     k1, v1 = _history(3, 1, P + 1)
     cache = serving.append(cache, np.array([1]), k1, v1, np.array([P + 1]))  # reuses both pages
     q, k_self, v_self = _queries(4, 1, 2)
-    got = np.asarray(serving.attend(q, cache, np.array([1]), self_kv=(k_self, v_self)))
+    got = np.asarray(serving.attend(q, cache, np.array([1]), self_kv=(k_self, v_self),
+                                    impl=impl))
     want = _core_candidates(k1[0], v1[0], q[0], k_self[0], v_self[0])
     assert np.isfinite(got).all()
     assert_close_f32(got[0], want, "reused pages", tol=FEW_KEYS_TOL)

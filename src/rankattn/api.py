@@ -77,11 +77,12 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
                                 scale=scale, softcap=softcap, softcap_method=softcap_method,
                                 plan=plan)
     if sharding is None:
-        out, lse = _select(impl, call)(call)
+        out, lse = select_backend(impl, call)(call)
     else:
         distributed.check_sharding(call, sharding)
         strategy = distributed.choose_strategy(call, sharding) if sharding.context else None
-        backend = _select(impl, distributed.local_call(call, sharding, strategy), per_shard=True)
+        backend = select_backend(impl, distributed.local_call(call, sharding, strategy),
+                                 per_shard=True)
         out, lse = distributed.sharded_attention(backend, call, sharding, strategy)
     return (out, lse) if return_lse else out
 
@@ -167,7 +168,7 @@ def resolve_impls(impl, argument: str = "impl") -> list[Backend]:
                         f"{', '.join(map(repr, BACKENDS))}.")
 
 
-def _select(impl, call: AttentionCall, per_shard: bool = False) -> Backend:
+def select_backend(impl, call: AttentionCall, per_shard: bool = False) -> Backend:
     """The first backend of ``impl`` that can run ``call`` (one device's part of a sharded
     call when ``per_shard``: RA122 instead of RA115 when none can)."""
     reasons = []

@@ -8,7 +8,7 @@ import numpy as np
 
 import rankattn
 from rankattn import peers, semantics
-from rankattn.api import _select
+from rankattn.api import select_backend
 from rankattn.backends import BACKENDS
 from rankattn.validate import check_attention_args
 
@@ -37,7 +37,7 @@ def chosen_backend(q, k, v, segment_ids) -> str:
     """The backend impl='auto' picks for this call; on CPU, why the fused kernel was not it."""
     call = check_attention_args(q, k, v, segment_ids=segment_ids, bounds=None, causal=False,
                                 scale=None, softcap=None, softcap_method="tanh", plan=None)
-    chosen = _select("auto", call).name
+    chosen = select_backend("auto", call).name
     why = BACKENDS["cpu"].platform_reasons() or BACKENDS["cpu"].not_supported_reasons(call)
     if chosen != "cpu" and jax.default_backend() == "cpu" and why:
         return f"{chosen!r} ({'; '.join(why)})"

@@ -50,7 +50,8 @@ def routed_users(rows: int, batch_shards: int, seed=0):
                                          (dict(data=2, ctx=4), dict(batch="data", context="ctx")),
                                          (dict(ctx=8), dict(context="ctx"))],
                          ids=["data8", "data2-context4", "context8"])
-def test_exact_attend_matches_one_device(axes, roles):
+@pytest.mark.parametrize("impl", ["auto", "xla"])  # the page loop here; the core kernel
+def test_exact_attend_matches_one_device(axes, roles, impl):
     sharding = rankattn.Sharding(mesh(**axes), **roles)
     k, v, lengths, q, self_kv = data()
     users = routed_users(len(q), sharding.size(sharding.batch))
@@ -60,7 +61,7 @@ def test_exact_attend_matches_one_device(axes, roles):
     for self_term in (None, self_kv):
         want = serving.attend(q, one, users, self_kv=self_term, return_lse=True)
         got = serving.attend(q, cache, users, self_kv=self_term, sharding=sharding,
-                             return_lse=True)
+                             return_lse=True, impl=impl)
         for name, a, b in zip(("out", "lse"), got, want):  # lse: merged over context shards
             assert a.shape == b.shape and a.dtype == b.dtype
             assert_close_f32(np.asarray(a), np.asarray(b),

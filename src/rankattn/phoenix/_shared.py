@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from rankattn import distributed, semantics
-from rankattn.api import _select, attention
+from rankattn.api import attention, select_backend
 from rankattn.validate import check_attention_args
 
 
@@ -42,7 +42,7 @@ def attend(q, k, v, segment_ids, *, causal: bool, scale, softcap, softcap_method
     history_keys = jnp.where(segment_ids > 0, segment_ids, 0).astype(jnp.int32)
     history_call = dataclasses.replace(
         call, shard_mask=semantics.ShardMask(history_keys, positions, positions))
-    history = _select(impl, history_call)(history_call)
+    history = select_backend(impl, history_call)(history_call)
     return distributed.add_own_keys(call, history, call.q, call.k, call.v, segment_ids)
 
 

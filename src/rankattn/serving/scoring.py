@@ -29,14 +29,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rankattn import semantics
+from rankattn import distributed, semantics
+from rankattn.api import select_backend
 from rankattn.backends.base import compute_dtype
 from rankattn.errors import fail
 from rankattn.serving import sharded
 from rankattn.serving.cache import (PagedKVCache, _describe, _positive_int, check_cache,
                                     check_float, check_users, keyword_options, layer_view,
                                     select_layer)
-from rankattn.validate import check_logit_options, check_static_bool
+from rankattn.validate import AttentionCall, check_logit_options, check_static_bool
 
 GQA_MODES = ("per_head", "group", "mean")
 
@@ -97,7 +98,8 @@ DEFAULT_GROUP_RULE = "standardised"
 @keyword_options("self_kv")
 def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="group",
            sink_pages=1, recent_pages=1, scale=None, softcap=None, softcap_method="tanh",
-           group_rule=DEFAULT_GROUP_RULE, sharding=None, layer=None, return_lse=False):
+           group_rule=DEFAULT_GROUP_RULE, sharding=None, layer=None, return_lse=False,
+           impl="auto"):
     """Attention of queries to their users' cached history (+ optional self term).
 
     q, cache and users are positional; every option is keyword-only (a fourth
@@ -139,6 +141,17 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
         read: a Python int or an int32 scalar, traced or not (a fori_loop
         index). None for one layer's cache (what jax.lax.scan over a stacked
         cache hands its body).
+      impl: how the exact path (``budget=None``, or a budget covering every
+        page) runs. 'auto' (default): on rankattn's core kernel (the fused
+        'cpu' kernel where it builds, else 'xla') when a request has at least
+        CORE_KERNEL_MIN_ROWS query rows per kv head and histories of at most
+        CORE_KERNEL_MAX_HISTORY tokens, else a loop over the pages (measured
+        crossovers in scoring.py). A backend ('cpu', 'xla', 'reference', an
+        instance, or a list) always takes the core kernel, with that backend
+        (one that takes the keys' own segment ids, rankattn.semantics.ShardMask).
+        The core kernel first gathers each row's pages into one contiguous
+        history (a copy of K and V). Quest's path (a budget) runs its own
+        gather-attention loop.
       return_lse: also return the log-sum-exp of each query row and head.
 
     Returns:
@@ -156,7 +169,8 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
     ``rankattn.attention(concat([history, candidates]), segment_ids=[1]*S + [-1]*T)``.
     Math in float32 (float64 for float64 inputs). Traced users / cache values
     are fine under jit; budget, gqa, pages, scale and softcap are static.
-    Cost: exact, O(T * Hq * S * D) reading the whole history once per row;
+    Cost: exact, O(T * Hq * S * D) reading the whole history once per row
+    (plus one contiguous copy of it);
     with a budget, O(T * Hq * (S/P + budget) * D), gathering only the selected
     pages.
     """
@@ -174,6 +188,7 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
                                 sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
                                 softcap=softcap, softcap_method=softcap_method,
                                 group_rule=group_rule)
+    plan = dataclasses.replace(plan, impl=tuple(impl) if isinstance(impl, list) else impl)
     k_self, v_self = query.self_kv
     if sharding is not None:
         out, lse = sharded.attend(plan, query, cache, users, sharding, layer, _attend_partial,
@@ -237,6 +252,7 @@ class _Plan:
     scale: float
     softcap: float | None
     softcap_method: str
+    impl: object = "auto"    # the core backend of the exact path (rankattn.attention's impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,7 +415,7 @@ def _bounds(qs, cache: PagedKVCache, table, valid):
     return u, jnp.moveaxis(bad, 1, -1)[:, :, None, None]
 
 
-def _select(plan: _Plan, qf, cache: PagedKVCache, table, valid):
+def _select_pages(plan: _Plan, qf, cache: PagedKVCache, table, valid):
     """Logical pages [B, Hkv, T, G', n] (G' = G for per_head, else 1), best first."""
     qs = qf * plan.scale
     if plan.gqa == "mean":
@@ -421,7 +437,7 @@ def _select_public(plan: _Plan, q, cache: PagedKVCache, users, layer):
     cache = select_layer(cache, layer)
     table, _, valid = _user_pages(cache, users)
     qf = _head_major(q, cache.kv_heads)
-    pages = _select(plan, qf, cache, table, valid)
+    pages = _select_pages(plan, qf, cache, table, valid)
     pages = jnp.broadcast_to(pages, qf.shape[:-1] + pages.shape[-1:])
     real = jnp.take_along_axis(valid[:, None, None, None, :], pages, axis=-1)
     return _token_major(jnp.where(real, pages, -1))
@@ -451,16 +467,18 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     over the cached history (+ self term), as a partial result that
     rankattn.distributed.merge_partials can combine with others over disjoint keys (e.g.
     other context shards of the history)."""
+    exact = plan.pages is None or plan.pages >= cache.max_pages
+    if exact and (plan.impl != "auto" or _core_kernel_pays(q, cache)):
+        return _attend_exact(plan, q, cache, users, k_self, v_self)
     b, hkv = q.shape[0], cache.kv_heads
     qf = _head_major(q.astype(jnp.promote_types(q.dtype, cache.k_pages.dtype)), hkv)
     dtype = qf.dtype
     table, length, valid = _user_pages(cache, users)
-
-    if plan.pages is None or plan.pages >= cache.max_pages:
+    if exact:
         logical = jnp.broadcast_to(jnp.arange(cache.max_pages, dtype=jnp.int32),
                                    (b, 1, 1, 1, cache.max_pages))
     else:
-        logical = _select(plan, qf, cache, table, valid)
+        logical = _select_pages(plan, qf, cache, table, valid)
 
     rows = qf.shape[:-1]  # [B, Hkv, T, G]
     if k_self is None:
@@ -482,6 +500,64 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     out = acc / jnp.where(seen, l, 1)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
     return _token_major(out), jnp.swapaxes(_token_major(lse), 1, 2)
+
+
+# When the exact path runs on the core kernel (_attend_exact) instead of the page loop: its
+# contiguous copy of each history pays off with enough query rows per kv head to share it,
+# and while the copy stays small. Measured on the 2-core CI CPU with
+# benchmarks/compare_serving_revision.py fd4fb53 (the page loop's last revision; median of
+# per-round ratios, page loop / core kernel; 4 users, f32): 1022 history, 4/2 heads, D=128:
+# 4 candidates (8 rows) 0.76x, 8 (16 rows) 0.87x, 64 1.77x, 256 1.43x, 64 with 20/4 heads
+# 2.18x; 16K history, 12 candidates, 8/2 heads, D=64 (48 rows): 1.08x; 64K: 0.71x (the
+# copy, 256 MB, is memory-bound where the page loop's chunks stay in cache).
+CORE_KERNEL_MIN_ROWS = 32           # query rows per kv head: T * Hq / Hkv
+CORE_KERNEL_MAX_HISTORY = 16384     # tokens of max_pages * P
+
+
+def _core_kernel_pays(q, cache: PagedKVCache) -> bool:
+    rows = q.shape[1] * q.shape[2] // cache.kv_heads
+    return (rows >= CORE_KERNEL_MIN_ROWS
+            and cache.max_pages * cache.page_size <= CORE_KERNEL_MAX_HISTORY)
+
+
+def _attend_exact(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
+    """:func:`_attend_partial` without a budget, by rankattn's own attention kernels.
+
+    Each row's pages are gathered into one contiguous history [B, max_pages * P, Hkv, D]
+    (page-sized copies; slots past the user's length get segment id 0, so their blocks
+    are skipped and their values never read), and the row's queries attend to it as
+    candidates of that history: rankattn.semantics.ShardMask gives the keys their own
+    segment ids and every token a position, as context sharding does. The self term is
+    the candidates' own key, merged by log-sum-exp. The backend is ``plan.impl``
+    ('auto': the fused cpu kernel where it builds, else xla).
+    """
+    b, t = q.shape[:2]
+    dtype = jnp.promote_types(q.dtype, cache.k_pages.dtype)
+    table, length, _ = _user_pages(cache, users)
+    phys = jnp.maximum(table, 0)  # a missing page reads page 0: masked by the length
+
+    def history(pages):  # [N, Hkv, P, E] -> [B, M * P, Hkv, E]
+        x = jnp.swapaxes(pages[phys], 2, 3)
+        return x.reshape(b, -1, *x.shape[3:]).astype(dtype)
+
+    k, v = history(cache.k_pages), history(cache.v_pages)
+    s = k.shape[1]
+    key_pos = jnp.arange(s, dtype=jnp.int32)
+    candidates = jnp.full((b, t), -1, jnp.int32)
+    mask = semantics.ShardMask((key_pos[None] < length[:, None]).astype(jnp.int32),
+                               jnp.broadcast_to(s + jnp.arange(t, dtype=jnp.int32), (b, t)),
+                               jnp.broadcast_to(key_pos, (b, s)))
+    call = AttentionCall(q=q.astype(dtype), k=k, v=v, segment_ids=candidates, causal=False,
+                         scale=plan.scale, softcap=plan.softcap,
+                         softcap_method=plan.softcap_method, shard_mask=mask)
+    out, lse = select_backend(plan.impl, call)(call)
+    acc = jnp.promote_types(dtype, jnp.float32)
+    parts = [(out.astype(acc), lse.astype(acc))]
+    if k_self is None:
+        return parts[0]
+    parts.append(distributed.own_key_partial(plan, call.q, k_self.astype(dtype),
+                                             v_self.astype(dtype), candidates))
+    return distributed.merge_partials(parts)
 
 
 def _attend_pages(plan: _Plan, qf, cache: PagedKVCache, table, length, logical, state):
