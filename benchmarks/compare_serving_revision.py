@@ -3,12 +3,13 @@
     .venv/bin/python benchmarks/compare_serving_revision.py REV [--repeats 15]
 
 Loads ``src/rankattn/serving/scoring.py`` as it was at ``REV`` beside today's and times
-``attend(q, cache, users, self_kv=...)`` with both, round-robin in one process
+``attend(q, cache, users, self_kv=...)`` with both, and today's with the exact path forced
+onto the core kernel (``impl=["cpu", "xla"]``), round-robin in one process
 (rankattn.peers.interleaved_times), over full float32 histories in pages of 16 at the
 shapes below: few and many query rows per kv head, short and long histories, the two
 sides of scoring.CORE_KERNEL_MIN_ROWS / CORE_KERNEL_MAX_HISTORY. Prints medians and the
-median and quartiles of per-round ratios REV / working tree (> 1: the working tree is
-faster). Everything scoring.py imports is today's, so REV must be close enough.
+median and quartiles of per-round ratios REV / working tree and REV / core kernel (> 1:
+faster than REV). Everything scoring.py imports is today's, so REV must be close enough.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from rankattn import peers, serving  # noqa: E402
 
 # (users, history, candidates, q heads, kv heads, head dim)
 SHAPES = [(4, 1022, 4, 4, 2, 128), (4, 1022, 8, 4, 2, 128), (4, 1022, 64, 4, 2, 128),
-          (4, 1022, 256, 4, 2, 128), (4, 1022, 64, 20, 4, 128), (4, 16384, 12, 8, 2, 64),
+          (4, 1022, 256, 4, 2, 128), (4, 1022, 64, 20, 4, 128), (4, 4096, 64, 4, 2, 128),
+          (4, 4096, 12, 8, 2, 64), (4, 16384, 12, 8, 2, 64),
           (4, 65536, 12, 8, 2, 64)]
 
 
@@ -44,16 +46,19 @@ def main():
         q = jnp.asarray(rng.standard_normal((u, c, hq, d), np.float32))
         ks, vs = (jnp.asarray(rng.standard_normal((u, c, hkv, d), np.float32)) for _ in range(2))
         cache = serving.cache_from_history(k, v, jnp.full((u,), s), page_size=16)
-        fns = {name: partial(jax.jit(lambda cache, q, ks, vs, f=f: f(
-            q, cache, jnp.arange(u), self_kv=(ks, vs))), cache, q, ks, vs)
-            for name, f in (("rev", then.attend), ("now", serving.attend))}
+        variants = (("rev", then.attend, {}), ("now", serving.attend, {}),
+                    ("core", serving.attend, dict(impl=["cpu", "xla"])))
+        fns = {name: partial(jax.jit(lambda cache, q, ks, vs, f=f, kw=kw: f(
+            q, cache, jnp.arange(u), self_kv=(ks, vs), **kw)), cache, q, ks, vs)
+            for name, f, kw in variants}
         t = peers.interleaved_times(fns, args.repeats)
-        ratio = t["rev"] / t["now"]
-        print(f"{u} x {s} x {c}, {hq}/{hkv} heads, D={d}: {args.rev} "
-              f"{np.median(t['rev']) * 1e3:.1f} ms, working tree {np.median(t['now']) * 1e3:.1f} "
-              f"ms, {args.rev} / working tree {np.median(ratio):.2f} "
-              f"(quartiles {np.quantile(ratio, 0.25):.2f}-{np.quantile(ratio, 0.75):.2f})",
-              flush=True)
+        line = f"{u} x {s} x {c}, {hq}/{hkv} heads, D={d}: {args.rev} {np.median(t['rev']) * 1e3:.1f} ms"
+        for name in ("now", "core"):
+            ratio = t["rev"] / t[name]
+            line += (f"; {name} {np.median(t[name]) * 1e3:.1f} ms, {args.rev} / {name} "
+                     f"{np.median(ratio):.2f} ({np.quantile(ratio, 0.25):.2f}-"
+                     f"{np.quantile(ratio, 0.75):.2f})")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -507,11 +507,12 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
 # and while the copy stays small. Measured on the 2-core CI CPU with
 # benchmarks/compare_serving_revision.py fd4fb53 (the page loop's last revision; median of
 # per-round ratios, page loop / core kernel; 4 users, f32): 1022 history, 4/2 heads, D=128:
-# 4 candidates (8 rows) 0.76x, 8 (16 rows) 0.87x, 64 1.77x, 256 1.43x, 64 with 20/4 heads
-# 2.18x; 16K history, 12 candidates, 8/2 heads, D=64 (48 rows): 1.08x; 64K: 0.71x (the
-# copy, 256 MB, is memory-bound where the page loop's chunks stay in cache).
+# 4 candidates (8 rows per kv head) 0.73x, 8 (16 rows) 0.71x, 64 1.60x, 256 1.33x, 64 with
+# 20/4 heads 1.77x; 4096 history: 64 candidates 1.15x, 12 with 8/2 heads, D=64 (48 rows)
+# 1.29x; 16K history, 12 candidates: 0.87x; 64K: 0.74x (the copy, 256 MB, is memory-bound
+# where the page loop's chunks stay in cache).
 CORE_KERNEL_MIN_ROWS = 32           # query rows per kv head: T * Hq / Hkv
-CORE_KERNEL_MAX_HISTORY = 16384     # tokens of max_pages * P
+CORE_KERNEL_MAX_HISTORY = 4096      # tokens of max_pages * P
 
 
 def _core_kernel_pays(q, cache: PagedKVCache) -> bool:
