@@ -322,23 +322,29 @@ def test_budget_covering_the_history_is_dense(gqa):
     assert np.abs(np.asarray(out[0] - exact[0])).max() > 1e-3
 
 
+@pytest.mark.parametrize("selection", serving.SELECTIONS)
 @pytest.mark.parametrize("gqa", serving.GQA_MODES)
 @pytest.mark.parametrize("budget", [40, 24])
-def test_selected_pages_are_what_attend_reads(gqa, budget):
+def test_selected_pages_are_what_attend_reads(gqa, budget, selection):
     """attend(budget) == exact attention restricted to the pages select_pages reports. 24
     tokens buy exactly the 1 sink + 2 recent pages: StreamingLLM's window, which RA208 once
-    refused."""
+    refused. Per request, the rows of a request (and for 'group' / 'mean' the query heads of a
+    kv head) read one page set."""
     cache, k, v = random_cache(4)
     rng = np.random.default_rng(5)
     q = rng.normal(size=(3, 2, 4, 8)).astype(np.float32)
     users = np.array([0, 1, 0])
     lengths = np.asarray(cache.lengths)
     p = cache.page_size
-    pages = np.asarray(serving.select_pages(jnp.asarray(q), cache, jnp.asarray(users),
-                                            budget=budget, gqa=gqa, sink_pages=1, recent_pages=2))
-    out = np.asarray(serving.attend(jnp.asarray(q), cache, jnp.asarray(users), budget=budget,
-                                    gqa=gqa, sink_pages=1, recent_pages=2))
+    options = dict(budget=budget, gqa=gqa, selection=selection, sink_pages=1, recent_pages=2)
+    pages = np.asarray(serving.select_pages(jnp.asarray(q), cache, jnp.asarray(users), **options))
+    out = np.asarray(serving.attend(jnp.asarray(q), cache, jnp.asarray(users), **options))
     assert pages.shape == (3, 2, 4, budget // p)
+    if selection == "per_request":
+        heads = pages.reshape(3, 2, 2, 2, -1)  # [B, T, Hkv, G, n]
+        assert (pages == pages[:, :1]).all(), "a request's rows hold different pages"
+        if gqa != "per_head":
+            assert (heads == heads[:, :, :, :1]).all(), "a kv head's query heads differ"
     for b, u in enumerate(users):
         npages = -(-lengths[u] // p)
         for t in range(2):
@@ -369,6 +375,20 @@ def test_quest_keeps_candidates_isolated(gqa):
         alone = serving.attend(q[:, t], cache, users, self_kv=(ks[:, t], ks[:, t]), budget=32,
                                gqa=gqa)
         assert_close_f32(together[:, t], alone, f"candidate {t}")
+
+
+@pytest.mark.parametrize("gqa", serving.GQA_MODES)
+def test_per_request_selection_of_one_candidate_is_per_query(gqa):
+    """With one query row per request there is nothing to share: the same pages either way
+    (the standardised merge of one row keeps its order)."""
+    cache, _, _ = random_cache(8)
+    q, _ = random_request(9)
+    users = jnp.array([0, 1, 0])
+    for t in range(2):
+        pages = {s: np.sort(np.asarray(serving.select_pages(q[:, t], cache, users, budget=40,
+                                                            gqa=gqa, selection=s)), -1)
+                 for s in serving.SELECTIONS}
+        np.testing.assert_array_equal(pages["per_query"], pages["per_request"])
 
 
 @given(seed=st.integers(0, 2**31 - 1), page_size=st.sampled_from([1, 4, 16]),
@@ -488,6 +508,21 @@ def planted(request):
                                        jnp.full((2,), 8192), page_size=QUEST_P)
     bounds = np.asarray(serving.page_bounds(jnp.asarray(w.q), cache, jnp.arange(2)))
     return w, cache, bounds
+
+
+def test_per_request_selection_keeps_every_planted_item(planted):
+    """Shared by a request, one page set per kv head is scored by the max over its 12 x 4 rows
+    of each row's standardised bound. Each planted page is the best page of its own row by
+    ~12 noise standard deviations, so it outscores every noise page of every row, and the 12
+    planted pages fit the 30 scored pages: every item is kept (and per_head too)."""
+    w, cache, _ = planted
+    for gqa in ("group", "per_head"):
+        pages = np.asarray(serving.select_pages(jnp.asarray(w.q), cache, jnp.arange(2),
+                                                budget=QUEST_BUDGET, gqa=gqa,
+                                                selection="per_request"))
+        assert (pages == pages[:, :1]).all()
+        hits = w.page_hits(pages, QUEST_P)
+        assert hits.all(), f"{gqa}: missed {np.argwhere(~hits).tolist()}"
 
 
 def _planted_rank(w, bounds):

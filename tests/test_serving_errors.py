@@ -168,9 +168,11 @@ def test_select_pages_needs_a_budget(cache):
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(budget=64, gqa="heads"), "gqa='heads'"),
     (dict(budget=64, group_rule="avg"), "group_rule='avg'"),
+    (dict(budget=64, selection="per_user"), "selection='per_user'"),
 ])
 def test_bad_gqa_mode(cache, kwargs, fragment):
-    with raises("RA209", fragment, "'per_head'" if "gqa" in kwargs else "'standardised'"):
+    listed = {"gqa": "'per_head'", "group_rule": "'standardised'", "selection": "'per_request'"}
+    with raises("RA209", fragment, *[v for k, v in listed.items() if k in kwargs]):
         serving.attend(q4(), cache, USERS, **kwargs)
 
 
@@ -270,6 +272,7 @@ def test_non_float_cache_dtype():
     (dict(recent_pages=jnp.array(1)), "RA208"),
     (dict(gqa=np.array(["group"])), "RA209"),
     (dict(group_rule=jnp.array([0])), "RA209"),
+    (dict(selection=np.array(["per_request"])), "RA209"),
     (dict(scale=1 + 2j), "RA113"),
 ])
 def test_array_or_complex_options_are_rankattn_errors(cache, kwargs, code):

@@ -620,15 +620,27 @@ struct Destination {
 template <typename D, typename E>
 void gather(const typename D::T* x, int64_t seq, int64_t heads, int64_t width, int64_t b,
             int64_t h, int64_t t0, int64_t n, const Destination<E>& to, int32_t* bad) {
-  std::vector<E> scratch(to.rows ? 0 : n * width);
-  E* rows = to.rows ? to.rows + to.first * to.ld_rows : scratch.data();
-  const int64_t ld = to.rows ? to.ld_rows : width;
+  // The rows go straight to the destination's rows, or in float32 to its panel (the same
+  // layout); else to a per-thread scratch that the other layouts are copied from. (A fresh
+  // scratch per call, allocated and zeroed, and a panel copied from it, measured a fifth of
+  // a 64-query forward over 1024 keys.)
+  const bool rows_in_panel = !to.rows && to.panel && kRowsArePanel<E>;
+  thread_local std::vector<E> scratch;
+  E* rows;
+  int64_t ld;
+  if (to.rows || rows_in_panel) {
+    ld = to.rows ? to.ld_rows : to.ld_panel;
+    rows = (to.rows ? to.rows : to.panel) + to.first * ld;
+  } else {
+    scratch.resize(n * width);
+    rows = scratch.data(), ld = width;
+  }
   for (int64_t t = 0; t < n; ++t) {
     const bool is_bad = finite_row<D, E>(x + ((b * seq + t0 + t) * heads + h) * width, width,
                                          rows + t * ld);
     if (bad && is_bad) bad[t] = -1;
   }
-  if (to.panel) {
+  if (to.panel && !rows_in_panel) {
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t d = 0; d < width; ++d) {
         to.panel[panel_index<E>(to.first + t, d, to.ld_panel)] = rows[t * ld + d];
@@ -733,11 +745,25 @@ struct KeyPanels {
                        i[3 * np] != 0};
   }
 
+  // Whether `len` of a padded extent `padded` leaves nothing a dot reads unwritten: no padding,
+  // and whole contraction steps (kDepth) and row tiles (kRows).
+  static bool fills(int64_t len, int64_t padded) {
+    return len == padded && len % kDepth<E> == 0 && len % kRows<E> == 0;
+  }
+
   template <typename D>
   void pack(int64_t block, const typename D::T* k, const typename D::T* v) const {
     const int64_t b = block / (p.kv_heads * p.n_k), hk = block / p.n_k % p.kv_heads;
     const int64_t np = p.np(), dp = p.dp(), dvp = p.dvp();
-    store.clear(block);
+    // The dots read zeros past a block's tokens and dims; a block its tokens fill has no such
+    // padding, and clearing it anyway (before every element is written) measured 5% of a
+    // 64-query forward. The flags are always cleared: `bad` is only set where a token is bad.
+    const int64_t nk = std::min(p.block_k, p.kv_len - block % p.n_k * p.block_k);
+    if (fills(nk, p.nc()) && fills(p.dim, p.dc()) && fills(p.dim_v, p.dvc())) {
+      std::memset(store.i(block), 0, (3 * np + 1) * sizeof(int32_t));
+    } else {
+      store.clear(block);
+    }
     const KeyPanel<E> key = at(block);
     Destination<E> k_to, v_to;
     if (backward) {

@@ -13,7 +13,8 @@ O((S + C)^2), and scores are batch-invariant by construction.
   ``layer=i`` for one layer of it.
 * :func:`attend`: queries [B, T, Hq, D] (or [B, Hq, D], [B, Hq*D]) against their
   users' cached history plus an optional self term; exact, or with a token
-  ``budget`` using Quest's page bounds (``gqa='per_head' | 'group' | 'mean'``);
+  ``budget`` using Quest's page bounds (``gqa='per_head' | 'group' | 'mean'``,
+  pages selected per candidate or shared by a request: ``selection=``);
   ``return_lse=True`` adds each row's log-sum-exp.
 * :func:`select_pages`, :func:`page_bounds`: the selection and the bounds
   behind it, for inspection.
@@ -25,13 +26,13 @@ Errors are RA2xx in docs/errors.md; the guide is docs/serving.md.
 """
 
 from rankattn.serving import _errors  # noqa: F401  (registers RA2xx)
-from rankattn.serving.scoring import (DEFAULT_GROUP_RULE, GQA_MODES, GROUP_RULES, attend,
-                                     page_bounds, select_pages)
+from rankattn.serving.scoring import (DEFAULT_GROUP_RULE, GQA_MODES, GROUP_RULES, SELECTIONS,
+                                     attend, page_bounds, select_pages)
 from rankattn.serving.cache import (AppendStatus, PagedKVCache, append, cache_from_history,
                                     empty_cache, release, stack_caches)
 from rankattn.serving.sharded import shard_cache, sharded_cache_from_history
 
-__all__ = ["AppendStatus", "DEFAULT_GROUP_RULE", "GQA_MODES", "GROUP_RULES", "PagedKVCache",
+__all__ = ["AppendStatus", "DEFAULT_GROUP_RULE", "GQA_MODES", "GROUP_RULES", "PagedKVCache", "SELECTIONS",
            "append", "attend",
            "cache_from_history", "empty_cache", "page_bounds", "release", "select_pages",
            "shard_cache", "sharded_cache_from_history", "stack_caches"]

@@ -40,6 +40,7 @@ from rankattn.serving.cache import (PagedKVCache, _describe, _positive_int, chec
 from rankattn.validate import AttentionCall, check_logit_options, check_static_bool
 
 GQA_MODES = ("per_head", "group", "mean")
+SELECTIONS = ("per_query", "per_request")
 
 # Elements per gathered K/V chunk and per chunk of logits in the page loop:
 # large enough that the loop has few steps, small enough to stay in cache.
@@ -97,9 +98,9 @@ DEFAULT_GROUP_RULE = "standardised"
 
 @keyword_options("self_kv")
 def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="group",
-           sink_pages=1, recent_pages=1, scale=None, softcap=None, softcap_method="tanh",
-           group_rule=DEFAULT_GROUP_RULE, sharding=None, layer=None, return_lse=False,
-           impl="auto"):
+           selection="per_query", sink_pages=1, recent_pages=1, scale=None, softcap=None,
+           softcap_method="tanh", group_rule=DEFAULT_GROUP_RULE, sharding=None, layer=None,
+           return_lse=False, impl="auto"):
     """Attention of queries to their users' cached history (+ optional self term).
 
     q, cache and users are positional; every option is keyword-only (a fourth
@@ -123,6 +124,16 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
         'group' (one page set per kv head, scored by ``group_rule``; the
         default) or 'mean' (the group's mean query is scored, SGLang's rule,
         whose score no longer bounds each head's logit).
+      selection: who shares a page set under a budget. 'per_query' (default):
+        each query row (candidate) selects its own pages, so candidates stay
+        isolated in the selection too. 'per_request': the T query rows of a
+        batch row share one page set (per kv head, or per query head with
+        gqa='per_head'), merged from their page scores by ``group_rule`` (the
+        max over the rows of each row's standardised bound, by default). The
+        history's selected pages are then gathered once per request instead of
+        once per candidate (measured faster at many candidates per request, see
+        benchmarks/SERVING.md), but a candidate's pages, and so its score,
+        depend on the other candidates of its request.
       sink_pages, recent_pages: the first / last pages of each history that
         every query keeps (they count against the budget).
       scale: logit scale (default 1 / sqrt(D)); softcap, softcap_method: as
@@ -185,7 +196,7 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
         users = sharded.local_users(users, np.shape(q)[0] if np.ndim(q) else 0, view.num_users,
                                     sharding)
     query, users, plan = _check("attend", q, view, users, self_kv, budget=budget, gqa=gqa,
-                                sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
+                                selection=selection, sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
                                 softcap=softcap, softcap_method=softcap_method,
                                 group_rule=group_rule)
     plan = dataclasses.replace(plan, impl=tuple(impl) if isinstance(impl, list) else impl)
@@ -199,21 +210,23 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
     return (out, query.restore_lse(lse)) if return_lse else out
 
 
-def select_pages(q, cache: PagedKVCache, users, *, budget, gqa="group", sink_pages=1,
-                 recent_pages=1, scale=None, group_rule=DEFAULT_GROUP_RULE, layer=None):
+def select_pages(q, cache: PagedKVCache, users, *, budget, gqa="group", selection="per_query",
+                 sink_pages=1, recent_pages=1, scale=None, group_rule=DEFAULT_GROUP_RULE,
+                 layer=None):
     """The history pages each query head attends to under ``attend(..., budget=budget)``.
 
     Arguments as :func:`attend` (budget required; ``layer`` for a stacked cache).
     Returns int32 [B, T, Hq, n] (or [B, Hq, n] for 3-D / 2-D queries), n =
     min(budget // P, max_pages): logical page numbers (page j holds tokens
     [j*P, (j+1)*P) of the user's history), -1 where the user has fewer pages
-    than n. Order is by score, the kept sink/recent pages first.
+    than n. Order is by score, the kept sink/recent pages first. With
+    selection='per_request' the rows of a request hold the same pages.
     """
     if budget is None:
         raise fail("RA208", "select_pages needs budget=<tokens>; budget=None means no selection.")
     view, layer = layer_view(cache, layer, "select_pages")
     query, users, plan = _check("select_pages", q, view, users, None, budget=budget, gqa=gqa,
-                                sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
+                                selection=selection, sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
                                 softcap=None, softcap_method="tanh", group_rule=group_rule)
     pages = _select_public(plan, query.q, cache, users, layer)
     return pages if query.has_t else pages[:, 0]
@@ -230,7 +243,7 @@ def page_bounds(q, cache: PagedKVCache, users, *, scale=None, layer=None):
     """
     view, layer = layer_view(cache, layer, "page_bounds")
     query, users, plan = _check("page_bounds", q, view, users, None, budget=None,
-                                gqa="per_head", sink_pages=0, recent_pages=0, scale=scale,
+                                gqa="per_head", selection="per_query", sink_pages=0, recent_pages=0, scale=scale,
                                 softcap=None, softcap_method="tanh",
                                 group_rule=DEFAULT_GROUP_RULE)
     bounds = _bounds_public(plan, query.q, cache, users, layer)
@@ -246,6 +259,7 @@ class _Plan:
 
     pages: int | None        # pages per query (budget // P), None = exact
     gqa: str
+    selection: str
     group_rule: str
     sink_pages: int
     recent_pages: int
@@ -274,8 +288,8 @@ class _Query:
         return lse if self.has_t else lse[:, 0]
 
 
-def _check(where, q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_pages, scale,
-           softcap, softcap_method, group_rule) -> tuple[_Query, jax.Array, _Plan]:
+def _check(where, q, cache, users, self_kv, *, budget, gqa, selection, sink_pages,
+           recent_pages, scale, softcap, softcap_method, group_rule) -> tuple[_Query, jax.Array, _Plan]:
     check_cache(cache)
     users = check_users(users, cache, where)
     hkv, d, dv = cache.kv_heads, cache.head_dim, cache.v_head_dim
@@ -338,10 +352,13 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, sink_pages, recent_p
         pages = budget // p
     if not isinstance(gqa, str) or gqa not in GQA_MODES:
         raise fail("RA209", f"gqa={gqa!r}; use one of {', '.join(map(repr, GQA_MODES))}.")
+    if not isinstance(selection, str) or selection not in SELECTIONS:
+        raise fail("RA209", f"selection={selection!r}; use one of "
+                            f"{', '.join(map(repr, SELECTIONS))}.")
     if not isinstance(group_rule, str) or group_rule not in GROUP_RULES:
         raise fail("RA209", f"group_rule={group_rule!r}; use one of "
                             f"{', '.join(map(repr, GROUP_RULES))}.")
-    plan = _Plan(pages=pages, gqa=gqa, group_rule=group_rule, sink_pages=int(sink_pages),
+    plan = _Plan(pages=pages, gqa=gqa, selection=selection, group_rule=group_rule, sink_pages=int(sink_pages),
                  recent_pages=int(recent_pages), scale=scale, softcap=softcap,
                  softcap_method=softcap_method)
     return _Query(q4, self4, has_t=len(shape) == 4, flat=len(shape) == 2), users, plan
@@ -416,14 +433,22 @@ def _bounds(qs, cache: PagedKVCache, table, valid):
 
 
 def _select_pages(plan: _Plan, qf, cache: PagedKVCache, table, valid):
-    """Logical pages [B, Hkv, T, G', n] (G' = G for per_head, else 1), best first."""
+    """Logical pages [B, Hkv, T', G', n], best first: G' = G for per_head, else 1; T' = T
+    per query, 1 per request."""
     qs = qf * plan.scale
     if plan.gqa == "mean":
         qs = qs.mean(3, keepdims=True)
     u, bad = _bounds(qs, cache, table, valid)
     valid5 = valid[:, None, None, None, :]
-    if plan.gqa == "group":
-        u = jnp.where(valid5, GROUP_RULES[plan.group_rule](u, valid5), -jnp.inf)
+
+    def merge(u):  # the rule's merge over axis 3, -inf off-history
+        return jnp.where(valid5, GROUP_RULES[plan.group_rule](u, valid5), -jnp.inf)
+
+    per_request = plan.selection == "per_request"
+    if plan.gqa == "group":  # over G, or over (T, G) at once per request
+        u = merge(u.reshape(*u.shape[:2], 1, -1, u.shape[-1]) if per_request else u)
+    elif per_request:  # over T, per query head (G' = 1 for mean)
+        u = jnp.swapaxes(merge(jnp.swapaxes(u, 2, 3)), 2, 3)
     u = jnp.where(bad, jnp.inf, u)
     j = jnp.arange(cache.max_pages)
     npages = valid.sum(-1, keepdims=True)
