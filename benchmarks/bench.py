@@ -303,9 +303,9 @@ def gemm_rates(repeats: int) -> dict[str, float]:
     return {name: 2 * 2048 ** 3 / t for name, t in times.items()}
 
 
-def matmul_rate(rates: dict[str, float]) -> float:
-    """The machine's float32 matmul rate: the faster of XLA's and torch's."""
-    return max(r for name, r in rates.items() if name.endswith("float32"))
+def matmul_rate(rates: dict[str, float], dtype: str = "float32") -> float:
+    """The machine's matmul rate for ``dtype`` inputs: the faster of XLA's and torch's."""
+    return max(r for name, r in rates.items() if name.endswith(dtype))
 
 
 def peak_rss_gib(name: str) -> float:

@@ -201,9 +201,9 @@ EXACT_CASES = [
 ]
 
 
-# How the exact path runs: 'auto' takes the page loop at these small requests (fewer than
-# scoring.CORE_KERNEL_MIN_ROWS rows per kv head); a named backend always takes the core
-# kernel: the fused cpu kernel, or xla, which runs where the cpu kernel does not build.
+# How the pages are attended: 'auto' and 'cpu' take the fused cpu kernel, which reads the
+# pages in place (where it builds; 'auto' falls back to xla); 'xla' gets each row's pages
+# gathered into one contiguous history, the fallback everywhere else.
 EXACT_IMPLS = ["auto", "xla", pytest.param("cpu", marks=needs_cpu_kernel)]
 
 
@@ -322,10 +322,11 @@ def test_budget_covering_the_history_is_dense(gqa):
     assert np.abs(np.asarray(out[0] - exact[0])).max() > 1e-3
 
 
+@pytest.mark.parametrize("impl", ["auto", "xla"])
 @pytest.mark.parametrize("selection", serving.SELECTIONS)
 @pytest.mark.parametrize("gqa", serving.GQA_MODES)
 @pytest.mark.parametrize("budget", [40, 24])
-def test_selected_pages_are_what_attend_reads(gqa, budget, selection):
+def test_selected_pages_are_what_attend_reads(gqa, budget, selection, impl):
     """attend(budget) == exact attention restricted to the pages select_pages reports. 24
     tokens buy exactly the 1 sink + 2 recent pages: StreamingLLM's window, which RA208 once
     refused. Per request, the rows of a request (and for 'group' / 'mean' the query heads of a
@@ -338,7 +339,8 @@ def test_selected_pages_are_what_attend_reads(gqa, budget, selection):
     p = cache.page_size
     options = dict(budget=budget, gqa=gqa, selection=selection, sink_pages=1, recent_pages=2)
     pages = np.asarray(serving.select_pages(jnp.asarray(q), cache, jnp.asarray(users), **options))
-    out = np.asarray(serving.attend(jnp.asarray(q), cache, jnp.asarray(users), **options))
+    out = np.asarray(serving.attend(jnp.asarray(q), cache, jnp.asarray(users), impl=impl,
+                                    **options))
     assert pages.shape == (3, 2, 4, budget // p)
     if selection == "per_request":
         heads = pages.reshape(3, 2, 2, 2, -1)  # [B, T, Hkv, G, n]
@@ -389,6 +391,32 @@ def test_per_request_selection_of_one_candidate_is_per_query(gqa):
                                                             gqa=gqa, selection=s)), -1)
                  for s in serving.SELECTIONS}
         np.testing.assert_array_equal(pages["per_query"], pages["per_request"])
+
+
+@needs_cpu_kernel
+@given(seed=st.integers(0, 2**31 - 1), pages=st.integers(1, 300), rows=st.integers(1, 13),
+       d=st.sampled_from([1, 8, 33, 64]), hkv=st.sampled_from([1, 3]),
+       bad_pages=st.integers(0, 3))
+def test_cpu_kernel_bounds_equal_xlas(seed, pages, rows, d, hkv, bad_pages):
+    """The cpu kernel's page bounds (128 pages a task, [q+ | q-] against the pages' [max; min])
+    against XLA's two products: ragged last blocks, rows past the register tile, missing
+    pages, and pages with non-finite stats (+inf from page_bounds, as XLA reports them)."""
+    rng = np.random.default_rng(seed)
+    p, users = 2, 2
+    s = pages * p
+    k = rng.normal(size=(users, s, hkv, d)).astype(np.float32)
+    for _ in range(bad_pages):
+        k[rng.integers(users), rng.integers(s), rng.integers(hkv), rng.integers(d)] = np.inf
+    lengths = np.array([s, int(rng.integers(0, s + 1))])
+    cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(k), jnp.asarray(lengths),
+                                       page_size=p)
+    q = jnp.asarray(rng.normal(size=(3, rows, 2 * hkv, d)), jnp.float32)
+    who = jnp.array([1, 0, 1])
+    got, want = (np.asarray(serving.page_bounds(q, cache, who, impl=impl))
+                 for impl in ("cpu", "xla"))
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.where(finite, 0, got), np.where(finite, 0, want))
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5 * np.sqrt(d))
 
 
 @given(seed=st.integers(0, 2**31 - 1), page_size=st.sampled_from([1, 4, 16]),

@@ -46,13 +46,14 @@ def _core_candidates(k_hist, v_hist, q, k_self, v_self):
 
 
 @pytest.mark.parametrize("budget, impl", [(None, "auto"), (None, "xla"), (3 * P, "auto"),
+                                          (3 * P, "xla"),
                                           pytest.param(None, "cpu", marks=needs_cpu_kernel)])
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_a_bad_history_value_stays_with_its_user(budget, impl, value):
     """User 0's page 0 holds a bad key; user 1's history is shorter, so its missing page-table
     entries are read as physical page 0 too. User 1 must not notice. (budget 3 * P: 3 of user
-    0's 5 pages, Quest selects; "auto" runs the exact path's page loop at this size, a named
-    backend the core kernel.)"""
+    0's 5 pages, Quest selects; "auto" and "cpu" run the cpu kernel, which reads the pages in
+    place, "xla" gathers them first.)"""
     k, v = _history(0, 2, 5 * P)
     lengths = np.array([5 * P, P + 1], np.int32)            # user 1: one full + one partial page
     q, k_self, v_self = _queries(1, 2, 3)

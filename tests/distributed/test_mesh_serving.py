@@ -50,7 +50,7 @@ def routed_users(rows: int, batch_shards: int, seed=0):
                                          (dict(data=2, ctx=4), dict(batch="data", context="ctx")),
                                          (dict(ctx=8), dict(context="ctx"))],
                          ids=["data8", "data2-context4", "context8"])
-@pytest.mark.parametrize("impl", ["auto", "xla"])  # the page loop here; the core kernel
+@pytest.mark.parametrize("impl", ["auto", "xla"])  # the cpu kernel (pages in place); gathered
 def test_exact_attend_matches_one_device(axes, roles, impl):
     sharding = rankattn.Sharding(mesh(**axes), **roles)
     k, v, lengths, q, self_kv = data()

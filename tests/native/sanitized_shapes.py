@@ -93,6 +93,27 @@ for x, y in zip(got, want):
     assert float(jnp.nanmax(jnp.abs(x - y))) < 1e-4
 print("ok shard")
 
+# Serving: paged keys read in place, ragged and empty histories, a self key, and a page table
+# whose entries point outside the pages (clamped; the mask hides those slots).
+from rankattn import serving  # noqa: E402
+from rankattn.backends.cpu import paged_forward  # noqa: E402
+q, k, v, _ = inputs(3, 10, 10, 4, 2, 33, 33, jnp.float32)
+cache = serving.cache_from_history(k, v, jnp.array([10, 4, 0]), page_size=3)
+self_kv = (k[:, :2], v[:, :2])
+for budget in (None, 6):
+    got, want = (serving.attend(q[:, :2], cache, jnp.array([0, 1, 2]), self_kv=self_kv,
+                                budget=budget, selection="per_request", impl=impl)
+                 for impl in (Cpu(BlockSizes(2, 5)), "reference"))
+    assert float(jnp.abs(got - want).max()) < 1e-4, budget
+table = jnp.array([[0, 10**6, -5, 3]], jnp.int32)
+seen = jnp.ones((1, 12), jnp.int32)
+mask = semantics.ShardMask(seen, jnp.array([[12]], jnp.int32), jnp.arange(12)[None])
+out, lse = paged_forward(q[:1, :1], cache.k_pages, cache.v_pages, table,
+                         (k[:1, :1], v[:1, :1]), -jnp.ones((1, 1), jnp.int32), shard_mask=mask,
+                         scale=0.2, softcap=None, softcap_method="tanh")
+assert bool(jnp.isfinite(out).all() & jnp.isfinite(lse).all())
+print("ok paged")
+
 # Malformed plans: block indices and counts outside the grid must never be followed, and
 # repeated entries (query block 0, listed many times) must stay inside the kept dS.
 b, s = 2, 21

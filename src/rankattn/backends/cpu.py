@@ -35,7 +35,8 @@ from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
 LIBRARY = "cpu_attention"
-SYMBOLS = ("RankattnCpuForward", "RankattnCpuBackward")
+SYMBOLS = ("RankattnCpuForward", "RankattnCpuPagedForward", "RankattnCpuBackward",
+           "RankattnCpuPageBounds")
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DEFAULT_BLOCK_SIZES = BlockSizes(64, 128)
 
@@ -54,7 +55,7 @@ class _Static:
     softcap: float | None
     soft_sign: bool
     causal: bool
-    own: bool  # add each candidate's own key (a whole sequence, not one context shard)
+    own: bool  # add each candidate's own key (a whole sequence, or serving's self keys)
     sizes: BlockSizes
 
     def attributes(self) -> dict:
@@ -74,8 +75,57 @@ def fused_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     call is one shard of a longer sequence (history part only, see
     :class:`rankattn.semantics.ShardMask`).
     """
-    b, sq = q.shape[:2]
-    skv = k.shape[1]
+    static, mask, block_plan = _prepare(q.shape, k.shape[1], segment_ids, causal, scale, softcap,
+                                        softcap_method, block_sizes, block_plan, shard_mask,
+                                        own=segment_ids is not None and shard_mask is None)
+    return _fused(static, q, k, v, mask, block_plan)
+
+
+def paged_forward(q, k_pages, v_pages, page_table, self_kv, segment_ids, *, shard_mask, scale: float,
+                  softcap: float | None, softcap_method: str,
+                  block_sizes: BlockSizes | None = None):
+    """Serving's exact scoring on the ``cpu`` kernel, reading the cache's pages in place.
+
+    q [B, T, Hq, D]; k_pages / v_pages [N, Hkv, P, D / Dv] (q's dtype); page_table int32
+    [B, M]: row b's keys are its M pages in order (S = M * P tokens; entries outside [0, N)
+    read a clamped page, so mask them). ``segment_ids`` [B, T] and ``shard_mask`` (keys
+    [B, S]) as :func:`fused_attention`'s; ``self_kv``: None, or (k_self, v_self) [B, T,
+    Hkv, D / Dv], each query's own key, seen by the candidates (segment id < 0).
+    Returns (out [B, T, Hq, Dv], lse [B, Hq, T] float32). Forward only (no VJP: the
+    caller's custom VJP differentiates an equivalent contiguous call).
+    """
+    b, t = q.shape[:2]
+    s = page_table.shape[1] * k_pages.shape[2]
+    static, mask, block_plan = _prepare(q.shape, s, segment_ids, False, scale, softcap,
+                                        softcap_method, block_sizes, None, shard_mask,
+                                        own=self_kv is not None)
+    k_self, v_self = self_kv or (jnp.zeros((1, 1, 1, 1), q.dtype),) * 2
+    shapes = (jax.ShapeDtypeStruct((b, t, q.shape[2], v_pages.shape[-1]), q.dtype),
+              jax.ShapeDtypeStruct((b, q.shape[2], t), jnp.float32))
+    call = jax.ffi.ffi_call("rankattn_cpu_paged_forward", shapes, vmap_method="sequential")
+    return call(q, k_pages, v_pages, page_table.astype(jnp.int32), k_self, v_self, *mask,
+                block_plan.kv_index, block_plan.full_count, block_plan.count,
+                **static.attributes())
+
+
+def page_bounds(q, k_max, k_min, page_table, npages):
+    """Quest's page bounds on the kernel: float32 q [B, Hkv, R, D] (already scaled), page stats
+    k_max / k_min [N, Hkv, D] (float32), page_table int32 [B, M], npages int32 [B]. Returns
+    (bounds [B, Hkv, R, M] float32: max(q, 0) . M_j + min(q, 0) . m_j of page j, -inf for
+    j >= npages; bad [B, Hkv, M] int32: 1 where a real page's stats are not all finite, those
+    stats counted as 0 in its bound)."""
+    b, h, r, _ = q.shape
+    m = page_table.shape[1]
+    shapes = (jax.ShapeDtypeStruct((b, h, r, m), jnp.float32),
+              jax.ShapeDtypeStruct((b, h, m), jnp.int32))
+    call = jax.ffi.ffi_call("rankattn_cpu_page_bounds", shapes, vmap_method="sequential")
+    return call(q, k_max, k_min, page_table.astype(jnp.int32), npages.astype(jnp.int32))
+
+
+def _prepare(q_shape, skv: int, segment_ids, causal: bool, scale: float, softcap, softcap_method,
+             block_sizes, block_plan, shard_mask, *, own: bool):
+    """(the kernel's attributes, its mask arrays (seg_q, seg_k, pos_q, pos_k), block plan)."""
+    b, sq = q_shape[:2]
     sizes = plan_sizes(block_sizes, sq, skv)
     seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, sizes, causal,
                                                  block_plan, shard_mask)
@@ -85,10 +135,8 @@ def fused_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     else:
         pos_q = jnp.asarray(shard_mask.q_positions, jnp.int32)
         pos_k = jnp.asarray(shard_mask.kv_positions, jnp.int32)
-    static = _Static(float(scale), softcap, softcap_method == "soft_sign", causal,
-                     segment_ids is not None and shard_mask is None, sizes)
-    mask = (seg_q[:, :sq], seg_k[:, :skv], pos_q, pos_k)
-    return _fused(static, q, k, v, mask, block_plan)
+    static = _Static(float(scale), softcap, softcap_method == "soft_sign", causal, own, sizes)
+    return static, (seg_q[:, :sq], seg_k[:, :skv], pos_q, pos_k), block_plan
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -493,8 +493,28 @@ struct Problem {
   const int32_t *seg_q, *seg_k, *pos_q, *pos_k;
   const int32_t *kv_index, *full_count, *count;     // [B, nQ, nK], [B, nQ], [B, nQ]
   const int32_t *q_index, *q_full_count, *q_count;  // [B, nK, nQ], [B, nK], [B, nK]
+  // Paged keys (serving's cache): key t of batch row b is slot t % page_size of page
+  // page_table[b][t / page_size] of k, v [N, Hkv, page_size, D]. page_size 0: k, v are
+  // [B, S, Hkv, D].
+  const int32_t* page_table = nullptr;
+  int64_t page_size = 0, num_pages = 0;
+  // The own key of query i from own_k / own_v [B, Sq, Hkv, D] (serving's candidates, whose
+  // keys are not in k / v), instead of key i of k / v. Null: from k / v.
+  const void *own_k = nullptr, *own_v = nullptr;
 
   int64_t group() const { return q_heads / kv_heads; }
+  // Element offsets of token t of head h in q-like [B, Sq, H, width] and in k / v. A page
+  // table entry outside [0, N) reads page 0 or N - 1: never out of bounds, and the mask
+  // (the caller's segment ids) decides whether the token is seen.
+  int64_t q_offset(int64_t b, int64_t h, int64_t t, int64_t width) const {
+    return ((b * q_len + t) * q_heads + h) * width;
+  }
+  int64_t kv_offset(int64_t b, int64_t h, int64_t t, int64_t width) const {
+    if (page_size == 0) return ((b * kv_len + t) * kv_heads + h) * width;
+    const int64_t entry = page_table[b * (kv_len / page_size) + t / page_size];
+    const int64_t page = std::clamp<int64_t>(entry, 0, num_pages - 1);
+    return ((page * kv_heads + h) * page_size + t % page_size) * width;
+  }
   // Columns the dots compute (multiples of the register tile) of q / k rows, v / out rows,
   // the keys of a block and the query rows of a block; and the row strides of buffers that
   // hold them. A stride one vector longer keeps rows off the same L1 sets: with 128 columns
@@ -599,6 +619,38 @@ bool finite_row(const typename D::T* src, int64_t width, E* dst) {
   return any != 0;
 }
 
+// dst[d * ld_dst + i] = src[i * ld_src + d] for i < n, d < width: 8 x 8 blocks transposed in
+// registers (three rounds of interleaving rows i and i + 4 turn rows into columns), the edges
+// element by element. (An element-by-element loop measured 44% of packing a key block.)
+typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
+
+void transpose(const float* src, int64_t ld_src, int64_t n, int64_t width, float* dst,
+               int64_t ld_dst) {
+  int64_t i0 = 0;
+  for (; i0 + 8 <= n; i0 += 8) {
+    int64_t d0 = 0;
+    for (; d0 + 8 <= width; d0 += 8) {
+      v8f r[8];
+      for (int j = 0; j < 8; ++j) std::memcpy(&r[j], src + (i0 + j) * ld_src + d0, sizeof(v8f));
+      for (int round = 0; round < 3; ++round) {
+        v8f t[8];
+        for (int j = 0; j < 4; ++j) {
+          t[2 * j] = __builtin_shufflevector(r[j], r[j + 4], 0, 8, 1, 9, 2, 10, 3, 11);
+          t[2 * j + 1] = __builtin_shufflevector(r[j], r[j + 4], 4, 12, 5, 13, 6, 14, 7, 15);
+        }
+        std::copy(t, t + 8, r);
+      }
+      for (int j = 0; j < 8; ++j) std::memcpy(dst + (d0 + j) * ld_dst + i0, &r[j], sizeof(v8f));
+    }
+    for (; d0 < width; ++d0) {
+      for (int64_t i = i0; i < i0 + 8; ++i) dst[d0 * ld_dst + i] = src[i * ld_src + d0];
+    }
+  }
+  for (; i0 < n; ++i0) {
+    for (int64_t d = 0; d < width; ++d) dst[d * ld_dst + i0] = src[i0 * ld_src + d];
+  }
+}
+
 // Where gather puts tokens X[n][width] of one head, token t at row `first` + t (null: not
 // wanted): the rows of X (contracted over d) and of X^T (over tokens), and the panels of X
 // (over tokens) and of X^T (over d).
@@ -615,11 +667,10 @@ struct Destination {
   int64_t first = 0;
 };
 
-// Tokens t0 .. t0 + n of head h of x [B, S, H, width], non-finite entries 0, into `to`;
+// n tokens of `width` elements, token t at row(t), non-finite entries 0, into `to`;
 // per-token non-finite flags OR-ed into `bad` (when given).
-template <typename D, typename E>
-void gather(const typename D::T* x, int64_t seq, int64_t heads, int64_t width, int64_t b,
-            int64_t h, int64_t t0, int64_t n, const Destination<E>& to, int32_t* bad) {
+template <typename D, typename E, typename Row>
+void gather(Row row, int64_t width, int64_t n, const Destination<E>& to, int32_t* bad) {
   // The rows go straight to the destination's rows, or in float32 to its panel (the same
   // layout); else to a per-thread scratch that the other layouts are copied from. (A fresh
   // scratch per call, allocated and zeroed, and a panel copied from it, measured a fifth of
@@ -636,8 +687,7 @@ void gather(const typename D::T* x, int64_t seq, int64_t heads, int64_t width, i
     rows = scratch.data(), ld = width;
   }
   for (int64_t t = 0; t < n; ++t) {
-    const bool is_bad = finite_row<D, E>(x + ((b * seq + t0 + t) * heads + h) * width, width,
-                                         rows + t * ld);
+    const bool is_bad = finite_row<D, E>(row(t), width, rows + t * ld);
     if (bad && is_bad) bad[t] = -1;
   }
   if (to.panel && !rows_in_panel) {
@@ -650,6 +700,12 @@ void gather(const typename D::T* x, int64_t seq, int64_t heads, int64_t width, i
   // The transposed layouts 16 tokens at a time: their rows stay in L1, and the writes along
   // tokens are contiguous (writes along d, one cache line each, measured 13% of a short call).
   if (!to.rows_t && !to.panel_t) return;
+  if constexpr (kRowsArePanel<E>) {  // float32: both are X^T [width][tokens]
+    for (auto [x, ld_t] : {std::pair{to.rows_t, to.ld_rows_t}, {to.panel_t, to.ld_panel_t}}) {
+      if (x) transpose(rows, ld, n, width, x + to.first, ld_t);
+    }
+    return;
+  }
   for (int64_t start = 0; start < n; start += 16) {
     const int64_t end = std::min(n, start + 16);
     for (int64_t d = 0; d < width; ++d) {
@@ -720,26 +776,45 @@ struct KeyPanel {
   bool any_bad;
 };
 
+thread_local Workspace task_key_memory;
+
+// Every key block's panels, packed once per call by their own tasks; or, `per_task`, each block
+// packed by the one task that reads it just before it reads it, into that thread's one-block
+// buffer (what a call whose key blocks have one query block each wants, e.g. serving's
+// candidates: packing all blocks first writes them out of cache and reads them back, which
+// measured a third of such a call).
 template <typename E>
 struct KeyPanels {
   const Problem& p;
-  bool backward;
+  bool backward, per_task;
   int64_t kt_size, vs_size, ks_size;
   Panels<E> store;
-  KeyPanels(const Problem& p, bool backward)
-      : p(p), backward(backward), kt_size(p.dc() * p.np()),
+  KeyPanels(const Problem& p, bool backward, bool per_task)
+      : p(p), backward(backward), per_task(per_task), kt_size(p.dc() * p.np()),
         vs_size(panel_size<E>(p.np(), p.dvp())), ks_size(backward ? p.np() * p.dp() : 0),
-        store(key_memory, p.batch * p.kv_heads * p.n_k, kt_size + vs_size + ks_size, 0,
-              3 * p.np() + 1) {}
+        store(key_memory, per_task ? 0 : p.batch * p.kv_heads * p.n_k, elements(), 0, ints()) {}
+
+  int64_t elements() const { return kt_size + vs_size + ks_size; }
+  int64_t ints() const { return 3 * p.np() + 1; }
 
   KeyPanel<E> get(int64_t b, int64_t hk, int64_t kb) const {
-    return at((b * p.kv_heads + hk) * p.n_k + kb);
+    return at(store, (b * p.kv_heads + hk) * p.n_k + kb, kb);
   }
 
-  KeyPanel<E> at(int64_t block) const {
-    E* kt = store.e(block);
-    int32_t* i = store.i(block);
-    const int64_t np = p.np(), k0 = block % p.n_k * p.block_k;
+  // Block kb of (b, kv head) for the task that reads it: packed now when per_task.
+  template <typename D>
+  KeyPanel<E> for_task(int64_t b, int64_t hk, int64_t kb, const typename D::T* k,
+                       const typename D::T* v) const {
+    if (!per_task) return get(b, hk, kb);
+    const Panels<E> mine(task_key_memory, 1, elements(), 0, ints());
+    return pack<D>(mine, 0, (b * p.kv_heads + hk) * p.n_k + kb, k, v);
+  }
+
+  // The panels in slot `slot` of `in`, holding key block kb of its row.
+  KeyPanel<E> at(const Panels<E>& in, int64_t slot, int64_t kb) const {
+    E* kt = in.e(slot);
+    int32_t* i = in.i(slot);
+    const int64_t np = p.np(), k0 = kb * p.block_k;
     return KeyPanel<E>{kt, kt + kt_size, backward ? kt + kt_size + vs_size : nullptr,
                        i, i + np, i + 2 * np, k0, std::min(p.block_k, p.kv_len - k0),
                        i[3 * np] != 0};
@@ -751,20 +826,22 @@ struct KeyPanels {
     return len == padded && len % kDepth<E> == 0 && len % kRows<E> == 0;
   }
 
+  // Packs key block `block` ((b, kv head, kb) in row-major order) into slot `slot` of `into`.
   template <typename D>
-  void pack(int64_t block, const typename D::T* k, const typename D::T* v) const {
+  KeyPanel<E> pack(const Panels<E>& into, int64_t slot, int64_t block, const typename D::T* k,
+                   const typename D::T* v) const {
     const int64_t b = block / (p.kv_heads * p.n_k), hk = block / p.n_k % p.kv_heads;
-    const int64_t np = p.np(), dp = p.dp(), dvp = p.dvp();
+    const int64_t kb = block % p.n_k, np = p.np(), dp = p.dp(), dvp = p.dvp();
     // The dots read zeros past a block's tokens and dims; a block its tokens fill has no such
     // padding, and clearing it anyway (before every element is written) measured 5% of a
     // 64-query forward. The flags are always cleared: `bad` is only set where a token is bad.
-    const int64_t nk = std::min(p.block_k, p.kv_len - block % p.n_k * p.block_k);
+    const int64_t nk = std::min(p.block_k, p.kv_len - kb * p.block_k);
     if (fills(nk, p.nc()) && fills(p.dim, p.dc()) && fills(p.dim_v, p.dvc())) {
-      std::memset(store.i(block), 0, (3 * np + 1) * sizeof(int32_t));
+      std::memset(into.i(slot), 0, ints() * sizeof(int32_t));
     } else {
-      store.clear(block);
+      into.clear(slot);
     }
-    const KeyPanel<E> key = at(block);
+    KeyPanel<E> key = at(into, slot, kb);
     Destination<E> k_to, v_to;
     if (backward) {
       k_to.rows = key.ks, k_to.ld_rows = dp, k_to.rows_t = key.kt, k_to.ld_rows_t = np;
@@ -773,11 +850,21 @@ struct KeyPanels {
       k_to.panel_t = key.kt, k_to.ld_panel_t = np;
       v_to.panel = key.vs, v_to.ld_panel = dvp;
     }
-    gather<D, E>(k, p.kv_len, p.kv_heads, p.dim, b, hk, key.k0, key.nk, k_to, key.bad);
-    gather<D, E>(v, p.kv_len, p.kv_heads, p.dim_v, b, hk, key.k0, key.nk, v_to, key.bad);
+    gather<D, E>([&](int64_t t) { return k + p.kv_offset(b, hk, key.k0 + t, p.dim); }, p.dim,
+                 key.nk, k_to, key.bad);
+    gather<D, E>([&](int64_t t) { return v + p.kv_offset(b, hk, key.k0 + t, p.dim_v); },
+                 p.dim_v, key.nk, v_to, key.bad);
     std::copy_n(p.seg_k + b * p.kv_len + key.k0, key.nk, key.seg);
     std::copy_n(p.pos_k + b * p.kv_len + key.k0, key.nk, key.pos);
-    store.i(block)[3 * np] = std::any_of(key.bad, key.bad + key.nk, [](int32_t x) { return x != 0; });
+    key.any_bad = std::any_of(key.bad, key.bad + key.nk, [](int32_t x) { return x != 0; });
+    into.i(slot)[3 * np] = key.any_bad;
+    return key;
+  }
+
+  // Packs block `block` into the call's store (not per_task).
+  template <typename D>
+  void pack_stored(int64_t block, const typename D::T* k, const typename D::T* v) const {
+    pack<D>(store, block, block, k, v);
   }
 };
 
@@ -847,7 +934,8 @@ struct Forward {
     l.assign(m, 0.0f);
     poisoned.assign(m, 0);
     for (int64_t g = 0; g < g_len; ++g) {
-      gather<D, E>(q, p.q_len, p.q_heads, p.dim, b, hk * g_len + g, q0, nq,
+      const int64_t h = hk * g_len + g;
+      gather<D, E>([&](int64_t t) { return q + p.q_offset(b, h, q0 + t, p.dim); }, p.dim, nq,
                    {qs.data() + g * nq * dp, dp}, poisoned.data() + g * nq);
     }
     const int32_t* seg_q = p.seg_q + b * p.q_len + q0;
@@ -861,7 +949,7 @@ struct Forward {
     for (int64_t e = 0; e < list.count; ++e) {
       const int32_t kb = list.index[e];
       if (kb < 0 || kb >= p.n_k) continue;
-      const KeyPanel<E> key = keys.get(b, hk, kb);
+      const KeyPanel<E> key = keys.template for_task<D>(b, hk, kb, k, v);
       const bool masked = e >= list.full;
       gemm<false>(m, nc, p.dim, qs.data(), dp, key.kt, np, s.data(), np);
       for (int64_t r = 0; r < m; ++r) {
@@ -913,10 +1001,13 @@ struct Forward {
       bool own_bad = false;
       if (own) {
         const int64_t i = q0 + t;
-        own_bad = finite_row<D, float>(k + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim,
-                                       p.dim, own_k.data());
-        own_bad |= finite_row<D, float>(v + ((b * p.kv_len + i) * p.kv_heads + hk) * p.dim_v,
-                                        p.dim_v, own_v.data());
+        const int64_t own_row = (b * p.q_len + i) * p.kv_heads + hk;  // in own_k / own_v
+        const T* ko = p.own_k ? static_cast<const T*>(p.own_k) + own_row * p.dim
+                              : k + p.kv_offset(b, hk, i, p.dim);
+        const T* vo = p.own_v ? static_cast<const T*>(p.own_v) + own_row * p.dim_v
+                              : v + p.kv_offset(b, hk, i, p.dim_v);
+        own_bad = finite_row<D, float>(ko, p.dim, own_k.data());
+        own_bad |= finite_row<D, float>(vo, p.dim_v, own_v.data());
       }
       for (int64_t g = 0; g < g_len; ++g) {
         const int64_t r = g * nq + t, h = hk * g_len + g;
@@ -1005,8 +1096,10 @@ struct QueryPanels {
       q_to.panel = qp.qs, q_to.ld_panel = p.dp(), q_to.panel_t = qp.qt, q_to.ld_panel_t = mp;
       d_to.panel = qp.dos, d_to.ld_panel = p.dvp(), d_to.panel_t = qp.dot, d_to.ld_panel_t = mp;
       q_to.first = d_to.first = r0;
-      gather<D, E>(q, p.q_len, p.q_heads, p.dim, b, h, qp.q0, nq, q_to, nullptr);
-      gather<D, E>(d_out, p.q_len, p.q_heads, p.dim_v, b, h, qp.q0, nq, d_to, nullptr);
+      gather<D, E>([&](int64_t t) { return q + p.q_offset(b, h, qp.q0 + t, p.dim); }, p.dim, nq,
+                   q_to, nullptr);
+      gather<D, E>([&](int64_t t) { return d_out + p.q_offset(b, h, qp.q0 + t, p.dim_v); },
+                   p.dim_v, nq, d_to, nullptr);
       for (int64_t t = 0; t < nq; ++t) {
         const int64_t row = (b * p.q_len + qp.q0 + t) * p.q_heads + h, r = r0 + t;
         qp.shift[r] = lse[row] == -kInf ? kInf : lse[row];  // sees nothing: every p is 0
@@ -1259,9 +1352,10 @@ bool dims_are(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want
 }
 
 // The problem of a call, after checking every shape against q, k, v and the block sizes, so
-// the tasks can index without further checks.
+// the tasks can index without further checks. With a page table [B, M], k and v are pages
+// [N, Hkv, P, D] and the keys of row b are its M pages in table order (S = M * P).
 ffi::Error describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                    const I32& seg_q, const I32& seg_k, const I32& pos_q, const I32& pos_k,
+                    const I32* page_table, const I32& seg_q, const I32& seg_k, const I32& pos_q, const I32& pos_k,
                     const I32& kv_index, const I32& full_count, const I32& count, float scale,
                     float softcap, bool soft_sign, bool causal, bool own, int64_t block_q,
                     int64_t block_k, Problem* p) {
@@ -1271,16 +1365,32 @@ ffi::Error describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi:
     return e;
   *p = Problem{};
   p->batch = qd[0], p->q_len = qd[1], p->q_heads = qd[2], p->dim = qd[3];
-  p->kv_len = kd[1], p->kv_heads = kd[2], p->dim_v = vd[3];
+  p->dim_v = vd[3];
   p->block_q = block_q, p->block_k = block_k;
   p->scale = scale, p->softcap = softcap, p->soft_sign = soft_sign, p->causal = causal;
   p->own = own;
-  bool ok = p->batch >= 1 && p->q_len >= 1 && p->kv_len >= 1 && p->kv_heads >= 1 &&
-            p->q_heads % p->kv_heads == 0 && p->dim >= 1 && p->dim_v >= 1 &&
-            dims_are(kd, {p->batch, p->kv_len, p->kv_heads, p->dim}) &&
-            dims_are(vd, {p->batch, p->kv_len, p->kv_heads, p->dim_v}) && block_q >= 1 &&
-            block_k >= 1 && q.element_type() == k.element_type() &&
-            q.element_type() == v.element_type() && (!own || p->q_len == p->kv_len);
+  bool ok;
+  if (page_table) {
+    auto td = page_table->dimensions();
+    ok = td.size() == 2 && td[0] == p->batch && td[1] >= 1 && kd[0] >= 1 && kd[2] >= 1;
+    if (auto e = check(ok, "the page table must be [B, M] and the pages [N, Hkv, P, D]");
+        e.failure())
+      return e;
+    p->page_table = page_table->typed_data();
+    p->num_pages = kd[0], p->kv_heads = kd[1], p->page_size = kd[2];
+    p->kv_len = td[1] * p->page_size;
+    ok = dims_are(kd, {p->num_pages, p->kv_heads, p->page_size, p->dim}) &&
+         dims_are(vd, {p->num_pages, p->kv_heads, p->page_size, p->dim_v});
+  } else {  // an own key in k / v is key i of query i: one sequence for both
+    p->kv_len = kd[1], p->kv_heads = kd[2];
+    ok = dims_are(kd, {p->batch, p->kv_len, p->kv_heads, p->dim}) &&
+         dims_are(vd, {p->batch, p->kv_len, p->kv_heads, p->dim_v}) &&
+         (!own || p->q_len == p->kv_len);
+  }
+  ok = ok && p->batch >= 1 && p->q_len >= 1 && p->kv_len >= 1 && p->kv_heads >= 1 &&
+       p->q_heads % p->kv_heads == 0 && p->dim >= 1 && p->dim_v >= 1 && block_q >= 1 &&
+       block_k >= 1 && q.element_type() == k.element_type() &&
+       q.element_type() == v.element_type();
   if (auto e = check(ok, "inconsistent q, k, v shapes, block sizes or own-key flag"); e.failure())
     return e;
   p->n_q = (p->q_len + block_q - 1) / block_q;
@@ -1318,16 +1428,11 @@ ffi::Error by_dtype(ffi::DataType dtype, Fn fn) {
   }
 }
 
-ffi::Error forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   I32 seg_q, I32 seg_k, I32 pos_q, I32 pos_k, I32 kv_index, I32 full_count,
-                   I32 count, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                   float scale, float softcap, bool soft_sign, bool causal, bool own,
-                   int64_t block_q, int64_t block_k) {
-  Problem p;
-  if (auto e = describe(q, k, v, seg_q, seg_k, pos_q, pos_k, kv_index, full_count, count, scale,
-                        softcap, soft_sign, causal, own, block_q, block_k, &p);
-      e.failure())
-    return e;
+// The forward of a described problem p (contiguous or paged keys).
+ffi::Error run_forward(ffi::ThreadPool& pool, const Problem& p, const ffi::AnyBuffer& q,
+                       const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                       ffi::Result<ffi::AnyBuffer>& out,
+                       ffi::Result<ffi::Buffer<ffi::F32>>& lse) {
   bool ok = out->element_type() == q.element_type() &&
             dims_are(out->dimensions(), {p.batch, p.q_len, p.q_heads, p.dim_v}) &&
             dims_are(lse->dimensions(), {p.batch, p.q_heads, p.q_len});
@@ -1338,14 +1443,57 @@ ffi::Error forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     const T* kp = static_cast<const T*>(k.untyped_data());
     const T* vp = static_cast<const T*>(v.untyped_data());
     using E = typename DotElement<D>::type;
-    KeyPanels<E> keys(p, false);
-    parallel_for(pool, p.batch * p.kv_heads * p.n_k,
-                 [&](int64_t block) { keys.template pack<D>(block, kp, vp); });
+    KeyPanels<E> keys(p, false, p.n_q == 1);
+    if (!keys.per_task) {
+      parallel_for(pool, p.batch * p.kv_heads * p.n_k,
+                   [&](int64_t block) { keys.template pack_stored<D>(block, kp, vp); });
+    }
     Forward<D> kernel{p, keys, static_cast<const T*>(q.untyped_data()), kp, vp,
                       static_cast<T*>(out->untyped_data()), lse->typed_data()};
     parallel_for(pool, p.batch * p.kv_heads * p.n_q, [&](int64_t t) { kernel.run(t); });
     return ffi::Error::Success();
   });
+}
+
+ffi::Error forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   I32 seg_q, I32 seg_k, I32 pos_q, I32 pos_k, I32 kv_index, I32 full_count,
+                   I32 count, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   float scale, float softcap, bool soft_sign, bool causal, bool own,
+                   int64_t block_q, int64_t block_k) {
+  Problem p;
+  if (auto e = describe(q, k, v, nullptr, seg_q, seg_k, pos_q, pos_k, kv_index, full_count,
+                        count, scale, softcap, soft_sign, causal, own, block_q, block_k, &p);
+      e.failure())
+    return e;
+  return run_forward(pool, p, q, k, v, out, lse);
+}
+
+// Serving: queries over paged history keys (page_table [B, M]), and with `own` each query's
+// own key from k_self / v_self [B, Sq, Hkv, D] (ignored without it).
+ffi::Error paged_forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                         ffi::AnyBuffer v_pages, I32 page_table, ffi::AnyBuffer k_self,
+                         ffi::AnyBuffer v_self, I32 seg_q, I32 seg_k, I32 pos_q, I32 pos_k,
+                         I32 kv_index, I32 full_count, I32 count,
+                         ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, float softcap,
+                         bool soft_sign, bool causal, bool own, int64_t block_q,
+                         int64_t block_k) {
+  Problem p;
+  if (auto e = describe(q, k_pages, v_pages, &page_table, seg_q, seg_k, pos_q, pos_k, kv_index,
+                        full_count, count, scale, softcap, soft_sign, causal, own, block_q,
+                        block_k, &p);
+      e.failure())
+    return e;
+  if (own) {
+    bool ok = k_self.element_type() == q.element_type() &&
+              v_self.element_type() == q.element_type() &&
+              dims_are(k_self.dimensions(), {p.batch, p.q_len, p.kv_heads, p.dim}) &&
+              dims_are(v_self.dimensions(), {p.batch, p.q_len, p.kv_heads, p.dim_v});
+    if (auto e = check(ok, "k_self / v_self must be [B, Sq, Hkv, D] in q's dtype"); e.failure())
+      return e;
+    p.own_k = k_self.untyped_data(), p.own_v = v_self.untyped_data();
+  }
+  return run_forward(pool, p, q, k_pages, v_pages, out, lse);
 }
 
 ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -1356,8 +1504,8 @@ ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
                     ffi::Result<ffi::AnyBuffer> dv, float scale, float softcap, bool soft_sign,
                     bool causal, bool own, int64_t block_q, int64_t block_k) {
   Problem p;
-  if (auto e = describe(q, k, v, seg_q, seg_k, pos_q, pos_k, kv_index, full_count, count, scale,
-                        softcap, soft_sign, causal, own, block_q, block_k, &p);
+  if (auto e = describe(q, k, v, nullptr, seg_q, seg_k, pos_q, pos_k, kv_index, full_count,
+                        count, scale, softcap, soft_sign, causal, own, block_q, block_k, &p);
       e.failure())
     return e;
   const auto dtype = q.element_type();
@@ -1383,13 +1531,13 @@ ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
     const T* vp = static_cast<const T*>(v.untyped_data());
     const T* dop = static_cast<const T*>(d_out.untyped_data());
     using E = typename DotElement<D>::type;
-    KeyPanels<E> keys(p, true);
+    KeyPanels<E> keys(p, true, false);
     QueryPanels<E> queries(p);
     const int64_t key_tasks = p.batch * p.kv_heads * p.n_k;
     const int64_t tasks = key_tasks + p.batch * p.kv_heads * p.n_q;
     parallel_for(pool, tasks, [&](int64_t t) {
       if (t < key_tasks) {
-        keys.template pack<D>(t, kp, vp);
+        keys.template pack_stored<D>(t, kp, vp);
       } else {
         queries.template pack<D>(t - key_tasks, qp, dop, lse.typed_data(), delta.typed_data());
       }
@@ -1411,57 +1559,144 @@ ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   });
 }
 
+// ---- Quest's page bounds (serving): for each query row r and page j of batch row b,
+// U[r][j] = max(q_r, 0) . M_j + min(q_r, 0) . m_j, one dot of [q+ | q-] [R][2D] with the pages'
+// [M; m] [2D][pages], kBoundPages pages per task. q [B, Hkv, R, D] (scaled), stats k_max /
+// k_min [N, Hkv, D], page_table [B, M] (entries clamped to [0, N)), npages [B]: pages
+// j >= npages[b] get -inf. Non-finite stats count as 0 in the bound, and the page gets
+// bad = 1 (the caller decides what such a page is worth).
+constexpr int64_t kBoundPages = 128;
+
+ffi::Error page_bounds(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_max,
+                       ffi::Buffer<ffi::F32> k_min, I32 page_table, I32 npages,
+                       ffi::Result<ffi::Buffer<ffi::F32>> bounds, ffi::Result<I32> bad) {
+  auto qd = q.dimensions(), sd = k_max.dimensions(), td = page_table.dimensions();
+  bool ok = qd.size() == 4 && sd.size() == 3 && td.size() == 2;
+  if (auto e = check(ok, "page bounds: q must be 4-D, the stats 3-D, the table 2-D"); e.failure())
+    return e;
+  const int64_t batch = qd[0], heads = qd[1], rows = qd[2], dim = qd[3], n = sd[0], m = td[1];
+  ok = batch >= 1 && heads >= 1 && rows >= 1 && dim >= 1 && n >= 1 && m >= 1 &&
+       dims_are(sd, {n, heads, dim}) && dims_are(k_min.dimensions(), {n, heads, dim}) &&
+       dims_are(td, {batch, m}) && dims_are(npages.dimensions(), {batch}) &&
+       dims_are(bounds->dimensions(), {batch, heads, rows, m}) &&
+       dims_are(bad->dimensions(), {batch, heads, m});
+  if (auto e = check(ok, "page bounds: inconsistent q, stats, table, npages or results");
+      e.failure())
+    return e;
+  const int64_t blocks = (m + kBoundPages - 1) / kBoundPages, d2 = 2 * dim;
+  const float *qp = q.typed_data(), *hi = k_max.typed_data(), *lo = k_min.typed_data();
+  const int32_t *table = page_table.typed_data(), *count = npages.typed_data();
+  float* out = bounds->typed_data();
+  int32_t* flags = bad->typed_data();
+  parallel_for(pool, batch * heads * blocks, [&](int64_t task) {
+    const int64_t b = task / (heads * blocks), hk = task / blocks % heads;
+    const int64_t j0 = task % blocks * kBoundPages, nj = std::min(kBoundPages, m - j0);
+    const int64_t nc = round_up(nj, kColTile), ld = nc + kLanes;
+    thread_local std::vector<float> a, stats, panel, c;
+    a.resize(rows * d2);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = qp + ((b * heads + hk) * rows + r) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        a[r * d2 + d] = std::max(qr[d], 0.0f);
+        a[r * d2 + dim + d] = std::min(qr[d], 0.0f);
+      }
+    }
+    stats.assign(nj * d2, 0.0f);  // [pages][M | m], zero for pages the row does not have
+    for (int64_t jj = 0; jj < nj; ++jj) {
+      const int64_t j = j0 + jj;
+      bool is_bad = false;
+      if (j < count[b]) {
+        const int64_t page = std::clamp<int64_t>(table[b * m + j], 0, n - 1);
+        is_bad = finite_row<F32, float>(hi + (page * heads + hk) * dim, dim, &stats[jj * d2]);
+        is_bad |= finite_row<F32, float>(lo + (page * heads + hk) * dim, dim,
+                                         &stats[jj * d2 + dim]);
+      }
+      flags[(b * heads + hk) * m + j] = is_bad;
+    }
+    panel.assign(d2 * ld, 0.0f);
+    transpose(stats.data(), d2, nj, d2, panel.data(), ld);
+    c.resize(rows * ld);
+    gemm<false, float>(rows, nc, d2, a.data(), d2, panel.data(), ld, c.data(), ld);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = out + ((b * heads + hk) * rows + r) * m + j0;
+      for (int64_t jj = 0; jj < nj; ++jj) o[jj] = j0 + jj < count[b] ? c[r * ld + jj] : -kInf;
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RankattnCpuForward, forward,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RankattnCpuPageBounds, page_bounds,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<I32>()             // seg_q
-                                  .Arg<I32>()             // seg_k
-                                  .Arg<I32>()             // pos_q
-                                  .Arg<I32>()             // pos_k
-                                  .Arg<I32>()             // kv_index
-                                  .Arg<I32>()             // full_count
-                                  .Arg<I32>()             // count
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<bool>("soft_sign")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("own")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k"));
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [B, Hkv, R, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_max [N, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_min [N, Hkv, D]
+                                  .Arg<I32>()                    // page_table [B, M]
+                                  .Arg<I32>()                    // npages [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // bounds [B, Hkv, R, M]
+                                  .Ret<I32>());                  // bad [B, Hkv, M]
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RankattnCpuBackward, backward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // d_out
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse [B, Sq, Hq]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // delta [B, Sq, Hq]
-                                  .Arg<I32>()             // seg_q
-                                  .Arg<I32>()             // seg_k
-                                  .Arg<I32>()             // pos_q
-                                  .Arg<I32>()             // pos_k
-                                  .Arg<I32>()             // kv_index
-                                  .Arg<I32>()             // full_count
-                                  .Arg<I32>()             // count
-                                  .Arg<I32>()             // q_index
-                                  .Arg<I32>()             // q_full_count
-                                  .Arg<I32>()             // q_count
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<bool>("soft_sign")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("own")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k"));
+// The bindings' shared parts: the mask and block plan arrays, and the attributes.
+template <typename Binding>
+auto with_mask_and_plan(Binding binding) {
+  return std::move(binding).template Arg<I32>()  // seg_q
+      .template Arg<I32>()             // seg_k
+      .template Arg<I32>()             // pos_q
+      .template Arg<I32>()             // pos_k
+      .template Arg<I32>()             // kv_index
+      .template Arg<I32>()             // full_count
+      .template Arg<I32>();            // count
+}
+
+template <typename Binding>
+auto with_attributes(Binding binding) {
+  return std::move(binding).template Attr<float>("scale")
+      .template Attr<float>("softcap")
+      .template Attr<bool>("soft_sign")
+      .template Attr<bool>("causal")
+      .template Attr<bool>("own")
+      .template Attr<int64_t>("block_q")
+      .template Attr<int64_t>("block_k");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    RankattnCpuForward, forward,
+    with_attributes(with_mask_and_plan(ffi::Ffi::Bind()
+                                           .Ctx<ffi::ThreadPool>()
+                                           .Arg<ffi::AnyBuffer>()   // q
+                                           .Arg<ffi::AnyBuffer>()   // k
+                                           .Arg<ffi::AnyBuffer>())  // v
+                        .Ret<ffi::AnyBuffer>()                       // out
+                        .Ret<ffi::Buffer<ffi::F32>>()));             // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    RankattnCpuPagedForward, paged_forward,
+    with_attributes(with_mask_and_plan(ffi::Ffi::Bind()
+                                           .Ctx<ffi::ThreadPool>()
+                                           .Arg<ffi::AnyBuffer>()   // q
+                                           .Arg<ffi::AnyBuffer>()   // k pages
+                                           .Arg<ffi::AnyBuffer>()   // v pages
+                                           .Arg<I32>()              // page_table
+                                           .Arg<ffi::AnyBuffer>()   // k_self
+                                           .Arg<ffi::AnyBuffer>())  // v_self
+                        .Ret<ffi::AnyBuffer>()                       // out
+                        .Ret<ffi::Buffer<ffi::F32>>()));             // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    RankattnCpuBackward, backward,
+    with_attributes(with_mask_and_plan(ffi::Ffi::Bind()
+                                           .Ctx<ffi::ThreadPool>()
+                                           .Arg<ffi::AnyBuffer>()           // q
+                                           .Arg<ffi::AnyBuffer>()           // k
+                                           .Arg<ffi::AnyBuffer>()           // v
+                                           .Arg<ffi::AnyBuffer>()           // d_out
+                                           .Arg<ffi::Buffer<ffi::F32>>()    // lse [B, Sq, Hq]
+                                           .Arg<ffi::Buffer<ffi::F32>>())   // delta [B, Sq, Hq]
+                        .Arg<I32>()                                          // q_index
+                        .Arg<I32>()                                          // q_full_count
+                        .Arg<I32>()                                          // q_count
+                        .Ret<ffi::AnyBuffer>()                               // dq
+                        .Ret<ffi::AnyBuffer>()                               // dk
+                        .Ret<ffi::AnyBuffer>()));                            // dv

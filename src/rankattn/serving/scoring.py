@@ -30,8 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rankattn import distributed, semantics
-from rankattn.api import select_backend
+from rankattn.api import resolve_impls, select_backend
 from rankattn.backends.base import compute_dtype
+from rankattn.backends.cpu import Cpu, paged_forward
+from rankattn.backends.cpu import page_bounds as kernel_page_bounds
 from rankattn.errors import fail
 from rankattn.serving import sharded
 from rankattn.serving.cache import (PagedKVCache, _describe, _positive_int, check_cache,
@@ -41,11 +43,6 @@ from rankattn.validate import AttentionCall, check_logit_options, check_static_b
 
 GQA_MODES = ("per_head", "group", "mean")
 SELECTIONS = ("per_query", "per_request")
-
-# Elements per gathered K/V chunk and per chunk of logits in the page loop:
-# large enough that the loop has few steps, small enough to stay in cache.
-_GATHER_ELEMENTS = 1 << 18
-_SCORE_ELEMENTS = 1 << 20
 
 
 # --- How "group" merges the page scores of its query heads. ------------------------------------
@@ -152,17 +149,14 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
         read: a Python int or an int32 scalar, traced or not (a fori_loop
         index). None for one layer's cache (what jax.lax.scan over a stacked
         cache hands its body).
-      impl: how the exact path (``budget=None``, or a budget covering every
-        page) runs. 'auto' (default): on rankattn's core kernel (the fused
-        'cpu' kernel where it builds, else 'xla') when a request has at least
-        CORE_KERNEL_MIN_ROWS query rows per kv head and histories of at most
-        CORE_KERNEL_MAX_HISTORY tokens, else a loop over the pages (measured
-        crossovers in scoring.py). A backend ('cpu', 'xla', 'reference', an
-        instance, or a list) always takes the core kernel, with that backend
-        (one that takes the keys' own segment ids, rankattn.semantics.ShardMask).
-        The core kernel first gathers each row's pages into one contiguous
-        history (a copy of K and V). Quest's path (a budget) runs its own
-        gather-attention loop.
+      impl: the core attention backend that attends to the pages: 'auto'
+        (default: the fused 'cpu' kernel where it builds, else 'xla'), a backend
+        name ('cpu', 'xla', 'reference'), an instance, or a list (the first
+        that can run the call; one that takes the keys' own segment ids,
+        rankattn.semantics.ShardMask). The 'cpu' kernel reads the cache's pages
+        in place, a block at a time, and adds each query's self key itself;
+        any other backend first gathers each row's pages into one contiguous
+        history (a copy of K and V) and merges the self key by log-sum-exp.
       return_lse: also return the log-sum-exp of each query row and head.
 
     Returns:
@@ -180,10 +174,10 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
     ``rankattn.attention(concat([history, candidates]), segment_ids=[1]*S + [-1]*T)``.
     Math in float32 (float64 for float64 inputs). Traced users / cache values
     are fine under jit; budget, gqa, pages, scale and softcap are static.
-    Cost: exact, O(T * Hq * S * D) reading the whole history once per row
-    (plus one contiguous copy of it);
-    with a budget, O(T * Hq * (S/P + budget) * D), gathering only the selected
-    pages.
+    Cost: exact, O(T * Hq * S * D), reading the whole history once per request
+    and kv head; with a budget, O(T * Hq * (S/P + budget) * D), reading only
+    the selected pages (once per page list: per candidate, or per request with
+    selection='per_request').
     """
     return_lse = check_static_bool("return_lse", return_lse)
     view, layer = layer_view(cache, layer, "attend", lead=0 if sharding is None else 2)
@@ -199,7 +193,7 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
                                 selection=selection, sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
                                 softcap=softcap, softcap_method=softcap_method,
                                 group_rule=group_rule)
-    plan = dataclasses.replace(plan, impl=tuple(impl) if isinstance(impl, list) else impl)
+    plan = _with_impl(plan, impl)
     k_self, v_self = query.self_kv
     if sharding is not None:
         out, lse = sharded.attend(plan, query, cache, users, sharding, layer, _attend_partial,
@@ -212,10 +206,12 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
 
 def select_pages(q, cache: PagedKVCache, users, *, budget, gqa="group", selection="per_query",
                  sink_pages=1, recent_pages=1, scale=None, group_rule=DEFAULT_GROUP_RULE,
-                 layer=None):
+                 layer=None, impl="auto"):
     """The history pages each query head attends to under ``attend(..., budget=budget)``.
 
-    Arguments as :func:`attend` (budget required; ``layer`` for a stacked cache).
+    Arguments as :func:`attend` (budget required; ``layer`` for a stacked cache; ``impl``
+    runs the page bounds on the cpu kernel when it names that first, as 'auto' does where it
+    builds).
     Returns int32 [B, T, Hq, n] (or [B, Hq, n] for 3-D / 2-D queries), n =
     min(budget // P, max_pages): logical page numbers (page j holds tokens
     [j*P, (j+1)*P) of the user's history), -1 where the user has fewer pages
@@ -228,14 +224,15 @@ def select_pages(q, cache: PagedKVCache, users, *, budget, gqa="group", selectio
     query, users, plan = _check("select_pages", q, view, users, None, budget=budget, gqa=gqa,
                                 selection=selection, sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
                                 softcap=None, softcap_method="tanh", group_rule=group_rule)
-    pages = _select_public(plan, query.q, cache, users, layer)
+    pages = _select_public(_with_impl(plan, impl), query.q, cache, users, layer)
     return pages if query.has_t else pages[:, 0]
 
 
-def page_bounds(q, cache: PagedKVCache, users, *, scale=None, layer=None):
+def page_bounds(q, cache: PagedKVCache, users, *, scale=None, layer=None, impl="auto"):
     """Quest's upper bound of every query head's (uncapped, scaled) logit, per page.
 
-    Arguments as :func:`attend` (``layer`` for a stacked cache). Returns float32
+    Arguments as :func:`attend` (``layer`` for a stacked cache, ``impl`` as in
+    :func:`select_pages`). Returns float32
     [B, T, Hq, max_pages] (or [B, Hq, max_pages] for 3-D / 2-D queries): entry j
     bounds ``scale * q . k`` for every key k of the user's page j, and is -inf
     where the user has no page j. A soft cap is monotone, so capped logits are
@@ -246,7 +243,7 @@ def page_bounds(q, cache: PagedKVCache, users, *, scale=None, layer=None):
                                 gqa="per_head", selection="per_query", sink_pages=0, recent_pages=0, scale=scale,
                                 softcap=None, softcap_method="tanh",
                                 group_rule=DEFAULT_GROUP_RULE)
-    bounds = _bounds_public(plan, query.q, cache, users, layer)
+    bounds = _bounds_public(_with_impl(plan, impl), query.q, cache, users, layer)
     return bounds if query.has_t else bounds[:, 0]
 
 
@@ -364,6 +361,11 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, selection, sink_page
     return _Query(q4, self4, has_t=len(shape) == 4, flat=len(shape) == 2), users, plan
 
 
+def _with_impl(plan: _Plan, impl) -> _Plan:
+    """The plan with ``impl`` (a list as a tuple: the plan is a static, hashable argument)."""
+    return dataclasses.replace(plan, impl=tuple(impl) if isinstance(impl, list) else impl)
+
+
 def _check_self_kv(self_kv, ndim: int, b: int, t: int, hkv: int, d: int, dv: int):
     layouts = {4: lambda e: (b, t, hkv, e), 3: lambda e: (b, hkv, e), 2: lambda e: (b, hkv * e)}
     want_k, want_v = layouts[ndim](d), layouts[ndim](dv)
@@ -383,8 +385,7 @@ def _check_self_kv(self_kv, ndim: int, b: int, t: int, hkv: int, d: int, dv: int
 # --- Selection. --------------------------------------------------------------------------------
 #
 # Inside, queries are head-major, [B, Hkv, T, G, D]: the kv head and the batch are
-# the batch axes of every product, so (T, G) rows form one matrix per kv head and
-# XLA needs no transposes in the page loop.
+# the batch axes of every product, so (T, G) rows form one matrix per kv head.
 
 
 def _user_pages(cache: PagedKVCache, users):
@@ -407,14 +408,23 @@ def _token_major(x):
     return x.reshape(*x.shape[:2], -1, *x.shape[4:])
 
 
-def _bounds(qs, cache: PagedKVCache, table, valid):
+def _bounds(plan: _Plan, qs, cache: PagedKVCache, table, valid):
     """(Quest bounds [B, Hkv, T, G, M] of scaled queries qs [B, Hkv, T, G, D], -inf
     off-history; bool [B, Hkv, 1, 1, M]: real pages whose key stats are not finite).
 
     A page holding a non-finite key has no finite bound: its bound here is computed as if
     those stats were 0, and callers rank it first (selecting it poisons the rows that read
     it, as exact attention would) or report +inf.
+
+    Float32 bounds run on the cpu kernel when ``plan.impl`` would attend with it (one
+    product of [q+, q-] with the pages' [max; min], read in place: XLA's two narrow products
+    measured 2-4x slower), else in XLA.
     """
+    if qs.dtype == cache.k_max.dtype == jnp.float32 and _on_cpu_kernel(plan):
+        b, h, t, g, d = qs.shape
+        u, bad = kernel_page_bounds(qs.reshape(b, h, t * g, d), cache.k_max, cache.k_min,
+                                    jnp.maximum(table, 0), valid.sum(-1))
+        return u.reshape(b, h, t, g, -1), (bad != 0)[:, :, None, None]
     idx = jnp.maximum(table, 0)
     # Missing pages hold +-inf (or another user's stats); zero them before the
     # product so no inf * 0 = NaN appears, then mask the result.
@@ -432,13 +442,19 @@ def _bounds(qs, cache: PagedKVCache, table, valid):
     return u, jnp.moveaxis(bad, 1, -1)[:, :, None, None]
 
 
+def _on_cpu_kernel(plan: _Plan) -> bool:
+    """Whether the first backend ``plan.impl`` names is the cpu kernel, built."""
+    first = resolve_impls(plan.impl)[0]
+    return isinstance(first, Cpu) and not first.platform_reasons()
+
+
 def _select_pages(plan: _Plan, qf, cache: PagedKVCache, table, valid):
     """Logical pages [B, Hkv, T', G', n], best first: G' = G for per_head, else 1; T' = T
     per query, 1 per request."""
     qs = qf * plan.scale
     if plan.gqa == "mean":
         qs = qs.mean(3, keepdims=True)
-    u, bad = _bounds(qs, cache, table, valid)
+    u, bad = _bounds(plan, qs, cache, table, valid)
     valid5 = valid[:, None, None, None, :]
 
     def merge(u):  # the rule's merge over axis 3, -inf off-history
@@ -473,7 +489,7 @@ def _bounds_public(plan: _Plan, q, cache: PagedKVCache, users, layer):
     cache = select_layer(cache, layer)
     table, _, valid = _user_pages(cache, users)
     qs = _head_major(q, cache.kv_heads) * plan.scale
-    u, bad = _bounds(qs, cache, table, valid)
+    u, bad = _bounds(plan, qs, cache, table, valid)
     return _token_major(jnp.where(bad, jnp.inf, u)).astype(jnp.float32)
 
 
@@ -492,153 +508,127 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     over the cached history (+ self term), as a partial result that
     rankattn.distributed.merge_partials can combine with others over disjoint keys (e.g.
     other context shards of the history)."""
-    exact = plan.pages is None or plan.pages >= cache.max_pages
-    if exact and (plan.impl != "auto" or _core_kernel_pays(q, cache)):
-        return _attend_exact(plan, q, cache, users, k_self, v_self)
-    b, hkv = q.shape[0], cache.kv_heads
-    qf = _head_major(q.astype(jnp.promote_types(q.dtype, cache.k_pages.dtype)), hkv)
-    dtype = qf.dtype
-    table, length, valid = _user_pages(cache, users)
-    if exact:
-        logical = jnp.broadcast_to(jnp.arange(cache.max_pages, dtype=jnp.int32),
-                                   (b, 1, 1, 1, cache.max_pages))
-    else:
-        logical = _select_pages(plan, qf, cache, table, valid)
-
-    rows = qf.shape[:-1]  # [B, Hkv, T, G]
-    if k_self is None:
-        state = (jnp.full(rows, -jnp.inf, dtype), jnp.zeros(rows, dtype),
-                 jnp.zeros(rows + (cache.v_head_dim,), dtype))
-    else:
-        # The self key starts the online softmax: m = its logit, l = 1, acc = its value.
-        k_self = jnp.moveaxis(k_self.astype(dtype), 2, 1)         # [B, Hkv, T, D]
-        v_self = jnp.moveaxis(v_self.astype(dtype), 2, 1)
-        bad = semantics.nonfinite(k_self) | semantics.nonfinite(v_self)
-        k_self, v_self = semantics.finite(k_self), semantics.finite(v_self)
-        s = jnp.einsum("bhtgd,bhtd->bhtg", qf, k_self, precision="highest")
-        s = semantics.softcap(s * plan.scale, plan.softcap, plan.softcap_method)
-        s = jnp.where(bad[..., None], jnp.nan, s)  # a non-finite self key poisons its row
-        state = (s, jnp.ones(rows, dtype),
-                 jnp.broadcast_to(v_self[:, :, :, None], rows + (cache.v_head_dim,)))
-    m, l, acc = _attend_pages(plan, qf, cache, table, length, logical, state)
-    seen = l != 0  # NaN: a row poisoned by a non-finite input (rankattn.semantics)
-    out = acc / jnp.where(seen, l, 1)[..., None]
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
-    return _token_major(out), jnp.swapaxes(_token_major(lse), 1, 2)
-
-
-# When the exact path runs on the core kernel (_attend_exact) instead of the page loop: its
-# contiguous copy of each history pays off with enough query rows per kv head to share it,
-# and while the copy stays small. Measured on the 2-core CI CPU with
-# benchmarks/compare_serving_revision.py fd4fb53 (the page loop's last revision; median of
-# per-round ratios, page loop / core kernel; 4 users, f32): 1022 history, 4/2 heads, D=128:
-# 4 candidates (8 rows per kv head) 0.73x, 8 (16 rows) 0.71x, 64 1.60x, 256 1.33x, 64 with
-# 20/4 heads 1.77x; 4096 history: 64 candidates 1.15x, 12 with 8/2 heads, D=64 (48 rows)
-# 1.29x; 16K history, 12 candidates: 0.87x; 64K: 0.74x (the copy, 256 MB, is memory-bound
-# where the page loop's chunks stay in cache).
-CORE_KERNEL_MIN_ROWS = 32           # query rows per kv head: T * Hq / Hkv
-CORE_KERNEL_MAX_HISTORY = 4096      # tokens of max_pages * P
-
-
-def _core_kernel_pays(q, cache: PagedKVCache) -> bool:
-    rows = q.shape[1] * q.shape[2] // cache.kv_heads
-    return (rows >= CORE_KERNEL_MIN_ROWS
-            and cache.max_pages * cache.page_size <= CORE_KERNEL_MAX_HISTORY)
-
-
-def _attend_exact(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
-    """:func:`_attend_partial` without a budget, by rankattn's own attention kernels.
-
-    Each row's pages are gathered into one contiguous history [B, max_pages * P, Hkv, D]
-    (page-sized copies; slots past the user's length get segment id 0, so their blocks
-    are skipped and their values never read), and the row's queries attend to it as
-    candidates of that history: rankattn.semantics.ShardMask gives the keys their own
-    segment ids and every token a position, as context sharding does. The self term is
-    the candidates' own key, merged by log-sum-exp. The backend is ``plan.impl``
-    ('auto': the fused cpu kernel where it builds, else xla).
-    """
-    b, t = q.shape[:2]
+    b, t, hq, d = q.shape
+    hkv, g = cache.kv_heads, hq // cache.kv_heads
     dtype = jnp.promote_types(q.dtype, cache.k_pages.dtype)
-    table, length, _ = _user_pages(cache, users)
-    phys = jnp.maximum(table, 0)  # a missing page reads page 0: masked by the length
+    table, length, valid = _user_pages(cache, users)
+    if plan.pages is None or plan.pages >= cache.max_pages:  # exact: every page, in order
+        logical = jnp.broadcast_to(jnp.arange(cache.max_pages, dtype=jnp.int32),
+                                   (b, hkv, 1, 1, cache.max_pages))
+    else:
+        logical = _select_pages(plan, _head_major(q, hkv), cache, table, valid)
+        logical = jnp.broadcast_to(logical, (b, hkv, *logical.shape[2:]))
+    # One row of the kernel call per page list: (b, kv head, candidate if per query, query
+    # head if per head), holding the queries that share the list ([t_in, g_in]).
+    t_sel, g_sel, n = logical.shape[2:]
+    t_in, g_in, p = t // t_sel, g // g_sel, cache.page_size
+    rows = b * hkv * t_sel * g_sel
 
-    def history(pages):  # [N, Hkv, P, E] -> [B, M * P, Hkv, E]
-        x = jnp.swapaxes(pages[phys], 2, 3)
-        return x.reshape(b, -1, *x.shape[3:]).astype(dtype)
+    def to_rows(x, inner):  # [B, Hkv, t_sel * t_in, G_x, E] -> [rows, t_in, inner, E]
+        x = x.reshape(b, hkv, t_sel, t_in, g_sel, -1, x.shape[-1]).transpose(0, 1, 2, 4, 3, 5, 6)
+        return x.reshape(rows, t_in, inner, x.shape[-1])
 
-    k, v = history(cache.k_pages), history(cache.v_pages)
-    s = k.shape[1]
+    q_rows = to_rows(q.astype(dtype).reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4), g_in)
+    self_rows = None
+    if k_self is not None:  # [B, T, Hkv, E] -> [rows, t_in, 1, E], one per query head list
+        self_rows = tuple(
+            to_rows(jnp.broadcast_to(x.astype(dtype).transpose(0, 2, 1, 3)[:, :, :, None],
+                                     (b, hkv, t, g_sel, x.shape[-1])), 1)
+            for x in (k_self, v_self))
+    # Kernel row r reads pages of one kv head: the cache's pages [N, Hkv, P, E] seen as
+    # [N * Hkv, 1, P, E] (no copy), page (physical page) * Hkv + kv head.
+    phys = jnp.maximum(table[jnp.arange(b)[:, None, None, None, None], logical], 0)
+    head = jnp.arange(hkv, dtype=jnp.int32)[None, :, None, None, None]
+    row_pages = (phys * hkv + head).reshape(rows, n)
+    # Slots past the user's length (a missing page read as page 0, a released page's stale
+    # tail, a selected page that does not exist) are never seen.
+    pos = logical[..., None] * p + jnp.arange(p)
+    seen = (pos < length[:, None, None, None, None, None]).reshape(rows, n * p)
+    k_pages, v_pages = (x.astype(dtype).reshape(-1, 1, p, x.shape[-1])
+                        for x in (cache.k_pages, cache.v_pages))
+    out, lse = _attend_rows(plan, q_rows, k_pages, v_pages, row_pages, seen, self_rows)
+    # [rows, t_in, g_in, Dv] -> [B, T, Hq, Dv]; lse [rows, g_in, t_in] -> [B, Hq, T].
+    out = out.reshape(b, hkv, t_sel, g_sel, t_in, g_in, -1).transpose(0, 2, 4, 1, 3, 5, 6)
+    lse = lse.reshape(b, hkv, t_sel, g_sel, g_in, t_in).transpose(0, 1, 3, 4, 2, 5)
+    return out.reshape(b, t, hq, -1), lse.reshape(b, hq, t)
+
+
+def _attend_rows(plan: _Plan, q, k_pages, v_pages, table, seen, self_kv):
+    """Rows of queries over their own pages, on rankattn's core attention kernels.
+
+    q [R, T, Hq, D]; k_pages / v_pages [N, Hkv, P, D / Dv]; table int32 [R, n]: row r's keys
+    are pages table[r] in order (S = n * P); seen bool [R, S]: which of them row r sees;
+    self_kv None or (k_self, v_self) [R, T, Hkv, D / Dv], each query's own key. Returns
+    (out [R, T, Hq, Dv], lse [R, Hq, T]) float32 (float64 for float64 inputs).
+
+    The queries attend to the row's keys as candidates of a history:
+    rankattn.semantics.ShardMask gives the keys their own segment ids (0 where not seen,
+    so blocks of unseen keys are skipped and their values never read) and every token a
+    position, as context sharding does. The backend is ``plan.impl`` ('auto': the fused
+    cpu kernel where it builds, else xla). The cpu kernel reads the pages in place and adds
+    the own key itself; any other backend gets each row's pages gathered into one
+    contiguous history [R, S, Hkv, D] and the own key merged by log-sum-exp.
+    """
+    # The contiguous call only chooses the backend when the cpu kernel runs: its unused
+    # gather is dead code to XLA.
+    backend = select_backend(plan.impl, _contiguous_call(plan, q, k_pages, v_pages, table, seen))
+    if isinstance(backend, Cpu):
+        return _paged_cpu(plan, backend, q, k_pages, v_pages, table, seen, self_kv)
+    return _contiguous(plan, backend, q, k_pages, v_pages, table, seen, self_kv)
+
+
+def _candidates(q, seen):
+    """(segment ids [R, T], ShardMask) of queries that are candidates of S keys, those seen
+    [R, S] being the row's history."""
+    r, t = q.shape[:2]
+    s = seen.shape[1]
     key_pos = jnp.arange(s, dtype=jnp.int32)
-    candidates = jnp.full((b, t), -1, jnp.int32)
-    mask = semantics.ShardMask((key_pos[None] < length[:, None]).astype(jnp.int32),
-                               jnp.broadcast_to(s + jnp.arange(t, dtype=jnp.int32), (b, t)),
-                               jnp.broadcast_to(key_pos, (b, s)))
-    call = AttentionCall(q=q.astype(dtype), k=k, v=v, segment_ids=candidates, causal=False,
-                         scale=plan.scale, softcap=plan.softcap,
+    mask = semantics.ShardMask(seen.astype(jnp.int32),
+                               jnp.broadcast_to(s + jnp.arange(t, dtype=jnp.int32), (r, t)),
+                               jnp.broadcast_to(key_pos, (r, s)))
+    return jnp.full((r, t), -1, jnp.int32), mask
+
+
+def _contiguous_call(plan: _Plan, q, k_pages, v_pages, table, seen) -> AttentionCall:
+    """_attend_rows' attention as one rankattn.attention call over contiguous keys."""
+    def keys(pages):  # [N, Hkv, P, E] -> [R, n * P, Hkv, E]
+        x = jnp.swapaxes(pages[table], 2, 3)
+        return x.reshape(q.shape[0], -1, *x.shape[3:])
+
+    segment_ids, mask = _candidates(q, seen)
+    return AttentionCall(q=q, k=keys(k_pages), v=keys(v_pages), segment_ids=segment_ids,
+                         causal=False, scale=plan.scale, softcap=plan.softcap,
                          softcap_method=plan.softcap_method, shard_mask=mask)
-    out, lse = select_backend(plan.impl, call)(call)
-    acc = jnp.promote_types(dtype, jnp.float32)
+
+
+def _contiguous(plan: _Plan, backend, q, k_pages, v_pages, table, seen, self_kv):
+    call = _contiguous_call(plan, q, k_pages, v_pages, table, seen)
+    out, lse = backend(call)
+    acc = jnp.promote_types(q.dtype, jnp.float32)
     parts = [(out.astype(acc), lse.astype(acc))]
-    if k_self is None:
+    if self_kv is None:
         return parts[0]
-    parts.append(distributed.own_key_partial(plan, call.q, k_self.astype(dtype),
-                                             v_self.astype(dtype), candidates))
+    parts.append(distributed.own_key_partial(plan, q, *self_kv, call.segment_ids))
     return distributed.merge_partials(parts)
 
 
-def _attend_pages(plan: _Plan, qf, cache: PagedKVCache, table, length, logical, state):
-    """Online softmax of qf [B, Hkv, T, G, D] over pages ``logical`` [B, Hkv', T', G', n].
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _paged_cpu(plan: _Plan, backend, q, k_pages, v_pages, table, seen, self_kv):
+    """_attend_rows on the cpu kernel, pages read in place. Its gradients are those of the
+    equivalent contiguous call (the kernel's backward takes contiguous keys)."""
+    segment_ids, mask = _candidates(q, seen)
+    return paged_forward(q, k_pages, v_pages, table, self_kv, segment_ids, shard_mask=mask,
+                         scale=plan.scale, softcap=plan.softcap,
+                         softcap_method=plan.softcap_method, block_sizes=backend.block_sizes)
 
-    Hkv', T', G' are 1 (the page list is shared along that axis) or full size.
-    Pages are visited ``chunk`` at a time; only those pages are gathered.
-    """
-    b, n = logical.shape[0], logical.shape[-1]
-    p, hkv = cache.page_size, cache.kv_heads
-    t_sel, g_sel = logical.shape[2], logical.shape[3]
-    gathered = b * hkv * t_sel * g_sel * p * max(cache.head_dim, cache.v_head_dim)
-    scores = b * hkv * qf.shape[2] * qf.shape[3] * p
-    chunk = max(1, min(n, _GATHER_ELEMENTS // gathered, _SCORE_ELEMENTS // scores))
-    steps = -(-n // chunk)
-    # Padding entries name page max_pages, which starts at or past every length.
-    logical = jnp.pad(logical, [(0, 0)] * 4 + [(0, steps * chunk - n)],
-                      constant_values=cache.max_pages)
-    batch = jnp.arange(b)[:, None, None, None, None]
-    head = jnp.arange(hkv)[None, :, None, None, None]
-    # One row per (page, kv head): the contiguous P * D block a selected page costs.
-    k_rows = cache.k_pages.reshape(-1, p * cache.head_dim)
-    v_rows = cache.v_pages.reshape(-1, p * cache.v_head_dim)
-    k_sub = "bh" + ("t" if t_sel > 1 else "") + ("g" if g_sel > 1 else "")
-    squeeze = tuple(a for a in (2, 3) if logical.shape[a] == 1)
 
-    def step(carry, i):
-        m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(logical, i * chunk, chunk, axis=4)
-        phys = jnp.maximum(table[batch, jnp.minimum(pages, cache.max_pages - 1)], 0)
-        row = (phys * hkv + head).squeeze(squeeze)       # [B, Hkv, (T), (G), c]
-        # Merging (page, slot) into one key axis keeps the products plain batched
-        # matmuls; a 2-axis contraction layout costs XLA a transpose of the chunk.
-        k = k_rows[row].reshape(*row.shape[:-1], chunk * p, -1).astype(qf.dtype)
-        v = v_rows[row].reshape(*row.shape[:-1], chunk * p, -1).astype(qf.dtype)
-        pos = (pages[..., None] * p + jnp.arange(p)).reshape(*pages.shape[:-1], chunk * p)
-        mask = pos < length[:, None, None, None, None]
-        # Slots past the user's length (a missing page read as page 0, a released page's
-        # stale tail) belong to nobody this row may see: their keys and values are never
-        # used, not even times a zero weight. The user's own non-finite keys poison the
-        # rows that see them and nothing else (rankattn.semantics).
-        key_mask = mask.squeeze(squeeze)[..., None]
-        bad = jnp.expand_dims(semantics.nonfinite(k) | semantics.nonfinite(v), squeeze)
-        k = jnp.where(key_mask & jnp.isfinite(k), k, 0)
-        v = jnp.where(key_mask & jnp.isfinite(v), v, 0)
-        s = jnp.einsum(f"bhtgd,{k_sub}kd->bhtgk", qf, k, precision="highest") * plan.scale
-        s = jnp.where(bad, jnp.nan, semantics.softcap(s, plan.softcap, plan.softcap_method))
-        m_new = jnp.maximum(m, jnp.where(mask, s, -jnp.inf).max(-1))
-        shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
-        e = jnp.where(mask, jnp.exp(s - shift[..., None]), 0)
-        alpha = jnp.exp(m - shift)
-        acc = acc * alpha[..., None] + jnp.einsum(f"bhtgk,{k_sub}ke->bhtge", e, v,
-                                                  precision="highest")
-        return (m_new, l * alpha + e.sum(-1), acc), None
+def _paged_cpu_fwd(plan, backend, *args):
+    return _paged_cpu(plan, backend, *args), args
 
-    if steps == 1:
-        return step(state, 0)[0]
-    return jax.lax.scan(step, state, jnp.arange(steps))[0]
+
+def _paged_cpu_bwd(plan, backend, args, cotangents):
+    _, vjp = jax.vjp(partial(_contiguous, plan, backend), *args)
+    return vjp(cotangents)
+
+
+_paged_cpu.defvjp(_paged_cpu_fwd, _paged_cpu_bwd)
