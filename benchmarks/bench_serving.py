@@ -210,9 +210,9 @@ def peer_table(runs: list[dict], rates: dict) -> str:
         rows.append([f"{u} x {s} x {c}", f"{hq}/{hkv}", dtype,
                      "exact" if budget is None else f"Quest {budget}, per_request",
                      ms["rankattn"], ms["torch"],
-                     " / ".join(f"{r['ratio']['torch']:.2f}x" for r in runs),
+                     " / ".join(f"{run[shape]['ratio']['torch']:.2f}x" for run in runs),
                      ms["torch split"],
-                     " / ".join(f"{r['ratio']['torch split']:.2f}x" for r in runs),
+                     " / ".join(f"{run[shape]['ratio']['torch split']:.2f}x" for run in runs),
                      f"{u * c / ms['rankattn'] * 1e3:.3g}", f"{rate:.1f}",
                      f"{rate / gemm:.0%}", f"{first['diff']:.1e}"])
     return table(["users x history x candidates", "heads", "dtype", "rankattn path",
