@@ -289,14 +289,15 @@ def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
     return rows
 
 
-def gemm_rates(repeats: int) -> dict[str, float]:
-    """FLOP/s of a 2048^3 matmul: XLA and torch, float32 and bf16 x bf16 -> float32."""
+def gemm_rates(repeats: int, torch_dtypes=("float32", "bfloat16")) -> dict[str, float]:
+    """FLOP/s of a 2048^3 matmul: XLA and torch (in ``torch_dtypes``), float32 and bf16 x
+    bf16 -> float32. (torch's bf16 matmul on a CPU without AVX-512 BF16 took 63 s.)"""
     fns = {}
     for dtype in ("float32", "bfloat16"):
         a = jax.random.normal(jax.random.PRNGKey(0), (2048, 2048), dtype)
         mm = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
         fns[f"xla {dtype}"] = lambda mm=mm, a=a: mm(a).block_until_ready()
-        if torch is not None:
+        if torch is not None and dtype in torch_dtypes:
             ta = torch.from_numpy(np.asarray(a.astype(jnp.float32))).to(getattr(torch, dtype))
             fns[f"torch {dtype}"] = lambda ta=ta: ta @ ta
     times = peers.interleaved_medians(fns, repeats)

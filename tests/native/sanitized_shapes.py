@@ -108,9 +108,9 @@ for budget in (None, 6):
 table = jnp.array([[0, 10**6, -5, 3]], jnp.int32)
 seen = jnp.ones((1, 12), jnp.int32)
 mask = semantics.ShardMask(seen, jnp.array([[12]], jnp.int32), jnp.arange(12)[None])
-out, lse = paged_forward(q[:1, :1], cache.k_pages, cache.v_pages, table,
-                         (k[:1, :1], v[:1, :1]), -jnp.ones((1, 1), jnp.int32), shard_mask=mask,
-                         scale=0.2, softcap=None, softcap_method="tanh")
+out, lse = paged_forward(q[:1, :1], *(x.reshape(-1, 3, 33) for x in (cache.k_pages, cache.v_pages)),
+                         table, (k[:1, :1, :1], v[:1, :1, :1]), -jnp.ones((1, 1), jnp.int32),
+                         shard_mask=mask, scale=0.2, softcap=None, softcap_method="tanh")
 assert bool(jnp.isfinite(out).all() & jnp.isfinite(lse).all())
 print("ok paged")
 

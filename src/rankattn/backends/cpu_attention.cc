@@ -494,8 +494,8 @@ struct Problem {
   const int32_t *kv_index, *full_count, *count;     // [B, nQ, nK], [B, nQ], [B, nQ]
   const int32_t *q_index, *q_full_count, *q_count;  // [B, nK, nQ], [B, nK], [B, nK]
   // Paged keys (serving's cache): key t of batch row b is slot t % page_size of page
-  // page_table[b][t / page_size] of k, v [N, Hkv, page_size, D]. page_size 0: k, v are
-  // [B, S, Hkv, D].
+  // page_table[b][t / page_size] of k, v [N, page_size, D] (one kv head). page_size 0: k, v
+  // are [B, S, Hkv, D].
   const int32_t* page_table = nullptr;
   int64_t page_size = 0, num_pages = 0;
   // The own key of query i from own_k / own_v [B, Sq, Hkv, D] (serving's candidates, whose
@@ -1353,34 +1353,36 @@ bool dims_are(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want
 
 // The problem of a call, after checking every shape against q, k, v and the block sizes, so
 // the tasks can index without further checks. With a page table [B, M], k and v are pages
-// [N, Hkv, P, D] and the keys of row b are its M pages in table order (S = M * P).
+// [N, P, D] of one kv head and the keys of row b are its M pages in table order (S = M * P).
 ffi::Error describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                     const I32* page_table, const I32& seg_q, const I32& seg_k, const I32& pos_q, const I32& pos_k,
                     const I32& kv_index, const I32& full_count, const I32& count, float scale,
                     float softcap, bool soft_sign, bool causal, bool own, int64_t block_q,
                     int64_t block_k, Problem* p) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (auto e = check(qd.size() == 4 && kd.size() == 4 && vd.size() == 4, "q, k, v must be 4-D");
+  const size_t kv_rank = page_table ? 3 : 4;
+  if (auto e = check(qd.size() == 4 && kd.size() == kv_rank && vd.size() == kv_rank,
+                     "q must be 4-D, and k, v 4-D (3-D pages with a page table)");
       e.failure())
     return e;
   *p = Problem{};
   p->batch = qd[0], p->q_len = qd[1], p->q_heads = qd[2], p->dim = qd[3];
-  p->dim_v = vd[3];
+  p->dim_v = vd[kv_rank - 1];
   p->block_q = block_q, p->block_k = block_k;
   p->scale = scale, p->softcap = softcap, p->soft_sign = soft_sign, p->causal = causal;
   p->own = own;
   bool ok;
   if (page_table) {
     auto td = page_table->dimensions();
-    ok = td.size() == 2 && td[0] == p->batch && td[1] >= 1 && kd[0] >= 1 && kd[2] >= 1;
-    if (auto e = check(ok, "the page table must be [B, M] and the pages [N, Hkv, P, D]");
+    ok = td.size() == 2 && td[0] == p->batch && td[1] >= 1 && kd[0] >= 1 && kd[1] >= 1;
+    if (auto e = check(ok, "the page table must be [B, M] and the pages [N, P, D]");
         e.failure())
       return e;
     p->page_table = page_table->typed_data();
-    p->num_pages = kd[0], p->kv_heads = kd[1], p->page_size = kd[2];
+    p->num_pages = kd[0], p->kv_heads = 1, p->page_size = kd[1];
     p->kv_len = td[1] * p->page_size;
-    ok = dims_are(kd, {p->num_pages, p->kv_heads, p->page_size, p->dim}) &&
-         dims_are(vd, {p->num_pages, p->kv_heads, p->page_size, p->dim_v});
+    ok = dims_are(kd, {p->num_pages, p->page_size, p->dim}) &&
+         dims_are(vd, {p->num_pages, p->page_size, p->dim_v});
   } else {  // an own key in k / v is key i of query i: one sequence for both
     p->kv_len = kd[1], p->kv_heads = kd[2];
     ok = dims_are(kd, {p->batch, p->kv_len, p->kv_heads, p->dim}) &&
@@ -1468,8 +1470,8 @@ ffi::Error forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return run_forward(pool, p, q, k, v, out, lse);
 }
 
-// Serving: queries over paged history keys (page_table [B, M]), and with `own` each query's
-// own key from k_self / v_self [B, Sq, Hkv, D] (ignored without it).
+// Serving: queries over paged history keys (pages [N, P, D], page_table [B, M]), and with
+// `own` each query's own key from k_self / v_self [B, Sq, 1, D] (ignored without it).
 ffi::Error paged_forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                          ffi::AnyBuffer v_pages, I32 page_table, ffi::AnyBuffer k_self,
                          ffi::AnyBuffer v_self, I32 seg_q, I32 seg_k, I32 pos_q, I32 pos_k,

@@ -62,10 +62,12 @@ register(
         "Pass budget=None for the exact path, or a budget of at least "
         "max(sink_pages + recent_pages, 1) * P tokens."),
     ErrorKind(
-        "RA209", "unknown gqa mode or group rule",
+        "RA209", "unknown gqa mode, selection or group rule",
         "gqa is 'per_head' (each query head picks its pages), 'group' (one page set per kv "
         "head, the default) or 'mean' (the group's mean query is scored, as SGLang does). "
-        "group_rule picks how 'group' merges its heads' page scores.",
+        "selection is 'per_query' (each candidate picks its pages, the default) or "
+        "'per_request' (a request's candidates share them). group_rule picks how 'group' "
+        "merges its heads' page scores.",
         "Pass one of the listed names."),
     ErrorKind(
         "RA210", "append does not fit in the cache",

@@ -14,10 +14,15 @@ pages are two matrix products. With a budget, each query keeps ``budget // P``
 pages: the ``sink_pages`` first and ``recent_pages`` last pages always, the rest
 by score, and attends to those pages only.
 
-Selection is *per query row*: each candidate's pages depend on its own query
-only, so isolation holds for the selection too (one candidate's presence never
-changes another's pages or score). The page axis is a static ``budget // P``
-(top-k) so shapes never depend on lengths.
+Selection is *per query row* by default: each candidate's pages depend on its own
+query only, so isolation holds for the selection too (one candidate's presence
+never changes another's pages or score). ``selection='per_request'`` shares one
+page set among a request's rows instead, read once for all of them. The page axis
+is a static ``budget // P`` (top-k) so shapes never depend on lengths.
+
+Attention over the pages (every page in order for the exact path, the selected
+ones under a budget) is one call of rankattn's core kernels with a row per page
+list (_attend_rows): on CPU the fused kernel reads the pages in place.
 """
 
 from __future__ import annotations
@@ -536,7 +541,7 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
                                      (b, hkv, t, g_sel, x.shape[-1])), 1)
             for x in (k_self, v_self))
     # Kernel row r reads pages of one kv head: the cache's pages [N, Hkv, P, E] seen as
-    # [N * Hkv, 1, P, E] (no copy), page (physical page) * Hkv + kv head.
+    # [N * Hkv, P, E] (no copy), page (physical page) * Hkv + kv head.
     phys = jnp.maximum(table[jnp.arange(b)[:, None, None, None, None], logical], 0)
     head = jnp.arange(hkv, dtype=jnp.int32)[None, :, None, None, None]
     row_pages = (phys * hkv + head).reshape(rows, n)
@@ -544,7 +549,7 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     # tail, a selected page that does not exist) are never seen.
     pos = logical[..., None] * p + jnp.arange(p)
     seen = (pos < length[:, None, None, None, None, None]).reshape(rows, n * p)
-    k_pages, v_pages = (x.astype(dtype).reshape(-1, 1, p, x.shape[-1])
+    k_pages, v_pages = (x.astype(dtype).reshape(-1, p, x.shape[-1])
                         for x in (cache.k_pages, cache.v_pages))
     out, lse = _attend_rows(plan, q_rows, k_pages, v_pages, row_pages, seen, self_rows)
     # [rows, t_in, g_in, Dv] -> [B, T, Hq, Dv]; lse [rows, g_in, t_in] -> [B, Hq, T].
@@ -556,10 +561,11 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
 def _attend_rows(plan: _Plan, q, k_pages, v_pages, table, seen, self_kv):
     """Rows of queries over their own pages, on rankattn's core attention kernels.
 
-    q [R, T, Hq, D]; k_pages / v_pages [N, Hkv, P, D / Dv]; table int32 [R, n]: row r's keys
-    are pages table[r] in order (S = n * P); seen bool [R, S]: which of them row r sees;
-    self_kv None or (k_self, v_self) [R, T, Hkv, D / Dv], each query's own key. Returns
-    (out [R, T, Hq, Dv], lse [R, Hq, T]) float32 (float64 for float64 inputs).
+    q [R, T, Hq, D], the query heads of one kv head; k_pages / v_pages [N, P, D / Dv], pages
+    of one kv head; table int32 [R, n]: row r's keys are pages table[r] in order (S = n * P);
+    seen bool [R, S]: which of them row r sees; self_kv None or (k_self, v_self) [R, T, 1,
+    D / Dv], each query's own key. Returns (out [R, T, Hq, Dv], lse [R, Hq, T]) float32
+    (float64 for float64 inputs).
 
     The queries attend to the row's keys as candidates of a history:
     rankattn.semantics.ShardMask gives the keys their own segment ids (0 where not seen,
@@ -567,7 +573,7 @@ def _attend_rows(plan: _Plan, q, k_pages, v_pages, table, seen, self_kv):
     position, as context sharding does. The backend is ``plan.impl`` ('auto': the fused
     cpu kernel where it builds, else xla). The cpu kernel reads the pages in place and adds
     the own key itself; any other backend gets each row's pages gathered into one
-    contiguous history [R, S, Hkv, D] and the own key merged by log-sum-exp.
+    contiguous history [R, S, 1, D] and the own key merged by log-sum-exp.
     """
     # The contiguous call only chooses the backend when the cpu kernel runs: its unused
     # gather is dead code to XLA.
@@ -591,9 +597,8 @@ def _candidates(q, seen):
 
 def _contiguous_call(plan: _Plan, q, k_pages, v_pages, table, seen) -> AttentionCall:
     """_attend_rows' attention as one rankattn.attention call over contiguous keys."""
-    def keys(pages):  # [N, Hkv, P, E] -> [R, n * P, Hkv, E]
-        x = jnp.swapaxes(pages[table], 2, 3)
-        return x.reshape(q.shape[0], -1, *x.shape[3:])
+    def keys(pages):  # [N, P, E] -> [R, n * P, 1, E]
+        return pages[table].reshape(q.shape[0], -1, 1, pages.shape[-1])
 
     segment_ids, mask = _candidates(q, seen)
     return AttentionCall(q=q, k=keys(k_pages), v=keys(v_pages), segment_ids=segment_ids,
