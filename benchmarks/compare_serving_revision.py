@@ -3,13 +3,12 @@
     .venv/bin/python benchmarks/compare_serving_revision.py REV [--repeats 15]
 
 Loads ``src/rankattn/serving/scoring.py`` as it was at ``REV`` beside today's and times
-``attend(q, cache, users, self_kv=...)`` with both, and today's with the exact path forced
-onto the core kernel (``impl=["cpu", "xla"]``), round-robin in one process
+``attend(q, cache, users, self_kv=...)`` with both, round-robin in one process
 (rankattn.peers.interleaved_times), over full float32 histories in pages of 16 at the
-shapes below: few and many query rows per kv head, short and long histories, the two
-sides of scoring.CORE_KERNEL_MIN_ROWS / CORE_KERNEL_MAX_HISTORY. Prints medians and the
-median and quartiles of per-round ratios REV / working tree and REV / core kernel (> 1:
-faster than REV). Everything scoring.py imports is today's, so REV must be close enough.
+shapes below: few and many query rows per kv head, short and long histories. Prints
+medians and the median and quartiles of per-round ratios REV / working tree (> 1: faster
+than REV). Everything scoring.py imports is today's (the cpu kernel included), so REV must
+be close enough: 10b2a8e, the XLA page loop's last revision, is.
 """
 
 from __future__ import annotations
@@ -46,18 +45,16 @@ def main():
         q = jnp.asarray(rng.standard_normal((u, c, hq, d), np.float32))
         ks, vs = (jnp.asarray(rng.standard_normal((u, c, hkv, d), np.float32)) for _ in range(2))
         cache = serving.cache_from_history(k, v, jnp.full((u,), s), page_size=16)
-        variants = (("rev", then.attend, {}), ("now", serving.attend, {}),
-                    ("core", serving.attend, dict(impl=["cpu", "xla"])))
+        variants = (("rev", then.attend, {}), ("now", serving.attend, {}))
         fns = {name: partial(jax.jit(lambda cache, q, ks, vs, f=f, kw=kw: f(
             q, cache, jnp.arange(u), self_kv=(ks, vs), **kw)), cache, q, ks, vs)
             for name, f, kw in variants}
         t = peers.interleaved_times(fns, args.repeats)
         line = f"{u} x {s} x {c}, {hq}/{hkv} heads, D={d}: {args.rev} {np.median(t['rev']) * 1e3:.1f} ms"
-        for name in ("now", "core"):
-            ratio = t["rev"] / t[name]
-            line += (f"; {name} {np.median(t[name]) * 1e3:.1f} ms, {args.rev} / {name} "
-                     f"{np.median(ratio):.2f} ({np.quantile(ratio, 0.25):.2f}-"
-                     f"{np.quantile(ratio, 0.75):.2f})")
+        ratio = t["rev"] / t["now"]
+        line += (f"; now {np.median(t['now']) * 1e3:.1f} ms, {args.rev} / now "
+                 f"{np.median(ratio):.2f} ({np.quantile(ratio, 0.25):.2f}-"
+                 f"{np.quantile(ratio, 0.75):.2f})")
         print(line, flush=True)
 
 
