@@ -14,6 +14,10 @@ query blocks that see it and keeps dS^T, from which one task per query block
 sums its dq, so nothing is added atomically and results are bit-identical for
 any thread count.
 
+For serving (:mod:`rankattn.serving.scoring`) the same forward reads K / V from the
+cache's pages through a page table, with each candidate's own key from separate
+arrays (:func:`paged_forward`), and :func:`page_bounds` computes Quest's page bounds.
+
 It is compiled on first use for the host CPU (:mod:`rankattn.native`); where
 that is impossible, ``impl='auto'`` falls back to ``xla`` and
 ``not_supported_reasons`` says why.
@@ -81,8 +85,8 @@ def fused_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     return _fused(static, q, k, v, mask, block_plan)
 
 
-def paged_forward(q, k_pages, v_pages, page_table, self_kv, segment_ids, *, shard_mask, scale: float,
-                  softcap: float | None, softcap_method: str,
+def paged_forward(q, k_pages, v_pages, page_table, self_kv, segment_ids, *, shard_mask,
+                  scale: float, softcap: float | None, softcap_method: str,
                   block_sizes: BlockSizes | None = None):
     """Serving's exact scoring on the ``cpu`` kernel, reading the cache's pages in place.
 

@@ -14,6 +14,10 @@
 // by 0 as they are copied into the task's buffers, and the rows that see them
 // (semantics.py's "poisoned" rows) end with NaN out and lse.
 //
+// Serving's entry points: the forward over paged K / V (a page table per batch row, each
+// candidate's own key from separate arrays), and Quest's page bounds (one dot of the
+// queries' [q+ | q-] with the pages' key [max; min]).
+//
 // Every dot is C[M, N] (+)= A[M, K] B[K, N]: float32 on one register-tiled
 // microkernel, bfloat16 on AMX tiles or VDPBF16PS. q, k, v (and in the backward
 // dO) are read in their own [B, S, H, D] layout and dtype, and packed once per

@@ -195,9 +195,9 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
         users = sharded.local_users(users, np.shape(q)[0] if np.ndim(q) else 0, view.num_users,
                                     sharding)
     query, users, plan = _check("attend", q, view, users, self_kv, budget=budget, gqa=gqa,
-                                selection=selection, sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
-                                softcap=softcap, softcap_method=softcap_method,
-                                group_rule=group_rule)
+                                selection=selection, sink_pages=sink_pages,
+                                recent_pages=recent_pages, scale=scale, softcap=softcap,
+                                softcap_method=softcap_method, group_rule=group_rule)
     plan = _with_impl(plan, impl)
     k_self, v_self = query.self_kv
     if sharding is not None:
@@ -227,8 +227,9 @@ def select_pages(q, cache: PagedKVCache, users, *, budget, gqa="group", selectio
         raise fail("RA208", "select_pages needs budget=<tokens>; budget=None means no selection.")
     view, layer = layer_view(cache, layer, "select_pages")
     query, users, plan = _check("select_pages", q, view, users, None, budget=budget, gqa=gqa,
-                                selection=selection, sink_pages=sink_pages, recent_pages=recent_pages, scale=scale,
-                                softcap=None, softcap_method="tanh", group_rule=group_rule)
+                                selection=selection, sink_pages=sink_pages,
+                                recent_pages=recent_pages, scale=scale, softcap=None,
+                                softcap_method="tanh", group_rule=group_rule)
     pages = _select_public(_with_impl(plan, impl), query.q, cache, users, layer)
     return pages if query.has_t else pages[:, 0]
 
@@ -245,9 +246,9 @@ def page_bounds(q, cache: PagedKVCache, users, *, scale=None, layer=None, impl="
     """
     view, layer = layer_view(cache, layer, "page_bounds")
     query, users, plan = _check("page_bounds", q, view, users, None, budget=None,
-                                gqa="per_head", selection="per_query", sink_pages=0, recent_pages=0, scale=scale,
-                                softcap=None, softcap_method="tanh",
-                                group_rule=DEFAULT_GROUP_RULE)
+                                gqa="per_head", selection="per_query", sink_pages=0,
+                                recent_pages=0, scale=scale, softcap=None,
+                                softcap_method="tanh", group_rule=DEFAULT_GROUP_RULE)
     bounds = _bounds_public(_with_impl(plan, impl), query.q, cache, users, layer)
     return bounds if query.has_t else bounds[:, 0]
 
@@ -291,7 +292,8 @@ class _Query:
 
 
 def _check(where, q, cache, users, self_kv, *, budget, gqa, selection, sink_pages,
-           recent_pages, scale, softcap, softcap_method, group_rule) -> tuple[_Query, jax.Array, _Plan]:
+           recent_pages, scale, softcap, softcap_method,
+           group_rule) -> tuple[_Query, jax.Array, _Plan]:
     check_cache(cache)
     users = check_users(users, cache, where)
     hkv, d, dv = cache.kv_heads, cache.head_dim, cache.v_head_dim
@@ -360,9 +362,9 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, selection, sink_page
     if not isinstance(group_rule, str) or group_rule not in GROUP_RULES:
         raise fail("RA209", f"group_rule={group_rule!r}; use one of "
                             f"{', '.join(map(repr, GROUP_RULES))}.")
-    plan = _Plan(pages=pages, gqa=gqa, selection=selection, group_rule=group_rule, sink_pages=int(sink_pages),
-                 recent_pages=int(recent_pages), scale=scale, softcap=softcap,
-                 softcap_method=softcap_method)
+    plan = _Plan(pages=pages, gqa=gqa, selection=selection, group_rule=group_rule,
+                 sink_pages=int(sink_pages), recent_pages=int(recent_pages), scale=scale,
+                 softcap=softcap, softcap_method=softcap_method)
     return _Query(q4, self4, has_t=len(shape) == 4, flat=len(shape) == 2), users, plan
 
 
