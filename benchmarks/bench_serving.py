@@ -669,13 +669,12 @@ G times that for `per_head`: section 6 shows the speed-up falling as T grows. Wi
 its attention is cheap, and what is left is the selection itself: at T = {CANDIDATES},
 `group` / `per_request` took {sweep[CANDIDATES]['shared_ms']:.3g} ms, of which the selection alone (page
 bounds of all {CANDIDATES} x {Q_HEADS} query rows against {big // PAGE} pages, the merge and the top-k) took
-{sweep[CANDIDATES]['select_ms']:.3g} ms ({sweep[CANDIDATES]['select_ms'] / sweep[CANDIDATES]['shared_ms']:.0%}), against {sweep[CANDIDATES]['dense_ms']:.3g} ms for dense attention. The bounds are
-two XLA matrix products per kv head, [{big // PAGE}, {HEAD_DIM}] x [{HEAD_DIM}, {CANDIDATES * Q_HEADS // KV_HEADS}], after gathering
-the pages' key min / max (1/8 of the keys' bytes at P = {PAGE}); XLA runs such
-narrow products well below the machine's matmul rate, which is what keeps the
-shared selection short of 5x here. A fused bounds kernel (the bounds as one
-product of [q+, q-] with the pages' [max; min], packed like the attention's key
-blocks) is the next step.
+{sweep[CANDIDATES]['select_ms']:.3g} ms ({sweep[CANDIDATES]['select_ms'] / sweep[CANDIDATES]['shared_ms']:.0%}), against {sweep[CANDIDATES]['dense_ms']:.3g} ms for dense attention. The bounds run
+on the cpu kernel as one product per kv head of the rows' [q+, q-] with the pages'
+key [max; min], [{CANDIDATES * Q_HEADS // KV_HEADS}, {2 * HEAD_DIM}] x [{2 * HEAD_DIM}, {big // PAGE}], read in place (1/8 of the keys' bytes
+at P = {PAGE}); the merge of the request's rows (a z-score per row) and XLA's top-k
+take the rest of the selection. Without the cpu kernel XLA computes the bounds as
+two narrower products instead.
 """
 
 

@@ -424,8 +424,9 @@ def _bounds(plan: _Plan, qs, cache: PagedKVCache, table, valid):
     it, as exact attention would) or report +inf.
 
     Float32 bounds run on the cpu kernel when ``plan.impl`` would attend with it (one
-    product of [q+, q-] with the pages' [max; min], read in place: XLA's two narrow products
-    measured 2-4x slower), else in XLA.
+    product of [q+, q-] with the pages' [max; min], read in place: page_bounds at 64K
+    tokens, 4 users x 12 candidates, 8 / 2 heads, D = 64 measured 16.9 ms with XLA's two
+    narrow products, 8.8 ms on the kernel), else in XLA.
     """
     if qs.dtype == cache.k_max.dtype == jnp.float32 and _on_cpu_kernel(plan):
         b, h, t, g, d = qs.shape
