@@ -47,7 +47,8 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
         rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64)) or
         rankattn.backends.PallasTriton(interpret=True), or a list of those,
         tried in order (the first that can run the call runs it), as
-        rankattn.plan's impl= takes.
+        rankattn.plan's impl= takes. None means 'auto', here and at every
+        entry point that takes impl= (plan, serving, phoenix, flax).
       sharding: a rankattn.Sharding(mesh, batch=, heads=, context=, strategy=)
         to run on a device mesh: B over the batch axes, Hq and Hkv over the
         head axes, S (and the segment ids) over the context axes, with the
@@ -148,7 +149,8 @@ def available_impls() -> list[str]:
 def resolve_impls(impl, argument: str = "impl") -> list[Backend]:
     """The backends ``impl`` names: 'auto', a name, a Backend instance, or a list of those.
 
-    'auto' gives every backend that can run on this machine. A name whose
+    'auto' (or None, the same at every entry point that takes ``impl``) gives
+    every backend that can run on this machine. A name whose
     backend cannot run here raises RA115 with the reasons; an instance is
     taken as it is (it may be lowered for another platform).
     """
@@ -156,7 +158,7 @@ def resolve_impls(impl, argument: str = "impl") -> list[Backend]:
         return [b for item in impl for b in resolve_impls(item, argument)]
     if isinstance(impl, Backend):
         return [impl]
-    if impl == "auto":
+    if impl is None or impl == "auto":
         return [b for b in BACKENDS.values() if not b.platform_reasons()]
     if isinstance(impl, str) and impl in BACKENDS:
         why = BACKENDS[impl].platform_reasons()

@@ -78,8 +78,8 @@ def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: b
       causal: as in :func:`rankattn.attention`.
       impl: the backends whose block lists to prepare, as ``attention``'s
         ``impl``: 'auto' (default: those ``impl='auto'`` can use on this
-        machine, ``rankattn.available_impls()``), a name, a backend instance,
-        or a list of those, e.g.
+        machine, ``rankattn.available_impls()``; None means the same), a name,
+        a backend instance, or a list of those, e.g.
         ``[rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64)), 'cpu']``.
       impls: the old name of ``impl``; raises RA125.
 
