@@ -154,6 +154,73 @@ def test_fa3_keeps_phoenix_signature():
         False, None, 1.0, -1.0, "tanh", 0.0)
 
 
+def test_fa3_traced_bound_regression():
+    """Regression: a bound traced under jit raised JAX's TracerArrayConversionError
+    (np.array(bound)). [4] and [B, 4] are clamped and emptied with jnp, as concrete ones."""
+    q, k, v, w = random_qkv(9, B, S, HQ, HKV, D, q_std=4.0)
+    rows = np.array([[-3, 13, 13, 40], [6, 2, 4, 19]], np.int32)  # past the ends; hi < lo
+    mask = oracle.phoenix_bounds_mask(np.clip(rows, 0, S), S, B)
+
+    def f(bound):
+        return lambda q, k, v: fa3.attention(q, k, v, None, bound=bound, sm_scale=SCALE)
+
+    def loss(bound, q, k, v):
+        return (f(bound)(q, k, v) * w).sum()
+
+    out = jax.jit(lambda b: f(b)(q, k, v))(rows)
+    grads = jax.jit(jax.grad(loss, (1, 2, 3)))(rows, q, k, v)
+    want = expected_with_grads(mask, q, k, v, w, sm_scale=SCALE)
+    check([out, *grads], [want[0], *want[2:]])
+    one = jax.jit(lambda b: f(b)(q, k, v))(rows[0])  # [4]: every batch row
+    assert_close_f32(one, expected_with_grads(oracle.phoenix_bounds_mask(
+        np.clip(rows[0], 0, S), S, B), q, k, v, w, sm_scale=SCALE)[0], "out [4]")
+    for bad in (np.zeros((B, 5), np.int32), np.zeros(4, np.float32)):  # refused, traced too
+        with pytest.raises(rankattn.RankattnTypeError, match="RA108") as err:
+            jax.jit(lambda b: f(b)(q, k, v))(bad)
+        assert_explained(err.value)
+
+
+def test_fa3_normalize_bound_regression():
+    """Regression (missing name): Phoenix's _normalize_bound(bound, batch_size, seq_len):
+    None or a (4,) bound, concrete or traced, to int32 [B, 4], values as given."""
+    for bound, row in ((None, [0, S + 1, S + 1, S + 1]), ((0, 13, 13, 30), [0, 13, 13, 30]),
+                       (np.array([2, 9, 9, 17], np.int64), [2, 9, 9, 17])):
+        got = fa3._normalize_bound(bound, 3, S)
+        assert got.dtype == jnp.int32 and got.shape == (3, 4)
+        np.testing.assert_array_equal(got, [row] * 3)
+    traced = jax.jit(lambda b: fa3._normalize_bound(b, 2, S))(jnp.array([0, 5, 5, 9]))
+    np.testing.assert_array_equal(traced, [[0, 5, 5, 9]] * 2)
+    for bad, fragment in (((0, 1, 2), "(3,)"), (np.zeros((2, 4), np.int32), "(2, 4)"),
+                          ((0.0, 5.0, 5.0, 9.0), "float64")):
+        with pytest.raises(rankattn.RankattnError, match="RA108") as err:
+            fa3._normalize_bound(bad, 2, S)
+        assert fragment in str(err.value)
+        assert_explained(err.value)
+
+
+@pytest.mark.parametrize("form", ["normalized", "rows", "none"])
+def test_fa3_attention_forward_inference_regression(form):
+    """Regression (missing name): Phoenix's inference forward, out only, takes the [B, 4] array
+    of _normalize_bound (traced here under jit), [B, 4] rows, or None (all history). A history
+    end off the block boundary (13) leaks nothing, unlike Phoenix's kernel."""
+    q, k, v, w = random_qkv(10, B, S, HQ, HKV, D, q_std=4.0)
+    options = dict(sm_scale=SCALE, cap=5.0, cap_method="soft_sign")
+    config = fa3.TuningConfig(64, 128, 2)
+    if form == "normalized":
+        bound = jnp.array([0, 13, 13, 19])
+        out = jax.jit(lambda b: fa3._attention_forward_inference(
+            q, k, v, config=config, bound=fa3._normalize_bound(b, B, S), **options))(bound)
+        mask = oracle.phoenix_bounds_mask((0, 13, 13, 19), S, B)
+    elif form == "rows":
+        rows = np.array([[0, 13, 13, 21], [1, 8, 8, 20]], np.int32)
+        out = fa3._attention_forward_inference(q, k, v, config, rows, **options)
+        mask = oracle.phoenix_bounds_mask(rows, S, B)
+    else:
+        out = fa3._attention_forward_inference(q, k, v, config, **options)
+        mask = np.ones((B, S, S), bool)
+    assert_close_f32(out, expected_with_grads(mask, q, k, v, w, **options)[0], "out")
+
+
 # --- v2 mha. ------------------------------------------------------------------------------
 
 V2_SEG = np.array([[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, 2, -1, -1, 0, 0, 0],
@@ -203,6 +270,20 @@ def test_v2_temp_that_cannot_be_honoured_is_never_silent():
                                                                  S + 5, axis=0)).all()
     with pytest.raises(rankattn.RankattnValueError, match="RA124"):
         v2.mha(q, k, v, np.ones((B, S + 1)), V2_SEG)
+
+
+def test_v2_mha_inference_gqa_regression():
+    """Regression (missing name): Phoenix's GQA inference forward takes K/V unrepeated and
+    computes v2's mask without causal: every non-padding query sees history, and a candidate
+    sees itself only (Phoenix's kernel lets it see the candidates in the last history block);
+    out only; temp after the cap."""
+    q, k, v, w = random_qkv(11, B, S, HQ, HKV, D, q_std=4.0)
+    temp = np.full((B, S), 1.5, np.float32)
+    options = dict(sm_scale=SCALE, cap=3.0, cap_method="tanh")
+    out = v2.mha_inference_gqa(q, k, v, temp, V2_SEG, **options)
+    want = expected_with_grads(v2_mask(V2_SEG, False), q, k, v, w, temp=temp, **options)
+    assert_close_f32(out, want[0], "out")
+    assert not np.asarray(out)[V2_SEG == 0].any()
 
 
 def test_v2_ignores_what_phoenix_ignores():

@@ -9,25 +9,45 @@ Phoenix model is an import change::
     from phoenix.xrex.pallas import ranker_attention_fa3      # before
     from rankattn.phoenix import ranker_attention_fa3         # after
 
-* :mod:`.ranker_attention_fa3` ``attention(q, k, v, config, ...)``: one static
-  ``bound = (hist_lo, hist_hi, cand_lo, cand_hi)`` for the batch, base-2 lse
-  residuals, z-loss.
-* :mod:`.ranker_attention_v2` ``mha(q, k, v, temp, segment_ids, ...)``: ids 1 /
-  -1 / 0 per token, one session per row, ``causal`` on every query, ``temp``.
-* :mod:`.ranker_attention_varlen` ``mha(q, k, v, temp, segment_ids, cu_seqlens_q,
-  cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``: sessions packed end to end in
-  ``[total, H, D]``.
+Every name Phoenix's own code (its model, phoenix/xrex/models/recsys_attention.py, and
+trainer, phoenix/xrex/train/trainer_recsys.py) takes from the three modules is here, with
+Phoenix's parameters; tests/test_phoenix_names.py holds that list with each use's file and
+line:
+
+* :mod:`.ranker_attention_fa3`: ``attention(q, k, v, config, ...)`` (one ``bound =
+  (hist_lo, hist_hi, cand_lo, cand_hi)`` for the batch, or ``[B, 4]``, concrete or traced;
+  base-2 lse residuals; z-loss), ``_attention_forward_inference(q, k, v, config, bound,
+  sm_scale, cap, cap_method)`` (the model's H100 inference path: out only),
+  ``_normalize_bound(bound, batch_size, seq_len)`` (None or ``(4,)`` to int32 ``[B, 4]``)
+  and ``TuningConfig``.
+* :mod:`.ranker_attention_v2`: ``mha(q, k, v, temp, segment_ids, ...)`` (ids 1 / -1 / 0
+  per token, one session per row, ``causal`` on every query, ``temp``) and
+  ``mha_inference_gqa(q, k, v, temp, segment_ids, ...)`` (the model's inference path off
+  H100: K/V not repeated, no ``causal``, out only).
+* :mod:`.ranker_attention_varlen`: ``mha(q, k, v, temp, segment_ids, cu_seqlens_q,
+  cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`` (sessions packed end to end in
+  ``[total, H, D]``), ``get_device_tuning_config()`` (whose ``block_q``, 128, sizes the
+  trainer's seqpack layout), ``TuningConfig``, ``HOPPER_CONFIG`` and ``BLACKWELL_CONFIG``.
 
 What each computes is Phoenix's mask function and reference semantics, not its
 kernels' accidents: no tile counted twice at unaligned or overlapping bounds
 (fa3's kernels do), 0 (never NaN) for rows that see nothing, no key read past
-the end for ``bound=None``. Underneath is :func:`rankattn.attention`: any shape
+the end for ``bound=None``. The two inference forwards differ most: Phoenix's
+fa3 one visits history key blocks unmasked, so at a history end off its 128-key
+block the first candidates leak into every row of the tile; its v2 one visits
+every key block up to the last holding history unmasked, so candidates in that
+block see each other (and padding keys there are seen). rankattn computes the
+mask function exactly in both. Underneath is :func:`rankattn.attention`: any shape
 and head dim, float32 / bfloat16 / float16, GQA everywhere, any backend (each
-function takes a keyword-only ``impl=``, as :func:`rankattn.attention` does).
+function takes a keyword-only ``impl=``, as :func:`rankattn.attention` does), and
+a gradient everywhere (Phoenix's inference kernels have none).
 Tuning options (Phoenix's ``TuningConfig``, block sizes, warps, stages, grids) are
 accepted and ignored: they size Phoenix's own Hopper / Triton tiles, and rankattn
 chooses its tiles per backend and GPU (``rankattn.backends.PallasTriton``), so
-mapping them over would only pick worse tiles.
+mapping them over would only pick worse tiles; ``get_device_tuning_config()``
+returns Phoenix's Hopper configuration without querying a GPU (Phoenix returns its
+Blackwell one on GB200 / GB300, with the same ``block_q``). Wrong bounds raise
+rankattn's RA108 (a ``TypeError``), where Phoenix raises a ``ValueError``.
 
 Conventions shared by the three (Phoenix file and line at 28e414f):
 

@@ -1,26 +1,31 @@
-"""Drop-in for Phoenix's ``ranker_attention_fa3.attention`` (phoenix/xrex/pallas/
-ranker_attention_fa3.py at x-algorithm 28e414f), computed by :func:`rankattn.attention`."""
+"""Drop-in for Phoenix's ``ranker_attention_fa3`` (phoenix/xrex/pallas/ranker_attention_fa3.py at
+x-algorithm 28e414f): the names Phoenix's own model code uses from it, computed by
+:func:`rankattn.attention`."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rankattn.api import attention as rankattn_attention
 from rankattn.errors import fail
 from rankattn.phoenix._shared import cap_options, with_z_loss
+from rankattn.validate import concrete
 
-__all__ = ["TuningConfig", "attention"]
+__all__ = ["TuningConfig", "attention", "_attention_forward_inference", "_normalize_bound"]
 
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
     """Phoenix's fa3 tuning fields (ranker_attention_fa3.py:43-75), for source compatibility.
 
-    :func:`attention` accepts and ignores it: the fields size Phoenix's Hopper warpgroup
-    tiles, and rankattn chooses its tiles per backend and GPU.
+    :func:`attention` and :func:`_attention_forward_inference` accept and ignore it: the fields
+    size Phoenix's Hopper warpgroup tiles, and rankattn chooses its tiles per backend and GPU.
+    (Phoenix also checks the block sizes in ``__post_init__``; nothing here depends on them.)
     """
 
     block_q: int
@@ -33,6 +38,34 @@ class TuningConfig:
     block_kv_dkv: int | None = None
     block_q_dq: int | None = None
     block_kv_dq: int | None = None
+
+    @property
+    def has_backward_blocks(self) -> bool:
+        """Whether the backward block sizes were given (Phoenix's property of that name)."""
+        return self.block_q_dkv is not None
+
+
+def _normalize_bound(bound, batch_size, seq_len):
+    """Phoenix's bound as one int32 row per batch row: [batch_size, 4].
+
+    As Phoenix (ranker_attention_fa3.py:406-412, called by its inference model at
+    phoenix/xrex/models/recsys_attention.py:127): ``None`` becomes
+    ``(0, seq_len + 1, seq_len + 1, seq_len + 1)`` (every token history), and a bound of shape
+    ``(4,)`` (a tuple, or an integer array, concrete or traced under ``jax.jit``) is cast to
+    int32 and broadcast; values are not clamped (the attention functions clamp them to
+    [0, S]). Any other shape raises RA108, as does a non-integer array (Phoenix raises a plain
+    ``ValueError`` for the shape and truncates floats).
+    """
+    if bound is None:
+        bound = (0, seq_len + 1, seq_len + 1, seq_len + 1)
+    bound = _as_array(bound)
+    if tuple(bound.shape) != (4,):
+        raise fail("RA108", f"bound has shape {tuple(bound.shape)}; _normalize_bound takes one "
+                            "(hist_lo, hist_hi, cand_lo, cand_hi) of shape (4,) (or None) and "
+                            f"broadcasts it to ({batch_size}, 4). Pass a 4-tuple, or give a "
+                            "[B, 4] array straight to _attention_forward_inference / attention.")
+    _check_integer(bound)
+    return jnp.broadcast_to(jnp.asarray(bound, jnp.int32), (batch_size, 4))
 
 
 def attention(q, k, v, config=None, save_residuals=False, bound=None, sm_scale=1.0, cap=-1.0,
@@ -48,13 +81,15 @@ def attention(q, k, v, config=None, save_residuals=False, bound=None, sm_scale=1
         (``log2 sum_j 2 ** (s_ij * log2 e)``, ranker_attention_fa3.py:386-401), -inf for
         rows that see nothing. Differentiable here (Phoenix's VJP returns ``out`` only).
       bound: ``(hist_lo, hist_hi, cand_lo, cand_hi)``, half-open ranges for every batch
-        row (ranker_attention_fa3.py:406-412); a [B, 4] array gives one per row. None is
-        Phoenix's ``(0, S + 1, S + 1, S + 1)``: every token history, full attention (no
-        mask; no phantom key past the end). Values are clamped to [0, S], and a range with hi < lo is empty. The mask is
-        Phoenix's ``history_candidate_mask`` (ranker_attention_utils.py:16-56): key j is
-        visible to query i iff j is history and i is in either range, or i == j is a
-        candidate; a token in both ranges is history, and a query in neither sees
-        nothing (out 0, where Phoenix's kernel can give NaN). A bound needs Sq == Skv.
+        row (ranker_attention_fa3.py:406-412); an int array [4] or [B, 4] (one row per batch
+        row) works too, concrete or traced under ``jax.jit`` (Phoenix's ``attention`` takes a
+        static tuple only). None is Phoenix's ``(0, S + 1, S + 1, S + 1)``: every token
+        history, full attention (no mask; no phantom key past the end). Values are clamped to
+        [0, S], and a range with hi < lo is empty. The mask is Phoenix's
+        ``history_candidate_mask`` (ranker_attention_utils.py:16-56): key j is visible to
+        query i iff j is history and i is in either range, or i == j is a candidate; a token
+        in both ranges is history, and a query in neither sees nothing (out 0, where
+        Phoenix's kernel can give NaN). A bound needs Sq == Skv.
       sm_scale: multiplies q . k before the cap (default 1.0: no 1 / sqrt(D)).
       cap, cap_method: ``cap <= 0`` or ``"none"``: no cap; ``"tanh"``:
         ``cap * tanh(s / cap)``; ``"soft_sign"``: ``s / (1 + |s| / cap)``.
@@ -66,22 +101,92 @@ def attention(q, k, v, config=None, save_residuals=False, bound=None, sm_scale=1
       out [B, Sq, Hq, D] in q's dtype, or ``(out, (lse,))`` with ``save_residuals``.
     """
     del config
-    seq_len = q.shape[1]
-    if bound is not None:
-        bound = np.clip(np.array(bound), 0, seq_len)
-        if bound.shape[-1:] != (4,) or bound.ndim > 2:
-            raise fail("RA108", f"bound has shape {bound.shape}; it must be (hist_lo, hist_hi, "
-                                "cand_lo, cand_hi), or one such row per batch row, [B, 4].")
-        # Phoenix's ranges are lo <= x < hi: one with hi < lo is empty (rankattn refuses it).
-        bound[..., 1::2] = np.maximum(bound[..., 1::2], bound[..., 0::2])
-        if ((bound[..., 0] == 0) & (bound[..., 1] == seq_len)).all():
-            bound = None  # every token is history (a token in both ranges is history)
-    options = dict(scale=float(sm_scale), impl=impl, **cap_options(cap, cap_method))
+    options = dict(bounds=_clamped(bound, q.shape[1]), scale=float(sm_scale), impl=impl,
+                   **cap_options(cap, cap_method))
 
     def outputs(q, k, v):
-        return rankattn_attention(q, k, v, bounds=bound, return_lse=True, **options)
+        return rankattn_attention(q, k, v, return_lse=True, **options)
 
     out, lse = with_z_loss(outputs, float(z_loss_weight), q, k, v)
     if save_residuals:
         return out, (lse * (1 / math.log(2)),)
     return out
+
+
+def _attention_forward_inference(q, k, v, config, bound=None, sm_scale=1.0, cap=-1.0,
+                                 cap_method="tanh", *, impl="auto"):
+    """Phoenix's fa3 inference forward (ranker_attention_fa3.py:1242-1508): out only.
+
+    Phoenix's inference model calls it on H100 with the ``[B, 4]`` array of
+    :func:`_normalize_bound` (phoenix/xrex/models/recsys_attention.py:126-137).
+
+    Args:
+      q, k, v, config, sm_scale, cap, cap_method, impl: as :func:`attention` (config is
+        accepted and ignored; Phoenix's kernel also needs Skv a multiple of block_kv and Sq
+        of 2 * block_q, which rankattn does not).
+      bound: an int array [B, 4] (what :func:`_normalize_bound` returns) or [4], or a
+        4-tuple, concrete or traced under ``jax.jit``; None is every token history (Phoenix's
+        kernel cannot take None). Clamped to [0, S] as in :func:`attention`.
+
+    Returns:
+      out [B, Sq, Hq, D] in q's dtype: Phoenix's mask function computed exactly, as
+      :func:`attention` computes it (differentiable here; Phoenix's kernel has no VJP).
+
+    Where Phoenix's kernel differs: it visits the history key blocks (``block_kv`` = 128 in
+    its model) without a mask, so when ``hist_hi`` is not a multiple of the block, every query
+    of a 128-row tile holding any history or candidate row also sees the keys from ``hist_hi``
+    to the end of that block (candidates), and a candidate there counts its own key twice
+    (once unmasked, once on the diagonal); rows in neither range inside such a tile see the
+    history instead of nothing. Its model puts ``hist_hi`` at 1 + 1024 (user prefix + history)
+    in 1152 tokens: the last block is key 1024 and all 127 candidates, so there every
+    candidate sees every other. rankattn computes the mask function exactly, here too.
+    """
+    del config
+    return attention(q, k, v, None, False, bound, sm_scale, cap, cap_method, impl=impl)
+
+
+def _as_array(bound):
+    """bound as an array: itself if it is one (tracers included), else numpy, or jnp when the
+    tuple holds traced values; RA108 for a ragged nesting."""
+    if hasattr(bound, "shape") and hasattr(bound, "dtype"):
+        return bound
+    try:
+        return np.asarray(bound)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return jnp.asarray(bound)
+    except (TypeError, ValueError):
+        raise fail("RA108", f"bound {bound!r} is not a rectangular integer array; pass "
+                            "(hist_lo, hist_hi, cand_lo, cand_hi) or an int array [B, 4]."
+                   ) from None
+
+
+def _check_integer(bound):
+    if not jnp.issubdtype(bound.dtype, jnp.integer):
+        raise fail("RA108", f"bound has dtype {bound.dtype}; it must be integer positions "
+                            "(hist_lo, hist_hi, cand_lo, cand_hi). Pass ints, or cast with "
+                            ".astype(jnp.int32).")
+
+
+def _clamped(bound, seq_len: int):
+    """bound as rankattn's ``bounds=``: None when every token is history (concrete only), else
+    an int array [4] or [B, 4] clamped to [0, seq_len] with each hi raised to its lo (an empty
+    range). Concrete bounds stay numpy (rankattn checks their values); traced ones use jnp."""
+    if bound is None:
+        return None
+    bound = _as_array(bound)
+    if bound.ndim not in (1, 2) or bound.shape[-1] != 4:
+        raise fail("RA108", f"bound has shape {tuple(bound.shape)}; it must be (hist_lo, "
+                            "hist_hi, cand_lo, cand_hi), shape (4,), or one such row per batch "
+                            "row, [B, 4].")
+    _check_integer(bound)
+    values = concrete(bound)
+    if values is None:  # traced under jit: the same arithmetic in jnp
+        lo = jnp.clip(bound[..., 0::2].astype(jnp.int32), 0, seq_len)
+        hi = jnp.maximum(jnp.clip(bound[..., 1::2].astype(jnp.int32), 0, seq_len), lo)
+        return jnp.stack([lo, hi], axis=-1).reshape(bound.shape)
+    bound = np.clip(values.astype(np.int64), 0, seq_len)
+    # Phoenix's ranges are lo <= x < hi: one with hi < lo is empty (rankattn refuses it).
+    bound[..., 1::2] = np.maximum(bound[..., 1::2], bound[..., 0::2])
+    if ((bound[..., 0] == 0) & (bound[..., 1] == seq_len)).all():
+        return None  # every token is history (a token in both ranges is history)
+    return bound.astype(np.int32)

@@ -11,7 +11,7 @@ from rankattn.errors import fail
 from rankattn.phoenix._shared import attend, cap_options, with_z_loss
 from rankattn.validate import concrete
 
-__all__ = ["mha"]
+__all__ = ["mha", "mha_inference_gqa"]
 
 
 def mha(q, k, v, temp, segment_ids, sm_scale=1.0, cap=-1.0, cap_method="tanh", causal=True,
@@ -50,6 +50,45 @@ def mha(q, k, v, temp, segment_ids, sm_scale=1.0, cap=-1.0, cap_method="tanh", c
     """
     del (window_len, block_q_fwd, block_k_fwd, block_q_bwd_dq, block_k_bwd_dq, block_q_bwd_dkv,
          block_k_bwd_dkv, backward_pass_impl, num_warps, num_stages, grid, interpret, debug)
+    return _attend(q, k, v, temp, segment_ids, sm_scale, cap, cap_method, causal,
+                   z_loss_weight, impl)
+
+
+def mha_inference_gqa(q, k, v, temp, segment_ids, sm_scale=1.0, cap=-1.0, cap_method="tanh",
+                      block_q=128, block_k=128, num_warps=None, num_stages=2, interpret=False,
+                      debug=False, *, impl="auto"):
+    """Phoenix's v2 inference forward with grouped K/V (ranker_attention_v2.py:328-412).
+
+    Phoenix's inference model calls it off H100 (phoenix/xrex/models/recsys_attention.py:
+    140-151) with K/V not repeated: query head h reads kv head h // (Hq // Hkv), as here.
+
+    Args:
+      q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] with Hq a multiple of Hkv; float32 / bfloat16 /
+        float16, any S and D (Phoenix: S a multiple of its blocks).
+      temp, segment_ids, sm_scale, cap, cap_method: as :func:`mha`. The mask is :func:`mha`'s
+        with ``causal=False`` (Phoenix's function has no ``causal``): key j is visible to
+        query i iff i is not padding and j is history (id 1) or j == i.
+      block_q, block_k, num_warps, num_stages, interpret, debug: Phoenix's kernel options;
+        accepted and ignored.
+      impl: rankattn's backend choice, as in :func:`rankattn.attention`.
+
+    Returns:
+      out [B, S, Hq, D] in q's dtype (only ``out``, as Phoenix; differentiable here, where
+      Phoenix's kernel has no VJP).
+
+    Where Phoenix's kernel differs: it visits every key block up to the last one holding a
+    history token (``block_k`` = 128) without a key mask, so every non-padding query also
+    sees the candidate and padding keys inside those blocks: candidates in the last history
+    block see the other candidates there (in its model, 1 + 1024 history tokens in 1152, that
+    block holds every candidate), and left padding in those blocks is seen by everyone.
+    rankattn computes the mask above exactly.
+    """
+    del block_q, block_k, num_warps, num_stages, interpret, debug
+    return _attend(q, k, v, temp, segment_ids, sm_scale, cap, cap_method, False, 0.0, impl)
+
+
+def _attend(q, k, v, temp, segment_ids, sm_scale, cap, cap_method, causal, z_loss_weight, impl):
+    """out of Phoenix's v2 mask function with ``temp`` on the capped logits."""
     options = cap_options(cap, cap_method)
     if np.shape(temp) != q.shape[:2]:
         raise fail("RA124", f"temp has shape {np.shape(temp)}; it must be [B, S] = {q.shape[:2]}, "

@@ -12,7 +12,7 @@ from rankattn.errors import fail
 from rankattn.phoenix._shared import attend, cap_options, with_z_loss
 from rankattn.validate import concrete
 
-__all__ = ["BLACKWELL_CONFIG", "HOPPER_CONFIG", "TuningConfig", "mha"]
+__all__ = ["BLACKWELL_CONFIG", "HOPPER_CONFIG", "TuningConfig", "get_device_tuning_config", "mha"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,20 @@ class TuningConfig:
 # Phoenix's two named configurations (ranker_attention_varlen.py:41-65), ignored like any other.
 HOPPER_CONFIG = TuningConfig(128, 128, 8, 2, 128, 16, 16, 128, 8, 4)
 BLACKWELL_CONFIG = TuningConfig(128, 64, 8, 2, 128, 16, 16, 64, 8, 4)
+
+
+def get_device_tuning_config() -> TuningConfig:
+    """:data:`HOPPER_CONFIG`, what Phoenix's function of this name returns off Blackwell.
+
+    Phoenix (ranker_attention_varlen.py:68-72) returns :data:`BLACKWELL_CONFIG` when
+    ``xrex.utils.gpu.gpu_arch()`` is GB200 or GB300 (read from ``MACHINE_TYPE`` or the CUDA
+    driver) and :data:`HOPPER_CONFIG` otherwise (H100, H200, A100, CPU). Its trainer reads
+    only ``.block_q`` from it, as the seqpack block size that session lengths are padded to
+    (phoenix/xrex/train/trainer_recsys.py:1694-1697); that is 128 in both configurations, so
+    the data layout does not depend on the GPU. The two differ only in key block sizes,
+    which :func:`mha` ignores, so this returns the Hopper one without querying a GPU.
+    """
+    return HOPPER_CONFIG
 
 
 def mha(q, k, v, temp, segment_ids, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
