@@ -165,6 +165,7 @@ def bounds(batch: int, seq: int, broadcast: bool):
 
 
 MASKS = ("none", "segment_ids", "bounds_rows", "bounds_broadcast")
+MULTIPLIERS = ("none", "rows", "heads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +188,11 @@ class Case:
     scale: float | None = None
     seed: int = 0
     positive: bool = False             # q and the loss weight w drawn as |N(0, std)|
+    multiplier: str = "none"           # logit_multiplier: "none", "rows" [B, Sq], "heads" [B, Sq, Hq]
 
     def __post_init__(self):
         assert self.mask in MASKS, self.mask
+        assert self.multiplier in MULTIPLIERS, self.multiplier
         assert self.mask != "none" or self.mask_values is None, "mask values without a mask"
 
     def with_mask(self, values) -> Case:
@@ -201,6 +204,18 @@ class Case:
         q, k, v, w = random_qkv(self.seed, self.batch, self.seq, self.heads_q, self.heads_kv,
                                 self.dim, self.dim_v, self.kv_seq)
         return (np.abs(q), k, v, np.abs(w)) if self.positive else (q, k, v, w)
+
+    def logit_multiplier(self):
+        """float32 numpy [B, Sq] ("rows") or [B, Sq, Hq] ("heads") from the seed, or None:
+        factors in [-1, 2] with exact 0 and 1 among them (a row of equal logits, the plain
+        softmax)."""
+        if self.multiplier == "none":
+            return None
+        shape = (self.batch, self.seq) + ((self.heads_q,) if self.multiplier == "heads" else ())
+        rng = np.random.default_rng(self.seed + 7)
+        t = rng.uniform(-1.0, 2.0, shape)
+        t = np.where(rng.random(shape) < 0.1, 0.0, np.where(rng.random(shape) < 0.2, 1.0, t))
+        return t.astype(np.float32)
 
     def mask_arg(self):
         """(keyword, int32 numpy array) for rankattn.attention, or (None, None)."""
@@ -225,6 +240,7 @@ class Case:
         return oracle.mask_dense(seg, self.causal)
 
     def options(self):
+        """The static options of rankattn.attention (the logit multiplier is an array)."""
         return dict(causal=self.causal, scale=self.scale, softcap=self.softcap,
                     softcap_method=self.softcap_method)
 
@@ -247,11 +263,12 @@ def objective(out, lse, w):
 
 @functools.partial(jax.jit, static_argnames=("impl", "mask_kw", "causal", "scale", "softcap",
                                              "softcap_method"))
-def _outputs_and_grads(q, k, v, w, mask, *, impl, mask_kw, **options):
+def _outputs_and_grads(q, k, v, w, mask, multiplier, *, impl, mask_kw, **options):
     kwargs = {mask_kw: mask} if mask_kw else {}
 
     def loss(q, k, v):
-        out, lse = rankattn.attention(q, k, v, **kwargs, **options, return_lse=True, impl=impl)
+        out, lse = rankattn.attention(q, k, v, **kwargs, **options, logit_multiplier=multiplier,
+                                      return_lse=True, impl=impl)
         return objective(out, lse, w), (out, lse)
 
     (_, (out, lse)), (dq, dk, dv) = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
@@ -298,7 +315,8 @@ def run(case: Case, impl, dtype=None, check_dtypes: bool = True) -> dict[str, np
     q, k, v, w = rounded_values(case)
     q, k, v = (x.astype(run_dtype) for x in (q, k, v))
     mask_kw, mask = case.mask_arg()
-    res = _outputs_and_grads(q, k, v, w, mask, impl=impl, mask_kw=mask_kw, **case.options())
+    res = _outputs_and_grads(q, k, v, w, mask, case.logit_multiplier(), impl=impl,
+                             mask_kw=mask_kw, **case.options())
     for name, x in res.items():
         want = np.promote_types(run_dtype, np.float32) if name == "lse" else run_dtype
         assert x.dtype == want or not check_dtypes, f"{name} has dtype {x.dtype}, expected {want}"
@@ -311,7 +329,8 @@ def oracle_results(case: Case) -> dict:
     q, k, v, w = rounded_values(case)
     return oracle.attention(q, k, v, case.dense_mask(), w=w, lse_weight=LSE_WEIGHT,
                             scale=case.scale, softcap_value=case.softcap,
-                            softcap_method=case.softcap_method, magnitudes=True)
+                            softcap_method=case.softcap_method,
+                            logit_multiplier=case.logit_multiplier(), magnitudes=True)
 
 
 def n_terms(case: Case) -> int:

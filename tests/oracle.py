@@ -10,9 +10,10 @@ Nothing here imports rankattn. The spec, quoted:
     (or causal).
 
     logits: (q . k) * scale (default 1/sqrt(D)), then softcap (tanh:
-    c * tanh(s / c); soft_sign: s / (1 + |s| / c)), then mask, softmax. A query
-    with no visible key: out 0, lse -inf. GQA: q head h uses kv head
-    h // (Hq // Hkv).
+    c * tanh(s / c); soft_sign: s / (1 + |s| / c)), then times the query's
+    logit multiplier t (per query, or per query and head; default 1), then
+    mask, softmax. A query with no visible key: out 0, lse -inf. GQA: q head h
+    uses kv head h // (Hq // Hkv). t gets no gradient.
 
 `attention_loops` is a literal double loop over (i, j) for tiny shapes and is
 the ground truth of tests/test_oracle.py. `mask_dense` is a vectorised numpy
@@ -106,16 +107,27 @@ def softcap(s, cap, method: str):
     raise ValueError(method)
 
 
-def attention_loops(q, k, v, mask, *, scale=None, softcap_value=None, softcap_method="tanh"):
+def multiplier_rows(logit_multiplier, batch: int, q_len: int, q_heads: int) -> np.ndarray:
+    """float64 [B, Sq, Hq] from a multiplier [B, Sq] or [B, Sq, Hq] (None: ones)."""
+    if logit_multiplier is None:
+        return np.ones((batch, q_len, q_heads))
+    t = np.asarray(logit_multiplier, np.float64)
+    return np.broadcast_to(t[:, :, None] if t.ndim == 2 else t, (batch, q_len, q_heads))
+
+
+def attention_loops(q, k, v, mask, *, scale=None, softcap_value=None, softcap_method="tanh",
+                    logit_multiplier=None):
     """out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] in float64, one (i, j) pair at a time.
 
-    ``mask`` is bool [B, Sq, Skv] (from `mask_loops`, `no_mask` or `mask_dense`).
+    ``mask`` is bool [B, Sq, Skv] (from `mask_loops`, `no_mask` or `mask_dense`);
+    ``logit_multiplier`` [B, Sq] or [B, Sq, Hq], or None.
     """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, sq, hq, d = q.shape
     skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
     scale = 1 / math.sqrt(d) if scale is None else scale
+    t = multiplier_rows(logit_multiplier, b, sq, hq)
     out = np.zeros((b, sq, hq, dv))
     lse = np.full((b, hq, sq), -np.inf)
     for r in range(b):
@@ -126,7 +138,7 @@ def attention_loops(q, k, v, mask, *, scale=None, softcap_value=None, softcap_me
                 for j in range(skv):
                     if mask[r, i, j]:
                         s = float(np.dot(q[r, i, h], k[r, j, kvh])) * scale
-                        logits.append(softcap(s, softcap_value, softcap_method))
+                        logits.append(t[r, i, h] * softcap(s, softcap_value, softcap_method))
                         values.append(v[r, j, kvh])
                 if not logits:
                     continue
@@ -183,10 +195,12 @@ def softcap_grad(s, cap, method: str):
 
 
 def attention(q, k, v, mask, *, w=None, lse_weight: float = 0.0, d_lse=None, scale=None,
-              softcap_value=None, softcap_method="tanh", magnitudes: bool = False):
+              softcap_value=None, softcap_method="tanh", logit_multiplier=None,
+              magnitudes: bool = False):
     """Forward and (with ``w``) backward in float64, vectorised; a dict of numpy arrays.
 
-    q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], mask bool [B, Sq, Skv].
+    q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], mask bool [B, Sq, Skv],
+    logit_multiplier [B, Sq] or [B, Sq, Hq] or None.
     ``w`` is the cotangent of out, and the lse cotangent is ``2 * lse_weight * lse`` on rows
     that see a key (the derivative of ``loss``), plus ``d_lse`` [B, Hq, Sq] when given.
     Keys: out, lse (and dq, dk, dv with ``w``). With ``magnitudes``, also ``terms`` and
@@ -201,8 +215,11 @@ def attention(q, k, v, mask, *, w=None, lse_weight: float = 0.0, d_lse=None, sca
     qg = q.reshape(b, sq, hkv, g, d)
     m4 = np.asarray(mask, bool)[:, None, None]                          # [B, 1, 1, Sq, Skv]
 
+    # The multiplier as [B, Hkv, G, Sq, 1], against the logits [B, Hkv, G, Sq, Skv].
+    t = multiplier_rows(logit_multiplier, b, sq, hq).reshape(b, sq, hkv, g)
+    t = t.transpose(0, 2, 3, 1)[..., None]
     s = scale * np.einsum("bihgd,bjhd->bhgij", qg, k)
-    c = softcap(s, softcap_value, softcap_method)
+    c = t * softcap(s, softcap_value, softcap_method)
     m = np.where(m4, c, -np.inf).max(-1, keepdims=True)
     seen = np.isfinite(m)
     m = np.where(seen, m, 0.0)
@@ -221,10 +238,10 @@ def attention(q, k, v, mask, *, w=None, lse_weight: float = 0.0, d_lse=None, sca
         dl = dl + np.asarray(d_lse, np.float64).reshape(b, hkv, g, sq)
     # d out_i / d c_ij = p_ij (v_j - out_i) and d lse_i / d c_ij = p_ij, so with
     # dp_ij = do_i . v_j and delta_i = do_i . out_i the logit cotangent is
-    # p_ij (dp_ij - delta_i + dlse_i), times the cap's derivative for s.
+    # p_ij (dp_ij - delta_i + dlse_i), times d c / d s: the cap's derivative times t.
     dp = np.einsum("bihgd,bjhd->bhgij", do, v)
     delta = np.einsum("bihgd,bihgd->bhgi", do, out)
-    cg = softcap_grad(s, softcap_value, softcap_method)
+    cg = t * softcap_grad(s, softcap_value, softcap_method)
     ds = p * (dp - delta[..., None] + dl[..., None]) * cg
     res["dq"] = (scale * np.einsum("bhgij,bjhd->bihgd", ds, k)).reshape(b, sq, hq, d)
     res["dk"] = scale * np.einsum("bhgij,bihgd->bjhd", ds, qg)
@@ -244,7 +261,7 @@ def attention(q, k, v, mask, *, w=None, lse_weight: float = 0.0, d_lse=None, sca
     lbar = (p * lc).sum(-1)
     amp = 1 + lc + lbar[..., None]
     if softcap_value is not None:  # the cap's slope moves by up to 2 / cap per unit of logit
-        amp = amp + 2 * big_l / softcap_value
+        amp = amp + 2 * big_l * np.abs(t) / softcap_value
     dp_t = np.einsum("bihgd,bjhd->bhgij", ado, av)
     delta_t = np.einsum("bihgd,bihgd->bhgi", ado, np.abs(out))
     # ds itself, plus what rounding out moves it by (through delta); the float math's

@@ -158,6 +158,8 @@ ERROR_CASES = [
      ["[0, 5, 3]", "non-decreasing", "T = 8"]),
     ("plan-impls", "RA125", V, lambda: rankattn.plan(segment_ids=SEG, impls=["xla"]),
      ["impls=['xla']", "impl=['xla']"]),
+    ("multiplier-shape", "RA127", T, lambda: attend(logit_multiplier=np.ones((2, 7))),
+     ["logit_multiplier", "(2, 7)", "[B, Sq] = (2, 8)"]),
     ("phoenix-temp-varies", "RA124", V,
      lambda: rankattn.phoenix.ranker_attention_v2.mha(
          x(), x(h=1), x(h=1), np.arange(16.0).reshape(2, 8), SEG, cap=5.0),

@@ -96,6 +96,11 @@ ORACLE_CASES = [
     Case(batch=1, seq=6, heads_q=2, heads_kv=1, dim=4, causal=True, softcap=1.5),
     Case(batch=2, seq=3, kv_seq=7, heads_q=2, heads_kv=1, dim=4, dim_v=6),
     _segments(Case(batch=1, seq=1, heads_q=1, heads_kv=1, dim=3, mask="segment_ids"), "packed"),
+    _segments(Case(batch=2, seq=7, heads_q=2, heads_kv=1, dim=4, mask="segment_ids", softcap=2.0,
+                   multiplier="rows", seed=5), "packed"),
+    _segments(Case(batch=1, seq=8, heads_q=4, heads_kv=2, dim=4, mask="segment_ids",
+                   softcap=2.0, softcap_method="soft_sign", multiplier="heads", seed=6),
+              "interleaved"),
 ]
 
 
@@ -113,7 +118,8 @@ def _loop_mask(case: Case):
 
 
 def _oracle_kwargs(case: Case):
-    return dict(scale=case.scale, softcap_value=case.softcap, softcap_method=case.softcap_method)
+    return dict(scale=case.scale, softcap_value=case.softcap, softcap_method=case.softcap_method,
+                logit_multiplier=case.logit_multiplier())
 
 
 @pytest.mark.parametrize("case", ORACLE_CASES, ids=case_id)
@@ -126,7 +132,8 @@ def test_reference_forward_matches_oracle(case):
 
 
 # Finite differences of the float64 loop need tiny tensors.
-GRAD_CASES = [dataclasses.replace(c, dim=3, dim_v=2) for c in ORACLE_CASES[:4] + ORACLE_CASES[5:9]]
+GRAD_CASES = [dataclasses.replace(c, dim=3, dim_v=2)
+              for c in ORACLE_CASES[:4] + ORACLE_CASES[5:9] + ORACLE_CASES[10:]]
 
 
 @pytest.mark.parametrize("case", GRAD_CASES, ids=case_id)

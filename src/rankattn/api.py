@@ -12,7 +12,8 @@ from rankattn.validate import AttentionCall, check_attention_args, check_static_
 
 
 def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=None, softcap=None,
-              softcap_method="tanh", return_lse=False, impl="auto", plan=None, sharding=None):
+              softcap_method="tanh", logit_multiplier=None, return_lse=False, impl="auto",
+              plan=None, sharding=None):
     """Candidate-isolation attention for ranking transformers.
 
     Args:
@@ -36,6 +37,13 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
       softcap: optional positive cap c applied after scaling: 'tanh' gives
         c * tanh(s / c), 'soft_sign' gives s / (1 + |s| / c).
       softcap_method: 'tanh' or 'soft_sign'.
+      logit_multiplier: optional real array [B, Sq] (one factor per query) or
+        [B, Sq, Hq] (per query and head), any int or float dtype, used as float32:
+        query i's logits become t_i * cap(scale * q_i . k_j), after the cap, on
+        every key it sees (a candidate's own key included); lse includes it
+        (Phoenix's per-query ``temp``). It gets no gradient (as in Phoenix); dq,
+        dk and dv account for it. May be traced. A non-finite factor poisons its
+        query like a non-finite q (out and lse NaN where it sees a key).
       return_lse: also return the natural-log log-sum-exp of each query row.
       plan: a rankattn.plan(...) of this batch's mask, built once and reused
         by every layer (then segment_ids, bounds and causal are not given).
@@ -76,7 +84,7 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
     return_lse = check_static_bool("return_lse", return_lse)
     call = check_attention_args(q, k, v, segment_ids=segment_ids, bounds=bounds, causal=causal,
                                 scale=scale, softcap=softcap, softcap_method=softcap_method,
-                                plan=plan)
+                                plan=plan, logit_multiplier=logit_multiplier)
     if sharding is None:
         out, lse = select_backend(impl, call)(call)
     else:

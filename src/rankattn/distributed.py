@@ -73,8 +73,23 @@ def _shard_map(f, mesh, in_specs, out_specs):
     # the map and would need jax.lax.pcast (formerly pvary, renamed across the jax versions
     # we support) to type-check, and the custom VJP's outputs are per-device by construction.
     # The tests compare every sharded result with a single-device run instead.
-    return _shard_map_impl(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                           **{_CHECK: False})
+    mapped = _shard_map_impl(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             **{_CHECK: False})
+
+    def placed(*args):  # called under jit
+        return mapped(*jax.tree.map(lambda spec, x: _place(x, mesh, spec), in_specs, args,
+                                    is_leaf=lambda spec: isinstance(spec, P)))
+    return placed
+
+
+def _place(x, mesh: Mesh, spec: P):
+    """``x`` laid out as ``spec`` says, under jit. A mesh with Explicit axes (the default of
+    ``jax.make_mesh`` since jax 0.7) makes shard_map refuse inputs laid out otherwise;
+    reshard is the only move allowed there, and with_sharding_constraint on Auto axes."""
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    if explicit is not None and explicit in getattr(mesh, "axis_types", ()):
+        return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
 
 Axes = tuple[str, ...]
@@ -222,19 +237,21 @@ def choose_strategy(call: AttentionCall, sharding: Sharding) -> str:
 def local_call(call: AttentionCall, sharding: Sharding, strategy: str | None) -> AttentionCall:
     """The call one device's kernel sees (shapes only), to choose and check the backend."""
     def local(x, key_length=None):
-        b, s, h, d = x.shape
+        b, s, h, *d = x.shape
         s = s // sharding.size(sharding.context) if key_length is None else key_length
         return jax.ShapeDtypeStruct((b // sharding.size(sharding.batch), s,
-                                     h // sharding.size(sharding.heads), d), x.dtype)
+                                     h // sharding.size(sharding.heads), *d), x.dtype)
 
+    multiplier = None if call.logit_multiplier is None else local(call.logit_multiplier)
     if not sharding.context:
-        return dataclasses.replace(call, q=local(call.q), k=local(call.k), v=local(call.v))
+        return dataclasses.replace(call, q=local(call.q), k=local(call.k), v=local(call.v),
+                                   logit_multiplier=multiplier)
     key_length = call.k.shape[1] if strategy == "all_gather" else None  # gathered: all of S
     q, k = local(call.q), local(call.k, key_length)
     queries = jax.ShapeDtypeStruct(q.shape[:2], jnp.int32)
     keys = jax.ShapeDtypeStruct(k.shape[:2], jnp.int32)
     return dataclasses.replace(call, q=q, k=k, v=local(call.v, k.shape[1]),
-                               segment_ids=queries, plan=None,
+                               segment_ids=queries, plan=None, logit_multiplier=multiplier,
                                shard_mask=semantics.ShardMask(keys, queries, keys))
 
 
@@ -275,11 +292,12 @@ def _rows(x):
     return jnp.swapaxes(x, 1, 2)[..., None]
 
 
-def own_key_partial(call, q, k, v, segment_ids):
+def own_key_partial(call, q, k, v, segment_ids, multiplier=None):
     """Each candidate's logit on its own key, as a partial (out, lse) for merge_partials.
 
     ``call`` gives scale, softcap and softcap_method (an AttentionCall, or serving's
-    plan for a candidate's self term).
+    plan for a candidate's self term); ``multiplier``: the queries' logit multiplier
+    (float32 [B, S, Hq], finite) or None.
 
     q [B, S, Hq, D], k / v [B, S, Hkv, D / Dv] of the same tokens. For a candidate
     (segment id < 0) out = its own v and lse = its capped, scaled logit; other tokens
@@ -295,6 +313,8 @@ def own_key_partial(call, q, k, v, segment_ids):
     grouped = q.reshape(b, s, hkv, group, d)
     logits = (grouped * k[:, :, :, None]).sum(-1).reshape(b, s, hq) * call.scale
     logits = semantics.softcap(logits, call.softcap, call.softcap_method)
+    if multiplier is not None:
+        logits = logits * multiplier.astype(acc)
     bad = q_bad | jnp.repeat(k_bad | v_bad, group, axis=2)          # [B, S, Hq]
     is_cand = (segment_ids < 0)[:, :, None]
     lse = jnp.where(is_cand, jnp.where(bad, jnp.nan, logits), -jnp.inf).transpose(0, 2, 1)
@@ -398,15 +418,17 @@ def from_balanced(x, axes: Axes, n: int, axis: int = 1):
 
 
 def _history_kernel(backend, call: AttentionCall):
-    """kernel(q, seg_q, pos_q, k, v, seg_k, pos_k) -> (out, lse): the history part on a shard."""
-    def kernel(q, seg_q, pos_q, k, v, seg_k, pos_k):
+    """kernel(q, mult, seg_q, pos_q, k, v, seg_k, pos_k) -> (out, lse): the history part on a
+    shard (mult: the queries' logit multiplier or None)."""
+    def kernel(q, mult, seg_q, pos_q, k, v, seg_k, pos_k):
         shard = dataclasses.replace(call, q=q, k=k, v=v, segment_ids=seg_q, plan=None,
+                                    logit_multiplier=mult,
                                     shard_mask=semantics.ShardMask(seg_k, pos_q, pos_k))
         return backend(shard)
     return kernel
 
 
-def ring_history(kernel, axes: Axes, n: int, q, seg_q, pos_q, k, v, seg_k, pos_k):
+def ring_history(kernel, axes: Axes, n: int, q, mult, seg_q, pos_q, k, v, seg_k, pos_k):
     """History part of this device's queries against every device's keys, passed in a ring.
 
     Step t computes against the block of device (i - t) mod n while the next block is
@@ -417,26 +439,26 @@ def ring_history(kernel, axes: Axes, n: int, q, seg_q, pos_q, k, v, seg_k, pos_k
     def send(tree):
         return jax.tree.map(lambda x: jax.lax.ppermute(x, axes, ring), tree)
 
-    def forward(q, seg_q, pos_q, k, v, seg_k, pos_k):
+    def forward(q, mult, seg_q, pos_q, k, v, seg_k, pos_k):
         def step(carry, _):
             block, running = carry
             block = send(block)
-            return (block, merge_partials([running, kernel(q, seg_q, pos_q, *block)])), None
+            return (block, merge_partials([running, kernel(q, mult, seg_q, pos_q, *block)])), None
 
-        first = merge_partials([kernel(q, seg_q, pos_q, k, v, seg_k, pos_k)])
+        first = merge_partials([kernel(q, mult, seg_q, pos_q, k, v, seg_k, pos_k)])
         (_, result), _ = jax.lax.scan(step, ((k, v, seg_k, pos_k), first), None, length=n - 1)
         return result
 
     @jax.custom_vjp
-    def history(q, seg_q, pos_q, k, v, seg_k, pos_k):
-        return forward(q, seg_q, pos_q, k, v, seg_k, pos_k)
+    def history(q, mult, seg_q, pos_q, k, v, seg_k, pos_k):
+        return forward(q, mult, seg_q, pos_q, k, v, seg_k, pos_k)
 
-    def history_fwd(q, seg_q, pos_q, k, v, seg_k, pos_k):
-        out, lse = forward(q, seg_q, pos_q, k, v, seg_k, pos_k)
-        return (out, lse), (q, seg_q, pos_q, k, v, seg_k, pos_k, out, lse)
+    def history_fwd(q, mult, seg_q, pos_q, k, v, seg_k, pos_k):
+        out, lse = forward(q, mult, seg_q, pos_q, k, v, seg_k, pos_k)
+        return (out, lse), (q, mult, seg_q, pos_q, k, v, seg_k, pos_k, out, lse)
 
     def history_bwd(residuals, cotangents):
-        q, seg_q, pos_q, k, v, seg_k, pos_k, out, lse = residuals
+        q, mult, seg_q, pos_q, k, v, seg_k, pos_k, out, lse = residuals
         d_out, d_lse = cotangents
         # <d_out, out> per row, once: the steps then need no [B, S, H, Dv] copy of out.
         d_out_dot_out = jnp.swapaxes((d_out * out).sum(-1), 1, 2)
@@ -451,7 +473,7 @@ def ring_history(kernel, axes: Axes, n: int, q, seg_q, pos_q, k, v, seg_k, pos_k
             """
             k_b, v_b, seg_b, pos_b = block
             (out_t, lse_t), pullback = jax.vjp(
-                lambda q, k, v: kernel(q, seg_q, pos_q, k, v, seg_b, pos_b), q, k_b, v_b)
+                lambda q, k, v: kernel(q, mult, seg_q, pos_q, k, v, seg_b, pos_b), q, k_b, v_b)
             # Rows that see nothing here (lse_t -inf) or are poisoned (lse NaN: they pass
             # no gradient) get weight 0, and where() keeps their NaNs out of the products.
             used = (lse_t != -jnp.inf) & ~jnp.isnan(lse)
@@ -474,19 +496,19 @@ def ring_history(kernel, axes: Axes, n: int, q, seg_q, pos_q, k, v, seg_k, pos_k
         zeros = lambda x: jnp.zeros(x.shape, acc)
         carry = ((k, v, seg_k, pos_k), (zeros(k), zeros(v)), zeros(q))
         (_, (dk, dv), dq), _ = jax.lax.scan(step, carry, None, length=n)
-        return (dq.astype(q.dtype), None, None, dk.astype(k.dtype), dv.astype(v.dtype), None,
-                None)
+        return (dq.astype(q.dtype), None, None, None, dk.astype(k.dtype), dv.astype(v.dtype),
+                None, None)
 
     history.defvjp(history_fwd, history_bwd)
-    return history(q, seg_q, pos_q, k, v, seg_k, pos_k)
+    return history(q, mult, seg_q, pos_q, k, v, seg_k, pos_k)
 
 
-def gathered_history(kernel, axes: Axes, n: int, q, seg_q, pos_q, k, v, seg_k, pos_k):
+def gathered_history(kernel, axes: Axes, n: int, q, mult, seg_q, pos_q, k, v, seg_k, pos_k):
     """History part against K / V all-gathered over ``axes`` (autodiff reduce-scatters dK / dV)."""
     def gather(x):
         return jax.lax.all_gather(x, axes, axis=1, tiled=True)
 
-    out, lse = kernel(q, seg_q, pos_q, gather(k), gather(v), gather(seg_k), gather(pos_k))
+    out, lse = kernel(q, mult, seg_q, pos_q, gather(k), gather(v), gather(seg_k), gather(pos_k))
     return merge_partials([(out, lse)])
 
 
@@ -498,20 +520,22 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
     batch, heads, context = sharding.batch, sharding.heads, sharding.context
     qkv_spec = _spec(batch, context, heads, ())
     lse_spec = _spec(batch, heads, context)
+    multiplier = call.logit_multiplier  # [B, S, Hq], split like q
+    mult_spec = None if multiplier is None else _spec(batch, context, heads)
     if not context:
         # Every device runs the whole mask on its rows and heads; a plan's lists are
         # per row, so they are split over the batch like everything else.
-        def body(q, k, v, segment_ids, plan):
+        def body(q, k, v, segment_ids, plan, mult):
             return backend(dataclasses.replace(call, q=q, k=k, v=v, segment_ids=segment_ids,
-                                               plan=plan))
+                                               plan=plan, logit_multiplier=mult))
 
         row_spec = _spec(batch)
         plan_spec = None if call.plan is None else jax.tree.map(lambda _: row_spec, call.plan)
         seg_spec = None if call.segment_ids is None else row_spec
         mapped = _shard_map(body, sharding.mesh, (qkv_spec, qkv_spec, qkv_spec, seg_spec,
-                                                  plan_spec), (qkv_spec, lse_spec))
+                                                  plan_spec, mult_spec), (qkv_spec, lse_spec))
         # jit: called eagerly, a shard_map would run its body op by op.
-        return jax.jit(mapped)(call.q, call.k, call.v, call.segment_ids, call.plan)
+        return jax.jit(mapped)(call.q, call.k, call.v, call.segment_ids, call.plan, multiplier)
 
     n = sharding.size(context)
     b, s = call.q.shape[:2]
@@ -523,7 +547,7 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
     if segment_ids is None:  # no mask: every token is history of one session
         segment_ids = jnp.ones((b, s), jnp.int32)
 
-    def body(q, k, v, seg):
+    def body(q, k, v, seg, mult):
         index = jax.lax.axis_index(context)
         local = q.shape[1]
         rows = lambda pos: jnp.broadcast_to(pos, seg.shape)
@@ -531,37 +555,40 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
         if not balance:  # each device's tokens sit where the layout says
             pos = rows(balanced_positions(index, n, local)) if sharding.balanced_layout \
                 else contiguous
-            part = history(kernel, context, n, q, seg, pos, k, v, seg, pos)
-            return add_own_keys(call, part, q, k, v, seg)
+            part = history(kernel, context, n, q, mult, seg, pos, k, v, seg, pos)
+            return add_own_keys(call, part, q, k, v, seg, mult)
         q_b, seg_b = to_balanced(q, context, n), to_balanced(seg, context, n)
+        mult_b = None if mult is None else to_balanced(mult, context, n)
         pos_b = rows(balanced_positions(index, n, local))
         if strategy == "ring":  # K / V in the same order, so every ring step is balanced too
-            part = history(kernel, context, n, q_b, seg_b, pos_b, to_balanced(k, context, n),
-                           to_balanced(v, context, n), seg_b, pos_b)
+            part = history(kernel, context, n, q_b, mult_b, seg_b, pos_b,
+                           to_balanced(k, context, n), to_balanced(v, context, n), seg_b, pos_b)
         else:  # the gathered keys' order does not matter: positions say where they are
-            part = history(kernel, context, n, q_b, seg_b, pos_b, k, v, seg, contiguous)
+            part = history(kernel, context, n, q_b, mult_b, seg_b, pos_b, k, v, seg, contiguous)
         part = (from_balanced(part[0], context, n), from_balanced(part[1], context, n, axis=2))
-        return add_own_keys(call, part, q, k, v, seg)
+        return add_own_keys(call, part, q, k, v, seg, mult)
 
     seg_spec = _spec(batch, context)
-    mapped = _shard_map(body, sharding.mesh, (qkv_spec, qkv_spec, qkv_spec, seg_spec),
+    mapped = _shard_map(body, sharding.mesh, (qkv_spec, qkv_spec, qkv_spec, seg_spec, mult_spec),
                         (qkv_spec, lse_spec))
-    return jax.jit(mapped)(call.q, call.k, call.v, segment_ids)
+    return jax.jit(mapped)(call.q, call.k, call.v, segment_ids, multiplier)
 
 
-def add_own_keys(call: AttentionCall, history, q, k, v, segment_ids):
-    """The final (out in q's dtype, lse float32 or float64): the history part merged with the own keys.
+def add_own_keys(call: AttentionCall, history, q, k, v, segment_ids, multiplier=None):
+    """The final (out in q's dtype, lse float32 or float64): the history part merged with the
+    own keys (``multiplier``: the queries' logit multiplier or None).
 
     Under jax.checkpoint, so the backward recomputes these elementwise terms instead of
     keeping them: otherwise autodiff would save the own-key partial's out, a
     [B, S, Hq, Dv] float32 copy of v, per layer.
     """
     @jax.checkpoint
-    def merged(history, q, k, v, segment_ids):
-        out, lse = merge_partials([history, own_key_partial(call, q, k, v, segment_ids)])
+    def merged(history, q, k, v, segment_ids, multiplier):
+        own = own_key_partial(call, q, k, v, segment_ids, multiplier)
+        out, lse = merge_partials([history, own])
         return out.astype(call.q.dtype), lse.astype(jnp.promote_types(call.q.dtype, jnp.float32))
 
-    return merged(history, q, k, v, segment_ids)
+    return merged(history, q, k, v, segment_ids, multiplier)
 
 
 def compiled_collectives(hlo_text: str) -> dict[str, int]:

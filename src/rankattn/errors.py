@@ -32,6 +32,12 @@ class RankattnTypeError(RankattnError, TypeError):
     """An argument has a type or dtype rankattn cannot use."""
 
 
+class RankattnRuntimeError(RankattnError, RuntimeError):
+    """A compiled kernel failed while it ran (RA126). The kernel cannot raise a Python exception:
+    JAX raises its own ``jax.errors.JaxRuntimeError``, also a RuntimeError, whose message starts
+    with the code; this class is that kind's entry in the catalog."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ErrorKind:
     code: str
@@ -200,6 +206,26 @@ _KINDS = [
         "the backends (Xla(block_sizes, True)) were earlier spellings.",
         "Use the spelling the message names: plan(..., impl=[...]); Xla(block_sizes, "
         "mixed_precision=..., step_logits_bytes=...)."),
+    ErrorKind(
+        "RA126", "the cpu kernel could not allocate memory",
+        "The fused cpu kernel (impl='cpu', and serving's scoring on CPU) allocates its buffers "
+        "while a call runs: K and V (in the backward also Q and dO) repacked into panels, up to "
+        "RANKATTN_CPU_BACKWARD_MB of dS in the backward, and a few blocks of scratch per thread "
+        "(the README's cpu backend section lists them). One allocation failed, and the message "
+        "names its size: the call computed nothing, and the process and later calls are "
+        "unaffected. JAX raises it as its jax.errors.JaxRuntimeError (RESOURCE_EXHAUSTED) when "
+        "the result is used.",
+        "Lower RANKATTN_CPU_BACKWARD_MB (default 1024: the backward then runs in more chunks, "
+        "with the same results), pass a smaller batch or fewer tokens per call, or lower "
+        "RANKATTN_CPU_THREADS (each thread keeps scratch of its own); or raise the memory limit "
+        "the process runs under (ulimit -v, a container's limit).",
+        RankattnRuntimeError),
+    ErrorKind(
+        "RA127", "logit_multiplier has the wrong shape or dtype",
+        "attention(logit_multiplier=t) multiplies query i's logits after the cap by t_i: one "
+        "real factor per query, [B, Sq], or per query and head, [B, Sq, Hq].",
+        "Pass an int or float array shaped [B, Sq] or [B, Sq, Hq] (e.g. Phoenix's temp), or "
+        "None for no multiplier.", RankattnTypeError),
     # --- The Flax NNX adapter, rankattn.flax (RA3xx). ------------------------------------------
     # Listed here rather than registered by rankattn.flax, which imports flax: the catalog and
     # docs/errors.md must not depend on an optional package being installed.

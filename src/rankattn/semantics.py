@@ -25,13 +25,15 @@ candidate; a token in both ranges sees every history key and is seen by every
 query of either range, as a history token is. Concrete and traced bounds follow
 the same rule.
 
-Logits: ``s = (q . k) * scale``, then the soft cap, then the mask, then a
-softmax over the visible keys. A query with no visible key has output 0 and
-log-sum-exp ``-inf``.
+Logits: ``s = (q . k) * scale``, then the soft cap, then the query's logit
+multiplier ``t`` (``rankattn.attention(logit_multiplier=)``, 1 when not given:
+``s = t_i * cap(scale * q_i . k_j)``, the candidate's own key included), then the
+mask, then a softmax over the visible keys; lse includes ``t``, and ``t`` gets no
+gradient. A query with no visible key has output 0 and log-sum-exp ``-inf``.
 
 Non-finite inputs (NaN, +-inf) stay where they are: a query is *poisoned* when
-it sees at least one key and its own q (in its head) or the k or v of a key it
-sees (in its kv head) holds a non-finite value. A poisoned query gets out and
+it sees at least one key and its own q or logit multiplier (in its head) or the k
+or v of a key it sees (in its kv head) holds a non-finite value. A poisoned query gets out and
 lse NaN and passes no gradient; every other query's results are exactly those
 of a run where the bad values are finite. Backends get there by computing on
 sanitised operands (non-finite entries replaced by 0, so a masked pair never
@@ -164,6 +166,13 @@ def split_nonfinite(x):
     that see it NaN; a masked entry is replaced by -inf whatever its value.
     """
     return finite(x), jnp.where(nonfinite(x), jnp.nan, 0.0).astype(jnp.float32)
+
+
+def poison_multiplied_rows(q, multiplier):
+    """(q, finite(multiplier)) with q NaN in the rows and heads whose multiplier [B, Sq, Hq] is
+    not finite: such a query is poisoned like one with a non-finite q, by every backend."""
+    bad = ~jnp.isfinite(multiplier)
+    return jnp.where(bad[..., None], jnp.nan, q).astype(q.dtype), finite(multiplier)
 
 
 def poison_rows(out, lse, q_poison):

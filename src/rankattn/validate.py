@@ -38,6 +38,9 @@ class AttentionCall:
     # Set only by rankattn.distributed for the per-shard kernel: the keys' segment ids and
     # global positions; the call then computes the history part of the mask only.
     shard_mask: semantics.ShardMask | None = None
+    # float32 [B, Sq, Hq], finite, no gradient: each query's factor on its logits after the
+    # cap (semantics.logits); None = 1.
+    logit_multiplier: jax.Array | None = None
 
 
 def concrete(x) -> np.ndarray | None:
@@ -69,7 +72,7 @@ def check_static_bool(name: str, value) -> bool:
 
 
 def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap,
-                         softcap_method, plan=None) -> AttentionCall:
+                         softcap_method, plan=None, logit_multiplier=None) -> AttentionCall:
     _check_tensor("q", q, "[B, Sq, Hq, D]")
     _check_tensor("k", k, "[B, Skv, Hkv, D]")
     _check_tensor("v", v, "[B, Skv, Hkv, Dv]")
@@ -124,8 +127,31 @@ def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap
         segment_ids, causal = check_mask_args(segment_ids, bounds, causal, b, sq)
 
     scale, softcap = check_logit_options(scale, softcap, softcap_method, d)
+    multiplier = None
+    if logit_multiplier is not None:
+        q, multiplier = semantics.poison_multiplied_rows(
+            q, _check_logit_multiplier(logit_multiplier, b, sq, hq))
     return AttentionCall(q=q, k=k, v=v, segment_ids=segment_ids, causal=causal, scale=scale,
-                         softcap=softcap, softcap_method=softcap_method, plan=plan)
+                         softcap=softcap, softcap_method=softcap_method, plan=plan,
+                         logit_multiplier=multiplier)
+
+
+def _check_logit_multiplier(x, batch: int, q_len: int, q_heads: int):
+    """The multiplier as float32 [B, Sq, Hq] with no gradient, from [B, Sq] or [B, Sq, Hq]."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    real = jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.floating)
+    if not real:
+        raise fail("RA127", f"logit_multiplier has dtype {x.dtype}; it must be a real array "
+                            "(int or float), one factor per query. Cast it with "
+                            ".astype(jnp.float32).")
+    if tuple(x.shape) not in ((batch, q_len), (batch, q_len, q_heads)):
+        raise fail("RA127", f"logit_multiplier has shape {tuple(x.shape)}; it must be "
+                            f"[B, Sq] = ({batch}, {q_len}), one factor per query, or "
+                            f"[B, Sq, Hq] = ({batch}, {q_len}, {q_heads}), one per query and "
+                            "head.")
+    x = jax.lax.stop_gradient(jnp.asarray(x).astype(jnp.float32))
+    return jnp.broadcast_to(x[:, :, None] if x.ndim == 2 else x, (batch, q_len, q_heads))
 
 
 def check_logit_options(scale, softcap, softcap_method, head_dim: int):

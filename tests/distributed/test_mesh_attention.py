@@ -60,21 +60,28 @@ def inputs(batch: int, seed: int):
 
 @functools.cache
 def run(sharding, causal: bool, softcap, impl: str = "auto"):
-    """A jitted (q, k, v, seg, d_out, d_lse) -> (out, lse, dq, dk, dv)."""
-    def f(q, k, v, seg, d_out, d_lse):
+    """A jitted (q, k, v, seg, d_out, d_lse, logit multiplier or None) -> (out, lse, dq, dk,
+    dv)."""
+    def f(q, k, v, seg, d_out, d_lse, multiplier=None):
         def attend(q, k, v):
             return rankattn.attention(q, k, v, segment_ids=seg, causal=causal, softcap=softcap,
-                                      return_lse=True, impl=impl, sharding=sharding)
+                                      logit_multiplier=multiplier, return_lse=True, impl=impl,
+                                      sharding=sharding)
         (out, lse), pullback = jax.vjp(attend, q, k, v)
         return (out, lse) + pullback((d_out, d_lse))
     return jax.jit(f)
 
 
-def check_against_one_device(sharding, batch, causal, softcap=None, seed=0, impl="auto"):
+def check_against_one_device(sharding, batch, causal, softcap=None, seed=0, impl="auto",
+                             multiplier=False):
+    """``multiplier``: also pass a logit multiplier [B, S, Hq] (values in [-1, 2])."""
     q, k, v, d_out, d_lse = inputs(batch, seed)
     seg = edge_rows(batch, seed)
-    want = run(None, causal, softcap)(q, k, v, seg, d_out, d_lse)
-    got = run(sharding, causal, softcap, impl)(q, k, v, seg, d_out, d_lse)
+    t = None
+    if multiplier:
+        t = np.random.default_rng(seed).uniform(-1, 2, (batch, S, HQ)).astype(np.float32)
+    want = run(None, causal, softcap)(q, k, v, seg, d_out, d_lse, t)
+    got = run(sharding, causal, softcap, impl)(q, k, v, seg, d_out, d_lse, t)
     names = ("out", "lse", "dq", "dk", "dv")
     for name, w, g in zip(names, want, got):
         w, g = np.asarray(w), np.asarray(g)
@@ -118,6 +125,29 @@ def test_context_sharding_matches_one_device(mesh_name, causal, strategy):
 
 def test_batch_sharding_matches_one_device():
     check_against_one_device(rankattn.Sharding(mesh(data=8), batch="data"), batch=8, causal=True)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_meshes_of_jax_make_mesh_work(strategy):
+    """Regression: jax.make_mesh gives Explicit axes (jax >= 0.7), whose shard_map refused
+    unsharded inputs with a JAX ValueError; the inputs are now resharded first."""
+    explicit = jax.make_mesh((2, 4), ("data", "ctx"))
+    check_against_one_device(rankattn.Sharding(explicit, batch="data", context="ctx",
+                                               strategy=strategy), batch=2, causal=True)
+
+
+@pytest.mark.parametrize("mesh_name, strategy", [("context8", "ring"),
+                                                 ("data2-heads2-context2", "all_gather")])
+def test_logit_multiplier_on_shards(mesh_name, strategy):
+    """Each device gets its queries' multipliers, moved with them into the causal balanced
+    order, and the candidates' own keys take them too."""
+    base = CONTEXT_MESHES[mesh_name]()
+    sharding = rankattn.Sharding(base.mesh, batch=base.batch, heads=base.heads,
+                                 context=base.context, strategy=strategy)
+    check_against_one_device(sharding, batch=2, causal=True, softcap=2.0, multiplier=True)
+    check_against_one_device(rankattn.Sharding(mesh(data=2, heads=2, ctx=2), batch="data",
+                                               heads="heads"), batch=2, causal=False,
+                             multiplier=True)
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])

@@ -210,6 +210,8 @@ class Cpu(Backend):
         if not any(call.q.dtype == d for d in SUPPORTED_DTYPES):
             return [f"cpu: inputs are {call.q.dtype}; the fused kernel takes float32, bfloat16 "
                     "or float16 (use impl='xla' for float64)"]
+        if call.logit_multiplier is not None:
+            return ["cpu: logit_multiplier is not in the fused kernel yet; use impl='xla'"]
         return self._library_reasons()
 
     @staticmethod

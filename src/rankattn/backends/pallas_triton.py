@@ -177,6 +177,7 @@ class _Static:
     softcap: float | None
     softcap_method: str
     own_key: bool  # self-attention with a mask: candidates add their own key
+    multiplied: bool  # a logit multiplier per query row follows the cap (one more input)
     block_q: int
     block_k: int
     group: int  # query heads per kv head
@@ -247,20 +248,32 @@ def _logits(st: _Static, q, k):
     return semantics.softcap(s, st.softcap, st.softcap_method) * LOG2E, s
 
 
-def _own_logits(st: _Static, q, k_own, seg_q, poison=0.0):
-    """Each candidate's logit on its own key: (base-2 logits plus the key's poison, masked to
-    -inf off candidates, scaled logits before the cap), per row."""
+def _times(x, multiplier):
+    """x times the rows' logit multiplier (shaped to broadcast against x), or x (None)."""
+    return x if multiplier is None else x * multiplier
+
+
+def _own_logits(st: _Static, q, k_own, seg_q, poison=0.0, multiplier=None):
+    """Each candidate's logit on its own key: (base-2 logits, times the row's multiplier, plus
+    the key's poison, masked to -inf off candidates; scaled logits before the cap), per row."""
     s = (q.astype(jnp.float32) * k_own.astype(jnp.float32)).sum(1) * st.scale
-    s2 = semantics.softcap(s, st.softcap, st.softcap_method) * LOG2E + poison
+    s2 = _times(semantics.softcap(s, st.softcap, st.softcap_method) * LOG2E, multiplier) + poison
     return jnp.where(seg_q < 0, s2, -jnp.inf), s
 
 
-def _ds(st: _Static, p, dp, delta, s):
-    """d loss / d (q . k) from p, dp = dO . v and delta, with the cap's derivative and the scale."""
+def _ds(st: _Static, p, dp, delta, s, multiplier=None):
+    """d loss / d (q . k) from p, dp = dO . v and delta, with the cap's derivative, the rows'
+    logit multiplier and the scale."""
     ds = p * (dp - delta)
     if st.softcap is not None:
         ds = ds * semantics.softcap_grad(s, st.softcap, st.softcap_method)
-    return ds * st.scale
+    return _times(ds, multiplier) * st.scale
+
+
+def _multiplier_ref(st: _Static, refs):
+    """(the logit multiplier's ref or None, the other refs): the kernels take it as one more
+    input after their own, when ``st.multiplied``."""
+    return (refs[0], refs[1:]) if st.multiplied else (None, refs)
 
 
 def _lse2(lse):
@@ -300,7 +313,9 @@ def _rows(start, size):
 
 
 def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k_ref,
-                    v_ref, poison_ref, out_ref, lse_ref, *, st: _Static):
+                    v_ref, poison_ref, *refs, st: _Static):
+    mult_ref, (out_ref, lse_ref) = _multiplier_ref(st, refs)
+    mult = None if mult_ref is None else mult_ref[...]  # [bq]
     q_start = pl.program_id(0) * st.block_q
     q = q_ref[...]
     seg_q = seg_q_ref[_rows(q_start, st.block_q)]
@@ -318,6 +333,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_r
     def block(j, masked, carry):
         keys = _rows(j * st.block_k, st.block_k)
         s, _ = _logits(st, q, k_ref[keys, :])
+        s = _times(s, None if mult is None else mult[:, None])
         s = s + poison_ref[keys][None, :]  # NaN for keys whose k or v is non-finite
         if masked:
             s = jnp.where(_mask(st, seg_q, seg_k_ref[keys], q_start, j * st.block_k), s, -jnp.inf)
@@ -330,7 +346,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_r
 
     if st.own_key:  # the own-key logit joins the softmax as one more column
         own = _rows(q_start, st.block_q)
-        s_own, _ = _own_logits(st, q, k_ref[own, :], seg_q, poison_ref[own])
+        s_own, _ = _own_logits(st, q, k_ref[own, :], seg_q, poison_ref[own], mult)
         m_new = jnp.maximum(m, s_own)
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p_own = jnp.exp2(s_own - shift)
@@ -371,21 +387,24 @@ def _query_block(i, b, h):
     return b, i, h, 0
 
 
-def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison):
+def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
     """out [B, nQ*bq, Hq, Dv] (q's dtype) and lse [B, Hq, nQ*bq] float32, on padded inputs.
 
     poison [B, Hkv, S_pad]: 0, or NaN for a key whose k or v is non-finite; added to the
     logits so that exactly the rows that see such a key become NaN (rankattn.semantics).
+    multiplier: float32 [B, Hq, S_pad] (with ``st.multiplied``) or None.
     """
     b, s_pad, hq, _ = q.shape
     dv = v.shape[-1]
     grid, in_specs = _query_block_specs(st, q, v, plan)
     bq, rows = st.block_q, grid[0] * st.block_q
+    extra_specs, extra = _multiplier_inputs(st, multiplier)
     return pl.pallas_call(
         functools.partial(_forward_kernel, st=st),
         grid=grid,
         in_specs=in_specs + [pl.BlockSpec((None, None, s_pad),
-                                          lambda i, b_, h: (b_, h // st.group, 0))],
+                                          lambda i, b_, h: (b_, h // st.group, 0))]
+        + extra_specs,
         out_specs=[
             pl.BlockSpec((None, bq, None, dv), _query_block),
             pl.BlockSpec((None, None, bq), _query_rows),
@@ -394,18 +413,28 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison):
                    jax.ShapeDtypeStruct((b, hq, rows), jnp.float32)],
         name="rankattn_forward",
         **st.launch(),
-    )(plan.kv_index, plan.full_count, plan.count, *seg, q, k, v, poison)
+    )(plan.kv_index, plan.full_count, plan.count, *seg, q, k, v, poison, *extra)
 
 
 def _query_rows(i, b, h):
     return b, h, i
 
 
+def _multiplier_inputs(st: _Static, multiplier, spec=None):
+    """([its BlockSpec], [multiplier]) when ``st.multiplied``, else ([], []). ``spec``: the
+    block of [B, Hq, S_pad] a program reads (default: its query block's rows)."""
+    if not st.multiplied:
+        return [], []
+    return [spec or pl.BlockSpec((None, None, st.block_q), _query_rows)], [multiplier]
+
+
 # --- Backward: dq. --------------------------------------------------------------
 
 
 def _dq_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref,
-               do_ref, lse_ref, delta_ref, dq_ref, *, st: _Static):
+               do_ref, lse_ref, delta_ref, *refs, st: _Static):
+    mult_ref, (dq_ref,) = _multiplier_ref(st, refs)
+    mult = None if mult_ref is None else mult_ref[...]  # [bq]
     q_start = pl.program_id(0) * st.block_q
     q, do = q_ref[...], do_ref[...]
     seg_q = seg_q_ref[_rows(q_start, st.block_q)]
@@ -417,11 +446,13 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
         keys = _rows(j * st.block_k, st.block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
         s2, s = _logits(st, q, k)
+        row_mult = None if mult is None else mult[:, None]
+        s2 = _times(s2, row_mult)
         if masked:
             mask = _mask(st, seg_q, seg_k_ref[keys], q_start, j * st.block_k)
             s2 = jnp.where(mask, s2, -jnp.inf)
         p = jnp.exp2(s2 - lse2[:, None])
-        ds = _ds(st, p, _dot(st, do, v), delta[:, None], s)
+        ds = _ds(st, p, _dot(st, do, v), delta[:, None], s, row_mult)
         return dq + _dot(st, ds.astype(k.dtype), k, (1, 0))
 
     dq = _two_loops(kv_index_ref, full_ref[...], count_ref[...], block,
@@ -429,36 +460,38 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
     if st.own_key:
         own = _rows(q_start, st.block_q)
         k_own, v_own = k_ref[own, :].astype(jnp.float32), v_ref[own, :].astype(jnp.float32)
-        s2, s = _own_logits(st, q, k_own, seg_q)
+        s2, s = _own_logits(st, q, k_own, seg_q, multiplier=mult)
         p = jnp.exp2(s2 - lse2)
-        ds = _ds(st, p, (do.astype(jnp.float32) * v_own).sum(1), delta, s)
+        ds = _ds(st, p, (do.astype(jnp.float32) * v_own).sum(1), delta, s, mult)
         dq = dq + ds[:, None] * k_own
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
+def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
     """dq [B, S_pad, Hq, D] (rows past nQ * bq are never written; the caller drops them)."""
     bq = st.block_q
     grid, in_specs = _query_block_specs(st, q, v, plan)
+    extra_specs, extra = _multiplier_inputs(st, multiplier)
     return pl.pallas_call(
         functools.partial(_dq_kernel, st=st),
         grid=grid,
         in_specs=in_specs + [pl.BlockSpec((None, bq, None, v.shape[-1]), _query_block),
                              pl.BlockSpec((None, None, bq), _query_rows),
-                             pl.BlockSpec((None, None, bq), _query_rows)],
+                             pl.BlockSpec((None, None, bq), _query_rows)] + extra_specs,
         out_specs=pl.BlockSpec((None, bq, None, q.shape[-1]), _query_block),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="rankattn_dq",
         **st.launch(),
-    )(plan.kv_index, plan.full_count, plan.count, *seg, q, k, v, d_out, lse, delta)
+    )(plan.kv_index, plan.full_count, plan.count, *seg, q, k, v, d_out, lse, delta, *extra)
 
 
 # --- Backward: dk and dv. ---------------------------------------------------------
 
 
 def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref,
-                do_ref, lse_ref, delta_ref, *out_refs, st: _Static, grads: tuple[str, ...]):
+                do_ref, lse_ref, delta_ref, *refs, st: _Static, grads: tuple[str, ...]):
     """The key block's gradients named in ``grads`` ("dk", "dv" or both), in that order."""
+    mult_ref, out_refs = _multiplier_ref(st, refs)
     k_start = pl.program_id(0) * st.block_k
     keys = _rows(k_start, st.block_k)
     k, v = k_ref[...], v_ref[...]
@@ -476,6 +509,8 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
             queries = _rows(i * st.block_q, st.block_q)
             q, do = q_ref[queries, g, :], do_ref[queries, g, :]
             s2, s = _logits(st, *((k, q) if st.key_major else (q, k)))
+            row_mult = None if mult_ref is None else per_query(mult_ref[g, queries])
+            s2 = _times(s2, row_mult)
             if masked:
                 mask = _mask(st, seg_q_ref[queries], seg_k, i * st.block_q, k_start,
                              st.key_major)
@@ -486,7 +521,7 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
                 acc["dv"] = acc["dv"] + _dot(st, p.astype(do.dtype), do, (query_axis, 0))
             if "dk" in acc:
                 dp = _dot(st, v, do) if st.key_major else _dot(st, do, v)
-                ds = _ds(st, p, dp, per_query(delta_ref[g, queries]), s)
+                ds = _ds(st, p, dp, per_query(delta_ref[g, queries]), s, row_mult)
                 acc["dk"] = acc["dk"] + _dot(st, ds.astype(q.dtype), q, (query_axis, 0))
             return acc
 
@@ -495,12 +530,14 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
             q = q_ref[keys, g, :].astype(jnp.float32)
             do = do_ref[keys, g, :].astype(jnp.float32)
             lse = lse_ref[g, keys]
-            s2, s = _own_logits(st, q, k, seg_q_ref[keys])
+            own_mult = None if mult_ref is None else mult_ref[g, keys]
+            s2, s = _own_logits(st, q, k, seg_q_ref[keys], multiplier=own_mult)
             p = jnp.exp2(s2 - _lse2(lse))
             if "dv" in acc:
                 acc["dv"] = acc["dv"] + p[:, None] * do
             if "dk" in acc:
-                ds = _ds(st, p, (do * v.astype(jnp.float32)).sum(1), delta_ref[g, keys], s)
+                ds = _ds(st, p, (do * v.astype(jnp.float32)).sum(1), delta_ref[g, keys], s,
+                         own_mult)
                 acc["dk"] = acc["dk"] + ds[:, None] * q
         return acc
 
@@ -511,17 +548,17 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
         ref[...] = acc[name].astype(ref.dtype)
 
 
-def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta):
+def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
     """dk, dv [B, S_pad, Hkv, D / Dv] (rows past nK * bk are never written): one kernel, or
     with ``st.split_dkv`` one kernel each (half the accumulators, p computed twice)."""
+    args = (q, k, v, seg, plan, d_out, lse, delta, multiplier)
     if st.split_dkv:
-        return (_dkv_call(st, ("dk",), q, k, v, seg, plan, d_out, lse, delta)[0],
-                _dkv_call(st, ("dv",), q, k, v, seg, plan, d_out, lse, delta)[0])
-    return tuple(_dkv_call(st, ("dk", "dv"), q, k, v, seg, plan, d_out, lse, delta))
+        return _dkv_call(st, ("dk",), *args)[0], _dkv_call(st, ("dv",), *args)[0]
+    return tuple(_dkv_call(st, ("dk", "dv"), *args))
 
 
 def _dkv_call(st: _Static, grads: tuple[str, ...], q, k, v, seg, plan: BlockPlan, d_out, lse,
-              delta):
+              delta, multiplier):
     b, s_pad, hkv, d = k.shape
     dv = v.shape[-1]
     n_k = plan.q_index.shape[1]
@@ -532,6 +569,8 @@ def _dkv_call(st: _Static, grads: tuple[str, ...], q, k, v, seg, plan: BlockPlan
     group = lambda j, b_, h: (b_, 0, h, 0)  # the G query heads of kv head h
     group_rows = lambda j, b_, h: (b_, h, 0)
     like = dict(dk=k, dv=v)
+    extra_specs, extra = _multiplier_inputs(st, multiplier,
+                                            pl.BlockSpec((None, g, s_pad), group_rows))
     return pl.pallas_call(
         functools.partial(_dkv_kernel, st=st, grads=grads),
         grid=(n_k, b, hkv),
@@ -547,29 +586,29 @@ def _dkv_call(st: _Static, grads: tuple[str, ...], q, k, v, seg, plan: BlockPlan
             pl.BlockSpec((None, s_pad, g, dv), group),
             pl.BlockSpec((None, g, s_pad), group_rows),
             pl.BlockSpec((None, g, s_pad), group_rows),
-        ],
+        ] + extra_specs,
         out_specs=[pl.BlockSpec((None, bk, None, like[n].shape[-1]), key_block) for n in grads],
         out_shape=[jax.ShapeDtypeStruct(like[n].shape, like[n].dtype) for n in grads],
         name="rankattn_dkv" if len(grads) == 2 else f"rankattn_{grads[0]}",
         **st.launch(),
-    )(plan.q_index, plan.q_full_count, plan.q_count, *seg, q, k, v, d_out, lse, delta)
+    )(plan.q_index, plan.q_full_count, plan.q_count, *seg, q, k, v, d_out, lse, delta, *extra)
 
 
 # --- The differentiable core, on padded inputs. -----------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(st: _Static, q, k, v, seg, plan: BlockPlan, poison):
-    return _forward(st, q, k, v, seg, plan, poison)
+def _attention(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
+    return _forward(st, q, k, v, seg, plan, poison, multiplier)
 
 
-def _attention_fwd(st, q, k, v, seg, plan, poison):
-    out, lse = _forward(st, q, k, v, seg, plan, poison)
-    return (out, lse), (q, k, v, seg, plan, out, lse)
+def _attention_fwd(st, q, k, v, seg, plan, poison, multiplier):
+    out, lse = _forward(st, q, k, v, seg, plan, poison, multiplier)
+    return (out, lse), (q, k, v, seg, plan, out, lse, multiplier)
 
 
 def _attention_bwd(st, residuals, cotangents):
-    q, k, v, seg, plan, out, lse = residuals
+    q, k, v, seg, plan, out, lse, multiplier = residuals
     d_out, d_lse = cotangents
     lse, d_out, delta = semantics.backward_rows(out, d_out, lse.transpose(0, 2, 1),
                                                 d_lse.transpose(0, 2, 1))
@@ -577,9 +616,9 @@ def _attention_bwd(st, residuals, cotangents):
     # The forward wrote nQ * bq rows; the dk / dv kernel reads rows up to the padded length.
     rows = q.shape[1]
     d_out, lse, delta = pad_axis1(d_out, rows), _pad_last(lse, rows), _pad_last(delta, rows)
-    dq = _dq(st, q, k, v, seg, plan, d_out, lse, delta)
-    dk, dv = _dkv(st, q, k, v, seg, plan, d_out, lse, delta)
-    return dq, dk, dv, None, None, None
+    dq = _dq(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
+    dk, dv = _dkv(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
+    return dq, dk, dv, None, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -604,8 +643,10 @@ def _pad_head_dim(x):
 def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
                      softcap_method: str, config: KernelConfig,
                      block_plan: BlockPlan | None = None, num_stages: int | None = None,
-                     precision: str = "highest", interpret: bool = False):
-    """Blocked attention on Pallas/Triton; arguments and results as :func:`rankattn.attention`.
+                     precision: str = "highest", interpret: bool = False,
+                     logit_multiplier=None):
+    """Blocked attention on Pallas/Triton; arguments and results as :func:`rankattn.attention`
+    (``logit_multiplier``: float32 [B, Sq, Hq], finite, or None).
 
     ``block_plan``, if given, is the self-attention plan of these segment ids
     at ``plan_sizes(config.block_sizes, S)``; without one it is made here.
@@ -625,13 +666,16 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
     q_p, k_p, v_p = (pad_axis1(_pad_head_dim(x), s_pad) for x in (q, k, v))
 
     d_pad, dv_pad = q_p.shape[-1], v_p.shape[-1]
+    multiplier = None
+    if logit_multiplier is not None:  # [B, Hq, S_pad], rows as lse's
+        multiplier = pad_axis1(logit_multiplier, s_pad).transpose(0, 2, 1)
     st = _Static(causal=causal, scale=scale, softcap=softcap, softcap_method=softcap_method,
-                 own_key=segment_ids is not None, block_q=bq, block_k=bk, group=hq // hkv,
+                 own_key=segment_ids is not None, multiplied=multiplier is not None, block_q=bq, block_k=bk, group=hq // hkv,
                  split_dkv=config.split_dkv, key_major=config.key_major, precision=precision,
                  num_warps=config.num_warps,
                  num_stages=num_stages or _default_stages(sizes, d_pad, dv_pad, q.dtype.itemsize),
                  interpret=interpret)
-    out, lse = _attention(st, q_p, k_p, v_p, seg, block_plan, poison)
+    out, lse = _attention(st, q_p, k_p, v_p, seg, block_plan, poison, multiplier)
     return semantics.poison_rows(out[:, :sq, :, :dv], lse[:, :, :sq], q_poison)
 
 
@@ -760,7 +804,8 @@ class PallasTriton(Backend):
                                 scale=call.scale, softcap=call.softcap,
                                 softcap_method=call.softcap_method, config=config,
                                 block_plan=blocks, num_stages=self.num_stages,
-                                precision=self.precision, interpret=self.interpret)
+                                precision=self.precision, interpret=self.interpret,
+                                logit_multiplier=call.logit_multiplier)
 
     @staticmethod
     def _no_lowering() -> str:

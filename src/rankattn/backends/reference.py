@@ -20,8 +20,9 @@ MAX_LOGITS_BYTES = 4 << 30
 
 def reference_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
                         softcap: float | None, softcap_method: str,
-                        shard_mask: semantics.ShardMask | None = None):
-    """Dense attention. Shapes as :func:`rankattn.attention`; segment_ids int [B, S] or None.
+                        shard_mask: semantics.ShardMask | None = None, logit_multiplier=None):
+    """Dense attention. Shapes as :func:`rankattn.attention`; segment_ids int [B, S] or None;
+    logit_multiplier float32 [B, Sq, Hq] (finite) or None.
 
     With a ``shard_mask`` (rankattn.distributed) only the history part of the mask, at the
     given positions and with the keys' own segment ids."""
@@ -33,6 +34,8 @@ def reference_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
     vf = jnp.repeat(v.astype(dtype), groups, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest") * scale
     s = semantics.softcap(s, softcap, softcap_method)
+    if logit_multiplier is not None:
+        s = s * logit_multiplier.transpose(0, 2, 1)[..., None].astype(dtype)
 
     if segment_ids is None:
         seg_q, seg_k = jnp.ones(q.shape[:2], jnp.int32), jnp.ones(k.shape[:2], jnp.int32)
@@ -80,4 +83,5 @@ class Reference(Backend):
         return reference_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
                                    scale=call.scale, softcap=call.softcap,
                                    softcap_method=call.softcap_method,
-                                   shard_mask=call.shard_mask)
+                                   shard_mask=call.shard_mask,
+                                   logit_multiplier=call.logit_multiplier)

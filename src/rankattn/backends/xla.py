@@ -166,8 +166,9 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
                     softcap_method: str, block_sizes: BlockSizes | None = None,
                     block_plan: BlockPlan | None = None, mixed_precision: bool = False,
                     step_logits_bytes: int | None = None,
-                    shard_mask: semantics.ShardMask | None = None):
-    """Blocked attention; arguments and results as :func:`rankattn.attention` (checked).
+                    shard_mask: semantics.ShardMask | None = None, logit_multiplier=None):
+    """Blocked attention; arguments and results as :func:`rankattn.attention` (checked;
+    ``logit_multiplier`` float32 [B, Sq, Hq], finite, or None).
 
     Without segment ids every token is history of one session, and q and k may
     differ in length (plain cross-attention). ``block_plan``, if given, is
@@ -214,9 +215,9 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
         x = pad_axis1(x.astype(operands), bk)
         return x.reshape(b * n_k, bk, hkv, -1).transpose(0, 2, 1, 3)
 
-    def query_units(x, heads):
+    def query_units(x, heads, dtype=operands):
         """[B, S, H, D] -> [U, Hkv, H // Hkv, bq, D]; query head h = kv_head * G + g."""
-        x = pad_axis1(x.astype(operands), bq).reshape(b, n_q, bq, hkv, heads // hkv, -1)
+        x = pad_axis1(x.astype(dtype), bq).reshape(b, n_q, bq, hkv, heads // hkv, -1)
         return units(x.transpose(0, 1, 3, 4, 2, 5))
 
     plan = _Units(
@@ -224,6 +225,9 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
         full_count=units(block_plan.full_count), count=units(block_plan.count),
         q_pos=units(pos_q.reshape(b, n_q, bq)))
     qu = query_units(q, hq)
+    multiplier = None  # [U, Hkv, G, bq]
+    if logit_multiplier is not None:
+        multiplier = query_units(logit_multiplier[..., None], hq, accumulate)[..., 0]
     kb, vb = key_rows(k), key_rows(v)
     own_kv = None
     if segment_ids is not None and shard_mask is None:  # each query's own key and value
@@ -237,7 +241,8 @@ def flash_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     qu, kb, vb = semantics.finite(qu), semantics.finite(kb), semantics.finite(vb)
     own_kv = None if own_kv is None else tuple(map(semantics.finite, own_kv))
     out, lse = _flash(static, qu, kb, vb, own_kv, units(seg_q.reshape(b, n_q, bq)),
-                      seg_k.reshape(b * n_k, bk), pos_k.reshape(b * n_k, bk), plan, bad)
+                      seg_k.reshape(b * n_k, bk), pos_k.reshape(b * n_k, bk), plan, bad,
+                      multiplier)
     # [U, Hkv, G, bq, Dv] -> [B, Sq, Hq, Dv];  [U, Hkv, G, bq] -> [B, Hq, Sq]
     out = out[:b * n_q].reshape(b, n_q, hq, bq, -1).transpose(0, 1, 3, 2, 4)
     out = out.reshape(b, n_q * bq, hq, -1)[:, :sq]
@@ -333,19 +338,24 @@ def _own_logits(static: _Static, q, own_kv, seg_q):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: _Units,
-           bad: _Bad):
-    return _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad)
+           bad: _Bad, multiplier):
+    return _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad, multiplier)
+
+
+def _multiplied(s, multiplier):
+    """Capped logits [..., bq, n] times their query's logit multiplier [..., bq] (or None)."""
+    return s if multiplier is None else s * multiplier[..., None]
 
 
 def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: _Units,
-             bad: _Bad):
+             bad: _Bad, multiplier):
     """A row that sees a key flagged in ``bad.key`` / ``bad.own``, or that is flagged in
     ``bad.q`` and sees anything, ends with l = NaN, so its out and lse are NaN
     (rankattn.semantics). Partial blocks set flagged keys' logits to NaN under the mask; in
     a full block every row sees every key, so one flag per unit and kv head suffices
     (setting every logit there measured 5-6% slower on nano-fwd)."""
     def chunk(_, xs):
-        q, own, seg_q, units, q_bad, own_bad = xs
+        q, own, seg_q, units, q_bad, own_bad, mult = xs
         rows, acc_dtype = q.shape[:-1], static.accumulate  # rows: [C, Hkv, G, bq]
         carry = (jnp.full(rows, -jnp.inf, acc_dtype), jnp.zeros(rows, acc_dtype),
                  jnp.zeros(rows + vb.shape[-1:], acc_dtype), jnp.zeros(rows[:2], bool))
@@ -354,7 +364,7 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: 
                 m, l, acc, seen_bad = carry
                 vis = _visit(static, masked, t, start, count, q, kb, vb, seg_q, seg_kb, pos_kb,
                              units)
-                s = static.cap(vis.logits)
+                s = _multiplied(static.cap(vis.logits), mult)
                 key_bad = bad.key[vis.index]
                 if masked:
                     s = jnp.where(vis.mask, jnp.where(key_bad[:, :, None, None, :], jnp.nan, s),
@@ -380,6 +390,7 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: 
 
         if own is not None:  # the own-key logit joins the softmax
             s_own, _, is_cand = _own_logits(static, q, own, seg_q)
+            s_own = _multiplied(s_own[..., None], mult)[..., 0]
             s_own = jnp.where(own_bad[:, :, None], jnp.nan, s_own)
             m_new = jnp.where(is_cand, jnp.maximum(m, s_own), m)
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0)
@@ -394,18 +405,19 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: 
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
         return None, (out, lse)
 
-    xs = (qu, own_kv, seg_qu, plan, bad.q, bad.own)
+    xs = (qu, own_kv, seg_qu, plan, bad.q, bad.own, multiplier)
     _, result = jax.lax.scan(chunk, None, _chunks(static, xs))
     return _unchunk(result)
 
 
-def _flash_fwd(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad):
-    out, lse = _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad)
-    return (out, lse), (qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, out, lse)
+def _flash_fwd(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad, multiplier):
+    out, lse = _forward(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad,
+                        multiplier)
+    return (out, lse), (qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, out, lse, multiplier)
 
 
 def _flash_bwd(static, residuals, cotangents):
-    qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, out, lse = residuals
+    qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, out, lse, multiplier = residuals
     d_out, d_lse = cotangents
     acc_dtype = static.accumulate
     lse, d_out, delta = semantics.backward_rows(out, d_out, lse, d_lse)
@@ -414,7 +426,7 @@ def _flash_bwd(static, residuals, cotangents):
 
     def chunk(carry, xs):
         dk, dv = carry
-        q, own, seg_q, units, d_o, dlt, lse_c = xs
+        q, own, seg_q, units, d_o, dlt, lse_c, mult = xs
         dq = jnp.zeros(q.shape, acc_dtype)
         for masked, start, count in _loops(units):
             def body(t, grads, masked=masked, start=start, count=count):
@@ -422,9 +434,11 @@ def _flash_bwd(static, residuals, cotangents):
                 vis = _visit(static, masked, t, start, count, q, kb, vb, seg_q, seg_kb, pos_kb,
                              units)
                 mask = vis.mask if masked else _row(vis.valid)[..., None]
-                p = jnp.where(mask, jnp.exp(static.cap(vis.logits) - lse_c[..., None]), 0)
+                s = _multiplied(static.cap(vis.logits), mult)
+                p = jnp.where(mask, jnp.exp(s - lse_c[..., None]), 0)
                 dp = _block_dot(static, "chrd,chkd->chrk", d_o, vis.v)
-                ds = static.scaled(p * (dp - dlt[..., None]) * static.cap_grad(vis.logits))
+                ds = _multiplied(p * (dp - dlt[..., None]) * static.cap_grad(vis.logits), mult)
+                ds = static.scaled(ds)
                 dq = dq + _block_dot(static, "chrk,chkd->chrd", ds, vis.k)
                 dk = dk.at[vis.index].add(_block_dot(static, "chrk,chrd->chkd", ds, q))
                 dv = dv.at[vis.index].add(_block_dot(static, "chrk,chrd->chkd", p, d_o))
@@ -435,21 +449,23 @@ def _flash_bwd(static, residuals, cotangents):
         d_own = None
         if own is not None:
             s_own, raw, is_cand = _own_logits(static, q, own, seg_q)
-            p_own = jnp.where(is_cand, jnp.exp(s_own - lse_c), 0)
+            p_own = jnp.where(is_cand, jnp.exp(_multiplied(s_own[..., None], mult)[..., 0]
+                                               - lse_c), 0)
             own_k, own_v = (x[:, :, None].astype(acc_dtype) for x in own)
             dp_own = (d_o.astype(acc_dtype) * own_v).sum(-1)
-            ds_own = static.scaled(p_own * (dp_own - dlt) * static.cap_grad(raw))
+            ds_own = p_own * (dp_own - dlt) * static.cap_grad(raw)
+            ds_own = static.scaled(_multiplied(ds_own[..., None], mult)[..., 0])
             dq = dq + ds_own[..., None] * own_k
             d_own = ((ds_own[..., None] * q.astype(acc_dtype)).sum(2),
                      (p_own[..., None] * d_o.astype(acc_dtype)).sum(2))
         return (dk, dv), (dq, d_own)
 
-    xs = _chunks(static, (qu, own_kv, seg_qu, plan, d_out, delta, lse_safe))
+    xs = _chunks(static, (qu, own_kv, seg_qu, plan, d_out, delta, lse_safe, multiplier))
     (dk, dv), (dq, d_own) = jax.lax.scan(chunk, _key_grad_accumulators(static, kb, vb), xs)
     # Cotangents in the primal dtypes (bf16 / f16 operands on the mixed-precision path).
     like = lambda grads, primals: jax.tree.map(lambda g, x: g.astype(x.dtype), grads, primals)
     return (like(_unchunk(dq), qu), like(dk, kb), like(dv, vb), like(_unchunk(d_own), own_kv),
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
 def _key_grad_accumulators(static: _Static, kb, vb):
@@ -507,7 +523,8 @@ class Xla(Backend):
                                softcap_method=call.softcap_method, block_sizes=self.block_sizes,
                                block_plan=blocks, mixed_precision=mixed,
                                step_logits_bytes=self.step_logits_bytes,
-                               shard_mask=call.shard_mask)
+                               shard_mask=call.shard_mask,
+                               logit_multiplier=call.logit_multiplier)
 
     def __repr__(self) -> str:
         return (f"<rankattn backend 'xla' {self.block_sizes or 'blocks per shape'}"
