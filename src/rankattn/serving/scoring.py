@@ -419,6 +419,10 @@ def _bounds(plan: _Plan, qs, cache: PagedKVCache, table, valid):
     """(Quest bounds [B, Hkv, T, G, M] of scaled queries qs [B, Hkv, T, G, D], -inf
     off-history; bool [B, Hkv, 1, 1, M]: real pages whose key stats are not finite).
 
+    The bounds carry no gradient: they only choose pages (a discrete choice), so their
+    inputs are cut from autodiff here, and jax.grad through attend(budget=...) differentiates
+    the attention over the chosen pages alone (the kernel's bounds have no VJP either).
+
     A page holding a non-finite key has no finite bound: its bound here is computed as if
     those stats were 0, and callers rank it first (selecting it poisons the rows that read
     it, as exact attention would) or report +inf.
@@ -428,6 +432,9 @@ def _bounds(plan: _Plan, qs, cache: PagedKVCache, table, valid):
     tokens, 4 users x 12 candidates, 8 / 2 heads, D = 64 measured 16.9 ms with XLA's two
     narrow products, 8.8 ms on the kernel), else in XLA.
     """
+    qs = jax.lax.stop_gradient(qs)
+    cache = cache._replace(k_max=jax.lax.stop_gradient(cache.k_max),
+                           k_min=jax.lax.stop_gradient(cache.k_min))
     if qs.dtype == cache.k_max.dtype == jnp.float32 and _on_cpu_kernel(plan):
         b, h, t, g, d = qs.shape
         u, bad = kernel_page_bounds(qs.reshape(b, h, t * g, d), cache.k_max, cache.k_min,
@@ -623,11 +630,14 @@ def _contiguous(plan: _Plan, backend, q, k_pages, v_pages, table, seen, self_kv)
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _paged_cpu(plan: _Plan, backend, q, k_pages, v_pages, table, seen, self_kv):
     """_attend_rows on the cpu kernel, pages read in place. Its gradients are those of the
-    equivalent contiguous call (the kernel's backward takes contiguous keys)."""
+    equivalent contiguous call (the kernel's backward takes contiguous keys), whose results it
+    returns in the same dtypes (float32 for 16-bit inputs)."""
     segment_ids, mask = _candidates(q, seen)
-    return paged_forward(q, k_pages, v_pages, table, self_kv, segment_ids, shard_mask=mask,
-                         scale=plan.scale, softcap=plan.softcap,
-                         softcap_method=plan.softcap_method, block_sizes=backend.block_sizes)
+    out, lse = paged_forward(q, k_pages, v_pages, table, self_kv, segment_ids, shard_mask=mask,
+                             scale=plan.scale, softcap=plan.softcap,
+                             softcap_method=plan.softcap_method, block_sizes=backend.block_sizes)
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    return out.astype(acc), lse.astype(acc)
 
 
 def _paged_cpu_fwd(plan, backend, *args):
