@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 
+# Warnings are errors in the suite's kernel builds (and so in CI's), never in users' (native.py).
+os.environ.setdefault("RANKATTN_CXX_WERROR", "1")
+
 # The suite is compile-bound (every shape is a new XLA program) and runs tiny
 # tensors, so LLVM's optimisation level buys nothing at run time and halves
 # compile time. It does not change floating-point semantics (no fast-math on

@@ -2,8 +2,8 @@
 
 Its numerics run in tests/test_backends.py (TestCpu, TestCpuDefaultBlocks) and every
 per-backend test (conftest.BACKENDS); here: the sanitizer build, bit-identical results
-for any thread count, prepared plans, ``impl='auto'``'s choice and fallbacks, and the
-compile cache (with a tiny stand-in source, so it costs no kernel compile).
+for any thread count, prepared plans, ``impl='auto'``'s choice and fallbacks. Building,
+caching and loading it (rankattn.native): tests/test_native_build.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 
 import rankattn
 from conftest import needs_cpu_kernel
-from rankattn import api, blocks, native, planning
+from rankattn import api, blocks, planning
 from rankattn.backends import BlockSizes, Cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,88 +152,6 @@ def test_turned_off_falls_back_to_xla_and_says_why():
     lines = result.stdout.splitlines()
     assert lines[0] == "['xla', 'reference']"
     assert lines[1].startswith("RA115") and "RANKATTN_CPU_KERNEL=0" in result.stdout
-
-
-# --- The compile cache, with a stand-in source (compiles in well under a second). ---------
-
-TINY_SOURCE = 'extern "C" int rankattn_probe(void) { return 42; }\n'
-
-
-@pytest.fixture
-def tiny_source(tmp_path, monkeypatch):
-    """native.load('probe') builds tmp/src/probe.cc into tmp/cache."""
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "probe.cc").write_text(TINY_SOURCE)
-    monkeypatch.setattr(native, "SOURCE_DIR", tmp_path / "src")
-    monkeypatch.setenv("RANKATTN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("RANKATTN_CPU_KERNEL", raising=False)
-    return tmp_path
-
-
-def load_uncached(name: str) -> native.Library:
-    return native.load.__wrapped__(name)
-
-
-@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler on this machine")
-def test_compiles_once_then_loads_from_the_cache(tiny_source):
-    first = load_uncached("probe")
-    assert first.handle is not None, first.reasons
-    assert first.compile_seconds is not None and first.handle.rankattn_probe() == 42
-    second = load_uncached("probe")
-    assert second.compile_seconds is None and second.path == first.path
-
-
-def test_cache_key_holds_source_compiler_flags_and_host_isa(tiny_source, monkeypatch):
-    source, cxx = tiny_source / "src" / "probe.cc", ["g++"]
-    monkeypatch.setattr(native, "_version", lambda cxx: "g++ 12")
-    base = native.target_path(source, cxx)
-    monkeypatch.setattr(native, "host_isa", lambda: "sse2 only")
-    assert native.target_path(source, cxx) != base
-    monkeypatch.undo()
-    monkeypatch.setattr(native, "_version", lambda cxx: "g++ 13")
-    other_compiler = native.target_path(source, cxx)
-    monkeypatch.setenv("RANKATTN_CPU_KERNEL_SANITIZE", "1")
-    sanitized = native.target_path(source, cxx)
-    source.write_text(TINY_SOURCE + "// changed\n")
-    changed = native.target_path(source, cxx)
-    assert len({base, other_compiler, sanitized, changed}) == 4
-
-
-@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler on this machine")
-def test_processes_starting_at_once_share_one_build(tiny_source):
-    """Four interpreters load the same library into an empty cache at once: all succeed, and
-    one library file is left (the lock serialises the compile, the rename publishes it)."""
-    script = textwrap.dedent(f"""
-        from pathlib import Path
-        from rankattn import native
-        native.SOURCE_DIR = Path({str(tiny_source / 'src')!r})
-        lib = native.load("probe")
-        print(lib.handle.rankattn_probe(), lib.compile_seconds is not None)
-    """)
-    env = dict(os.environ, RANKATTN_CACHE_DIR=str(tiny_source / "cache"),
-               PYTHONPATH=str(ROOT / "src"))
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs
-    assert all(out.startswith("42") for out, _ in outputs), outputs
-    assert len(list((tiny_source / "cache").glob("probe-*.so"))) == 1
-
-
-def test_a_failed_compile_is_a_reason_with_the_first_error_line(tiny_source, monkeypatch):
-    (tiny_source / "src" / "probe.cc").write_text("this is not C++\n")
-    library = load_uncached("probe")
-    if native.compiler() is None:
-        assert "no C++ compiler found" in library.reasons[0]
-    else:
-        assert library.handle is None and "failed" in library.reasons[0]
-        assert "error" in library.reasons[0].lower(), library.reasons
-
-
-def test_no_compiler_is_a_reason_naming_the_fix(tiny_source, monkeypatch):
-    monkeypatch.setattr(native, "compiler", lambda: None)
-    library = load_uncached("probe")
-    assert library.handle is None and "pip install ziglang" in library.reasons[0]
 
 
 @needs_cpu_kernel

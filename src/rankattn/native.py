@@ -1,18 +1,54 @@
 """Building and loading rankattn's C++ kernels (``jax.ffi``), on first use, like Triton.
 
 The C++ source ships inside the package. The first call that needs a kernel
-compiles it for this machine's CPU (``-march=native``) into a per-user cache and
-loads it with ctypes; later processes load the cached library. The cache key
-holds the source, the compiler and its version, the flags, jaxlib's version (its
-FFI headers) and the host's instruction-set flags, so a home directory shared
-between an AVX-512 and an AVX2 machine never runs one's code on the other.
-Several processes may start at once: a lock serialises the compile, and the
-library appears by an atomic rename.
+compiles it for this machine's CPU (``-march=native``) into a cache folder and
+loads it with ctypes; later processes load the cached library.
+
+Compilers. ``$RANKATTN_CXX``, when set, is the only one tried. Otherwise the
+candidates are ``$CXX``, ``g++``, ``c++``, ``clang++`` and zig's clang
+(``python -m ziglang c++``, when the ziglang package is installed), in that
+order. The cached libraries of every candidate are looked up before anything
+compiles; then the candidates compile in order until one builds. The kernel
+needs GCC >= 12 (``__builtin_shufflevector``; Ubuntu 22.04's default g++ 11 fails
+and the next candidate is tried) or a C++17 clang (its builtins date from clang
+3.4, C++17 from clang 5; tested: clang 22, ziglang 0.17's). Warnings are errors only with ``RANKATTN_CXX_WERROR=1`` (the test
+suite and CI set it), never in a user's first build: a newer compiler's new
+warning must not cost users the kernel.
+
+The cache key holds the source and every header below ``SOURCE_DIR`` (it may
+include any of them), the compiler's command and version, the flags
+(``-Werror`` and ``RANKATTN_CXXFLAGS`` included), jaxlib's version (which fixes
+its FFI headers, so their content is not hashed) and the macros
+``-march=native`` predefines with that compiler (exactly the instruction sets it
+compiles for on this host, on any OS), so a home directory shared between an
+AVX-512 and an AVX2 machine never runs one's code on the other. Computing it
+runs the compiler twice (``--version`` and the preprocessor): about 40 ms with
+g++, 0.2 s with zig's clang.
+
+Several processes may start at once: a lock serialises each user's build of a
+key and the library appears by an atomic rename. A cache folder may be shared by
+several users, and then a library built once serves them all (rather than one
+subfolder, and one build, per user): libraries are published readable by all
+(mode 755: they hold nothing private), and each user takes a lock file of their
+own (another user's lock file cannot be opened for writing, nor, in a sticky
+folder, even created). Two users starting at once may both build the same
+library; either copy serves. A user who may only read the folder loads the
+libraries already in it (say, built into a container image). Loading a library
+runs its code, so whoever can write a shared folder is trusted by all its users.
+
+Failing to build is not an error here: :func:`load` returns the reasons, which
+the ``cpu`` backend reports through ``not_supported_reasons`` while ``auto``
+falls back to ``xla``. A compiler that rejects the source (a non-zero exit) is
+recorded in ``<library>.failed`` so that no process tries it on that key again
+(its message stays in the reasons; delete the file to retry). A cached library
+that does not load (a truncated file) is rebuilt once. A cache folder that
+cannot be written (read-only, another user's, a full disk) or no home directory
+is a reason too.
 
 Environment:
   RANKATTN_CPU_KERNEL=0     do not build or use the kernel (``impl='auto'`` takes ``xla``).
-  RANKATTN_CXX              the compiler command (default: $CXX, g++, c++, clang++, then
-                            ``python -m ziglang c++`` if the ziglang package is installed).
+  RANKATTN_CXX              the one compiler command to try (default: the candidates above).
+  RANKATTN_CXX_WERROR=1     warnings are errors (tests and CI; part of the cache key).
   RANKATTN_CXXFLAGS         extra compiler flags, after -march=native (part of the cache key),
                             e.g. ``-mno-amx-tile`` to keep bfloat16 dots off AMX.
   RANKATTN_CACHE_DIR        where libraries go (default $XDG_CACHE_HOME/rankattn or
@@ -22,10 +58,6 @@ Environment:
   RANKATTN_CPU_THREADS=n    at most n threads per kernel call (default: XLA's CPU pool).
   RANKATTN_CPU_BACKWARD_MB=n  memory the backward keeps dS in (default 1024 MiB): longer
                             sequences run in chunks of key blocks that fit it.
-
-Failing to build is not an error here: :func:`load` returns the reasons, which
-the ``cpu`` backend reports through ``not_supported_reasons`` while ``auto``
-falls back to ``xla``.
 """
 
 from __future__ import annotations
@@ -36,7 +68,6 @@ import functools
 import hashlib
 import importlib.util
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -46,13 +77,15 @@ import time
 from pathlib import Path
 
 import jax
+import jaxlib.version
 
 SOURCE_DIR = Path(__file__).parent / "backends"
 OPTIMIZE = ["-O3", "-march=native"]
 SANITIZE = ["-O1", "-g", "-march=native", "-fno-omit-frame-pointer",
             "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-# Warnings are errors for rankattn's own code; JAX's headers are system headers.
-COMMON = ["-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror"]
+# Warnings for rankattn's own code (errors with RANKATTN_CXX_WERROR=1); JAX's headers are
+# system headers.
+COMMON = ["-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra"]
 COMPILE_TIMEOUT_S = 300
 
 
@@ -66,6 +99,10 @@ class Library:
     compile_seconds: float | None = None  # None: loaded from the cache
 
 
+class BuildFailed(Exception):
+    """One compiler could not give a library that loads; the message is the reason."""
+
+
 def disabled() -> bool:
     return os.environ.get("RANKATTN_CPU_KERNEL", "1").strip().lower() in ("0", "off", "false", "no")
 
@@ -74,42 +111,52 @@ def sanitized() -> bool:
     return os.environ.get("RANKATTN_CPU_KERNEL_SANITIZE", "0").strip() == "1"
 
 
-def compiler() -> list[str] | None:
-    """The C++ compiler command, or None when this machine has none."""
-    for variable in ("RANKATTN_CXX", "CXX"):
-        if os.environ.get(variable):
-            return shlex.split(os.environ[variable])
-    for name in ("g++", "c++", "clang++"):
-        if shutil.which(name):
-            return [name]
-    if importlib.util.find_spec("ziglang") is not None:
-        return [sys.executable, "-m", "ziglang", "c++"]
-    return None
+def werror() -> bool:
+    return os.environ.get("RANKATTN_CXX_WERROR", "0").strip() == "1"
 
 
-def host_isa() -> str:
-    """The host CPU's instruction-set flags (what -march=native compiles for)."""
+def words(variable: str) -> list[str]:
+    """The words of environment ``variable`` (shell quoting; [] when unset)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
+        return shlex.split(os.environ.get(variable, ""))
+    except ValueError as e:
+        raise ValueError(f"{variable}={os.environ[variable]!r} is not a command line: {e}") from e
+
+
+def compilers() -> list[list[str]]:
+    """The C++ compiler commands to try, in order (empty: this machine has none)."""
+    if words("RANKATTN_CXX"):
+        return [words("RANKATTN_CXX")]
+    found = [words("CXX")] if words("CXX") else []
+    found += [[name] for name in ("g++", "c++", "clang++") if shutil.which(name)]
+    if importlib.util.find_spec("ziglang") is not None:
+        found.append([sys.executable, "-m", "ziglang", "c++"])
+    return [cxx for i, cxx in enumerate(found) if cxx not in found[:i]]
+
+
+def compiler() -> list[str] | None:
+    """The first compiler :func:`load` tries, or None when this machine has none."""
+    return next(iter(compilers()), None)
 
 
 def cache_dir() -> Path:
     if os.environ.get("RANKATTN_CACHE_DIR"):
         return Path(os.environ["RANKATTN_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "rankattn"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "rankattn"
+    try:
+        home = Path.home()
+    except RuntimeError as e:  # no HOME and no password entry: a cache folder problem too
+        raise OSError(f"{e} (HOME is not set)") from e
+    return home / ".cache" / "rankattn"
 
 
 def build_command(cxx: list[str], source: Path, output: Path) -> list[str]:
     flags = SANITIZE if sanitized() else OPTIMIZE
-    flags = flags + shlex.split(os.environ.get("RANKATTN_CXXFLAGS", ""))
-    return cxx + flags + COMMON + ["-isystem", jax.ffi.include_dir(), str(source), "-o",
-                                   str(output)]
+    flags = flags + words("RANKATTN_CXXFLAGS")
+    warnings = ["-Werror"] if werror() else []
+    return cxx + flags + COMMON + warnings + ["-isystem", jax.ffi.include_dir(), str(source),
+                                              "-o", str(output)]
 
 
 def first_error(text: str) -> str:
@@ -118,12 +165,49 @@ def first_error(text: str) -> str:
     return (errors or lines or ["(no output)"])[0][:300]
 
 
-def _version(cxx: list[str]) -> str:
+def _ask(cxx: list[str], *args: str) -> str:
+    """What ``cxx args`` prints (for the cache key), or why it cannot run."""
     try:
-        result = subprocess.run(cxx + ["--version"], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(cxx + list(args), capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unknown ({e})"
-    return result.stdout.strip().splitlines()[0] if result.stdout.strip() else "unknown"
+    return result.stdout + result.stderr
+
+
+def compiler_version(cxx: list[str]) -> str:
+    return (_ask(cxx, "--version").strip().splitlines() or ["unknown"])[0]
+
+
+def native_macros(cxx: list[str]) -> str:
+    """The macros ``-march=native`` predefines with ``cxx``: the instruction sets it compiles
+    for on this host (``__AVX512F__``, ``__AMX_TILE__``, ``__ARM_FEATURE_SVE`` ...)."""
+    return _ask(cxx, "-march=native", "-dM", "-E", "-x", "c++", os.devnull)
+
+
+def source_digest(source: Path) -> str:
+    """A hash of ``source`` and of every header below its folder, which it may include."""
+    digest = hashlib.sha256()
+    for path in [source, *sorted(source.parent.rglob("*.h"))]:
+        digest.update(str(path.relative_to(source.parent)).encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def target_path(source: Path, cxx: list[str], digest: str) -> Path:
+    """Where the library built from ``source`` (of :func:`source_digest` ``digest``) by ``cxx``
+    is cached, for this host and jaxlib."""
+    key = hashlib.sha256()
+    for part in (digest, shlex.join(build_command(cxx, source, Path("out"))),
+                 compiler_version(cxx), native_macros(cxx), jaxlib.version.__version__):
+        key.update(part.encode() + b"\0")
+    return cache_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
+
+
+def lock_path(target: Path) -> Path:
+    """This user's lock on building ``target``: one per user, since another user's lock file
+    cannot be opened for writing (nor, in a sticky folder, created)."""
+    user = os.getuid() if hasattr(os, "getuid") else "any"
+    return target.with_name(f"{target.stem}.user{user}.lock")
 
 
 @functools.cache
@@ -131,60 +215,107 @@ def load(name: str) -> Library:
     """The library built from ``backends/<name>.cc``: from the cache, or compiled now."""
     if disabled():
         return Library(None, ("the C++ kernel is turned off (RANKATTN_CPU_KERNEL=0)",))
-    source = SOURCE_DIR / f"{name}.cc"
-    cxx = compiler()
-    if cxx is None:
+    try:
+        candidates = compilers()
+        words("RANKATTN_CXXFLAGS")  # every build command parses it again
+    except ValueError as e:
+        return Library(None, (str(e),))
+    if not candidates:
         return Library(None, ("no C++ compiler found (tried $RANKATTN_CXX, $CXX, g++, c++, "
-                              "clang++ and the ziglang package); install g++ or "
+                              "clang++ and the ziglang package); install g++ >= 12 or "
                               "`pip install ziglang`",))
-    target = target_path(source, cxx)
-    seconds = None
-    if not target.exists():
-        try:
-            seconds = _compile(cxx, source, target)
-        except RuntimeError as e:
-            return Library(None, (str(e),))
+    source = SOURCE_DIR / f"{name}.cc"
     try:
-        handle = ctypes.CDLL(str(target))
+        digest = source_digest(source)
     except OSError as e:
-        return Library(None, (f"the compiled kernel {target} does not load: {e}",))
-    return Library(handle, (), target, seconds)
-
-
-def target_path(source: Path, cxx: list[str]) -> Path:
-    """Where the library built from ``source`` by ``cxx`` is cached, for this host and jaxlib."""
-    key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(build_command(cxx, source, Path("out"))),
-                 _version(cxx), jax.__version__, host_isa(), "sanitize" if sanitized() else ""):
-        key.update(part if isinstance(part, bytes) else part.encode())
-    return cache_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
-
-
-def _compile(cxx: list[str], source: Path, target: Path) -> float:
-    """Compile ``source`` to ``target`` unless another process did meanwhile; the seconds taken."""
+        return Library(None, (f"the kernel's source cannot be read ({e}): a broken install?",))
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        return _load(source, digest, candidates)
     except OSError as e:
-        raise RuntimeError(f"cannot create the kernel cache {target.parent}: {e}; set "
-                           "RANKATTN_CACHE_DIR to a writable folder") from e
-    with _locked(target.with_suffix(".lock")):
+        return Library(None, (f"the kernel cache cannot be used ({e}); set RANKATTN_CACHE_DIR "
+                              "to a folder this user can write",))
+
+
+def _load(source: Path, digest: str, candidates: list[list[str]]) -> Library:
+    """The first candidate's cached library that loads, else the first that builds and loads.
+    Raises OSError when the cache folder cannot be used."""
+    targets = []
+    for cxx in candidates:
+        target = target_path(source, cxx, digest)
+        broken = False
         if target.exists():
-            return 0.0
-        fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        start = time.perf_counter()
+            try:
+                return Library(ctypes.CDLL(str(target)), (), target)
+            except OSError:
+                broken = True  # e.g. truncated by a full disk: rebuilt below
+        targets.append((cxx, target, broken))
+    reasons = []
+    for cxx, target, broken in targets:
         try:
-            result = subprocess.run(build_command(cxx, source, Path(scratch)), capture_output=True,
-                                    text=True, timeout=COMPILE_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            os.unlink(scratch)
-            raise RuntimeError(f"compiling {source.name} with {shlex.join(cxx)} failed: {e}") from e
-        if result.returncode != 0:
-            os.unlink(scratch)
-            raise RuntimeError(f"compiling {source.name} with {shlex.join(cxx)} failed: "
-                               f"{first_error(result.stderr + result.stdout)}")
-        os.replace(scratch, target)
-        return time.perf_counter() - start
+            return _build_and_load(cxx, source, target, rebuild=broken)
+        except BuildFailed as e:
+            reasons.append(str(e))
+    return Library(None, tuple(reasons))
+
+
+def _build_and_load(cxx: list[str], source: Path, target: Path, rebuild: bool) -> Library:
+    """Build ``target`` (again, with ``rebuild``) and load it; one that does not load is
+    rebuilt once."""
+    seconds = _build(cxx, source, target, rebuild)
+    try:
+        return Library(ctypes.CDLL(str(target)), (), target, seconds)
+    except OSError as e:
+        if rebuild:
+            raise BuildFailed(f"the kernel {shlex.join(cxx)} built, {target}, does not load: "
+                              f"{e}") from e
+    return _build_and_load(cxx, source, target, rebuild=True)
+
+
+def _build(cxx: list[str], source: Path, target: Path, rebuild: bool) -> float:
+    """Compile ``source`` into ``target`` unless another process did meanwhile (unless
+    ``rebuild``); the seconds taken. Raises BuildFailed, and a compiler's rejection is
+    recorded in ``<target>.failed`` so that no process runs this compiler on this key again."""
+    failed = target.with_suffix(".failed")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(lock_path(target)):
+        if failed.exists():
+            raise BuildFailed(f"{failed.read_text()} (recorded in {failed}; delete it to retry)")
+        if target.exists() and not rebuild:
+            return 0.0
+        # A private folder: the compiler and linker may write files of their own beside the output.
+        with tempfile.TemporaryDirectory(prefix=f".{target.stem}-", dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            start = time.perf_counter()
+            try:
+                result = subprocess.run(build_command(cxx, source, built), capture_output=True,
+                                        text=True, timeout=COMPILE_TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise BuildFailed(f"compiling {source.name} with {shlex.join(cxx)} failed: "
+                                  f"{e}") from e
+            seconds = time.perf_counter() - start
+            if result.returncode != 0:
+                message = (f"compiling {source.name} with {shlex.join(cxx)} failed: "
+                           f"{first_error(result.stderr + result.stdout)}")
+                if result.returncode > 0:  # the compiler's verdict; a kill (< 0) may not recur
+                    note = Path(scratch) / failed.name
+                    note.write_text(message)
+                    _publish(note, failed, 0o644)
+                raise BuildFailed(message)
+            _publish(built, target, 0o755)
+            return seconds
+
+
+def _publish(file: Path, path: Path, mode: int) -> None:
+    """Move ``file`` to ``path`` atomically, with ``mode`` (readable by every user, whatever the
+    umask: a cache folder may be shared)."""
+    file.chmod(mode)
+    try:
+        os.replace(file, path)
+    except OSError:
+        # In a sticky folder another user's file cannot be replaced: that user's process,
+        # which held its own lock, published the same build first.
+        if not path.exists():
+            raise
 
 
 class _locked:
