@@ -241,46 +241,70 @@ def test_v2_matches_its_mask_with_causal_candidates(causal, cap, cap_method):
     assert not np.asarray(got[0])[V2_SEG == 0].any()
 
 
-@pytest.mark.parametrize("temp, cap", [(2.5, 3.0), ("rows", -1.0), (0.0, -1.0)],
-                         ids=["uniform-capped", "per-row-uncapped", "zero"])
-def test_v2_temp_multiplies_logits_after_the_cap(temp, cap):
+def temps(kind):
+    """[B, S] temps: Phoenix's int32 ones, one value, or per-query values of both signs."""
+    if kind == "ones":
+        return np.ones((B, S), np.int32)
+    if kind == "uniform":
+        return np.full((B, S), 2.5, np.float32)
+    if kind == "zero":
+        return np.zeros((B, S), np.float32)
+    return np.random.default_rng(0).uniform(-1.0, 2.5, (B, S)).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind, cap, cap_method, causal, traced", [
+    ("rows", 3.0, "tanh", True, True), ("rows", 3.0, "soft_sign", False, False),
+    ("rows", -1.0, "tanh", True, False), ("uniform", 3.0, "tanh", False, True),
+    ("zero", -1.0, "tanh", False, False), ("ones", 3.0, "soft_sign", False, True),
+], ids=["rows-capped-causal-traced", "rows-softsign", "rows-uncapped-causal", "uniform-traced",
+        "zero", "model-int32-ones-traced"])
+def test_v2_temp_multiplies_capped_logits_regression(kind, cap, cap_method, causal, traced):
+    """Regression: temp multiplies each query's logits after the cap, own key included, for
+    any values (negative and zero too), concrete or traced, with any cap and causal; it was
+    RA124 for a temp that varies with a cap, and NaN rows when that temp was traced."""
     q, k, v, w = random_qkv(3, B, S, HQ, HKV, D, q_std=2.0)
-    if temp == "rows":
-        temp = np.random.default_rng(0).uniform(0.5, 2.0, (B, S)).astype(np.float32)
+    temp = temps(kind)
+    options = dict(sm_scale=SCALE, cap=cap, cap_method=cap_method)
+    want = expected_with_grads(v2_mask(V2_SEG, causal), q, k, v, w, temp=temp,
+                               z_loss_weight=0.2, **options)
+
+    def f(t, q, k, v):
+        return v2.mha(q, k, v, t, V2_SEG, causal=causal, z_loss_weight=0.2, **options)
+
+    if traced:
+        def loss(t, q, k, v):
+            out = f(t, q, k, v)
+            return (out * w).sum(), out
+
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, (1, 2, 3), has_aux=True))(
+            temp, q, k, v)
+        got = [out, *grads]
     else:
-        temp = np.full((B, S), temp, np.float32)
-    options = dict(sm_scale=SCALE, cap=cap, cap_method="tanh")
-    got = got_with_grads(lambda q, k, v: v2.mha(q, k, v, temp, V2_SEG, causal=False, **options),
-                         q, k, v, w)
-    want = expected_with_grads(v2_mask(V2_SEG, False), q, k, v, w, temp=temp, **options)
+        got = got_with_grads(lambda q, k, v: f(temp, q, k, v), q, k, v, w)
     check(got, [want[0], *want[2:]])
 
 
-def test_v2_temp_that_cannot_be_honoured_is_never_silent():
-    """With a cap, a concrete temp that varies raises RA124; a traced one gives NaN in the
-    rows where it is not 1 and the exact result elsewhere."""
+def test_v2_temp_shape_and_dtype_errors():
+    """A temp that is not a real [B, S] array raises RA124, naming temp and the shape."""
     q, k, v, _ = random_qkv(4, B, S, HQ, HKV, D)
-    temp = np.ones((B, S), np.float32)
-    temp[1, 5] = 2.0
-    with pytest.raises(rankattn.RankattnValueError, match="RA124") as err:
-        v2.mha(q, k, v, temp, V2_SEG, cap=3.0)
-    assert_explained(err.value)
-    out = np.asarray(jax.jit(lambda t: v2.mha(q, k, v, t, V2_SEG, cap=3.0, causal=False))(temp))
-    assert np.isnan(out[1, 5]).all() and np.isfinite(np.delete(out.reshape(B * S, -1),
-                                                                 S + 5, axis=0)).all()
-    with pytest.raises(rankattn.RankattnValueError, match="RA124"):
-        v2.mha(q, k, v, np.ones((B, S + 1)), V2_SEG)
+    for temp, fragment in ((np.ones((B, S + 1)), f"({B}, {S + 1})"),
+                           (np.ones(S), f"({S},)"), (np.ones((B, S), bool), "bool")):
+        for f in (v2.mha, v2.mha_inference_gqa):
+            with pytest.raises(rankattn.RankattnValueError, match="RA124") as err:
+                f(q, k, v, temp, V2_SEG, cap=3.0)
+            assert fragment in str(err.value) and "temp" in str(err.value)
+            assert_explained(err.value)
 
 
 def test_v2_mha_inference_gqa_regression():
     """Regression (missing name): Phoenix's GQA inference forward takes K/V unrepeated and
     computes v2's mask without causal: every non-padding query sees history, and a candidate
     sees itself only (Phoenix's kernel lets it see the candidates in the last history block);
-    out only; temp after the cap."""
+    out only; temp (traced, varying, with a cap) after the cap."""
     q, k, v, w = random_qkv(11, B, S, HQ, HKV, D, q_std=4.0)
-    temp = np.full((B, S), 1.5, np.float32)
+    temp = temps("rows")
     options = dict(sm_scale=SCALE, cap=3.0, cap_method="tanh")
-    out = v2.mha_inference_gqa(q, k, v, temp, V2_SEG, **options)
+    out = jax.jit(lambda t: v2.mha_inference_gqa(q, k, v, t, V2_SEG, **options))(temp)
     want = expected_with_grads(v2_mask(V2_SEG, False), q, k, v, w, temp=temp, **options)
     assert_close_f32(out, want[0], "out")
     assert not np.asarray(out)[V2_SEG == 0].any()

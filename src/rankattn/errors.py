@@ -191,13 +191,12 @@ _KINDS = [
         "Pass cu_seqlens as a 1-D int array starting at 0 (e.g. jnp.cumsum of the lengths with a "
         "0 prepended), ending at most at the packed length, and roles of shape [T]."),
     ErrorKind(
-        "RA124", "a Phoenix temp that rankattn cannot apply",
-        "rankattn.phoenix.ranker_attention_v2.mha takes Phoenix's per-query temp [B, S], which "
-        "multiplies the logits after the cap. rankattn caps inside its kernels, so with a cap "
-        "it applies temp exactly only when it is one positive value for the whole batch (then "
-        "as cap * temp and scale * temp).",
-        "Pass temp of shape [B, S]; with cap > 0 pass one positive value everywhere (Phoenix's "
-        "model passes ones), or pass cap <= 0 to have any temp folded into q."),
+        "RA124", "temp has the wrong shape or dtype",
+        "rankattn.phoenix.ranker_attention_v2's mha and mha_inference_gqa take Phoenix's "
+        "per-query temp: a real array [B, S] (int or float, concrete or traced) whose value "
+        "t_i multiplies query i's logits after the cap, as attention(logit_multiplier=) does.",
+        "Pass temp shaped [B, S] like segment_ids, in an int or float dtype (Phoenix's model "
+        "passes jnp.ones(segment_ids.shape, jnp.int32))."),
     ErrorKind(
         "RA125", "an argument spelled the old way",
         "rankattn spells each option one way everywhere: arrays are positional, options "

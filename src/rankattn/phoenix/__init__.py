@@ -62,7 +62,11 @@ Conventions shared by the three (Phoenix file and line at 28e414f):
   cotangent) to q and k, and nothing to the outputs (ranker_attention_fa3.py:661-663,
   890-894; v2:718-719; varlen:809-810). Rows that see nothing add 0, where
   Phoenix's v2 / varlen kernels give NaN;
-* ``temp`` gets no gradient, as in Phoenix (v2:934, varlen:1094).
+* v2's ``temp`` [B, S] multiplies each query's logits after the cap, on every key it sees
+  (v2:129, 242 and 276: the inference kernel too), as ``rankattn.attention``'s
+  ``logit_multiplier``: any values, int or float, concrete or traced, with any cap; lse and
+  the z-loss include it; it gets no gradient, as in Phoenix (v2:934). varlen ignores its
+  ``temp``, as Phoenix's does (its kernels take it but never read it; varlen:1094).
 """
 
 from rankattn.phoenix import ranker_attention_fa3, ranker_attention_v2, ranker_attention_varlen

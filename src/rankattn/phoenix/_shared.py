@@ -21,18 +21,21 @@ def cap_options(cap, cap_method) -> dict:
     return dict(softcap=float(cap), softcap_method=cap_method)
 
 
-def attend(q, k, v, segment_ids, *, causal: bool, scale, softcap, softcap_method, impl):
+def attend(q, k, v, segment_ids, *, causal: bool, scale, softcap, softcap_method, impl,
+           logit_multiplier=None):
     """(out, natural-log lse) of rankattn attention under segment ids [B, S] (or None),
     with Phoenix's ``causal``: every query, candidates included, sees only keys j <= i
-    (and always itself).
+    (and always itself). ``logit_multiplier`` (Phoenix's ``temp``, [B, S]) multiplies each
+    query's logits after the cap, own key included, as in :func:`rankattn.attention`.
 
     rankattn's own ``causal`` leaves candidates their whole history, so here the history
     part runs with every non-padding query as a history query (``|id|``) against keys that
     keep their ids only where they are history (the per-shard kernel's split of query and
     key ids, :class:`rankattn.semantics.ShardMask`), and each candidate's own key is merged
-    in by log-sum-exp, as context sharding does.
+    in by log-sum-exp, as context sharding does; the checked multiplier goes to both parts.
     """
-    options = dict(scale=scale, softcap=softcap, softcap_method=softcap_method)
+    options = dict(scale=scale, softcap=softcap, softcap_method=softcap_method,
+                   logit_multiplier=logit_multiplier)
     if not causal or segment_ids is None:
         return attention(q, k, v, segment_ids=segment_ids, causal=causal, return_lse=True,
                          impl=impl, **options)
@@ -43,7 +46,8 @@ def attend(q, k, v, segment_ids, *, causal: bool, scale, softcap, softcap_method
     history_call = dataclasses.replace(
         call, shard_mask=semantics.ShardMask(history_keys, positions, positions))
     history = select_backend(impl, history_call)(history_call)
-    return distributed.add_own_keys(call, history, call.q, call.k, call.v, segment_ids)
+    return distributed.add_own_keys(call, history, call.q, call.k, call.v, segment_ids,
+                                    call.logit_multiplier)
 
 
 def with_z_loss(f, weight: float, q, k, v):

@@ -3,7 +3,6 @@ at x-algorithm 28e414f), computed by :func:`rankattn.attention`."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,13 +24,11 @@ def mha(q, k, v, temp, segment_ids, sm_scale=1.0, cap=-1.0, cap_method="tanh", c
       q: [B, S, Hq, D]; k, v: [B, S, Hkv, D], float32 / bfloat16 / float16, any S and D.
         Hq a multiple of Hkv (Phoenix's v2 needs Hq == Hkv and the model repeats K/V;
         repeated K/V give the same result here).
-      temp: [B, S], per query: multiplies the logits after the cap (v2:117-138); no
-        gradient (v2:934). One value t for the whole batch (the model passes ones,
-        phoenix/xrex/models/layers.py:300) is exact: the scale times t, and with a cap the
-        cap times t too (``t * cap(s) = cap_t(t * s)``, t > 0). A temp that varies
-        without a cap multiplies each row's query (rounded to q's dtype); with a cap, a
-        concrete one raises RA124 and a traced one is taken as 1, with NaN in rows where
-        it is not: never a silently different softmax.
+      temp: real [B, S] (int or float, concrete or traced), per query: multiplies the
+        logits after the cap, on every key the query sees, its own included (v2:117-138,
+        as rankattn's ``logit_multiplier``); no gradient (v2:934). The model passes int32
+        ones (phoenix/xrex/models/layers.py:300). Any values, with any cap; a non-finite
+        one makes its row NaN. Another shape or dtype raises RA124.
       segment_ids: int [B, S]: 1 history, 0 padding, any other value a candidate
         (v2:24-26, 41-48). Key j is visible to query i iff i is not padding, and j is
         history or j == i, and with ``causal`` j <= i (v2:117-138): ``causal`` applies to
@@ -42,8 +39,9 @@ def mha(q, k, v, temp, segment_ids, sm_scale=1.0, cap=-1.0, cap_method="tanh", c
       block_*, backward_pass_impl, num_warps, num_stages, grid, interpret, debug: Phoenix's
         kernel options; accepted and ignored (rankattn picks its own tiles).
       impl: rankattn's backend choice, as in :func:`rankattn.attention`. With ``causal``
-        the history part runs on a backend taking split query / key ids: cpu, xla or
-        reference.
+        the history part runs on a backend taking split query / key ids (cpu, xla or
+        reference); ``"auto"`` picks one that also takes the temp (a temp known to be all
+        ones is dropped, so any of them).
 
     Returns:
       out [B, S, Hq, D] in q's dtype (only ``out``, as Phoenix).
@@ -88,52 +86,35 @@ def mha_inference_gqa(q, k, v, temp, segment_ids, sm_scale=1.0, cap=-1.0, cap_me
 
 
 def _attend(q, k, v, temp, segment_ids, sm_scale, cap, cap_method, causal, z_loss_weight, impl):
-    """out of Phoenix's v2 mask function with ``temp`` on the capped logits."""
-    options = cap_options(cap, cap_method)
-    if np.shape(temp) != q.shape[:2]:
-        raise fail("RA124", f"temp has shape {np.shape(temp)}; it must be [B, S] = {q.shape[:2]}, "
-                            "one value per query.")
-    scale, row_factor, bad_rows = _fold_temp(temp, float(sm_scale), options)
+    """out of Phoenix's v2 mask function, ``temp`` multiplying the capped logits per query."""
+    _check_temp(temp, q.shape[:2])
     ids = jnp.asarray(segment_ids)
     ids = jnp.where(ids == 1, 1, jnp.where(ids == 0, 0, -1)).astype(jnp.int32)
+    values = concrete(temp)  # all ones, known now: no multiplier (every backend runs that)
+    multiplier = None if values is not None and (values == 1).all() else temp
+    options = dict(causal=causal, scale=float(sm_scale), impl=impl, logit_multiplier=multiplier,
+                   **cap_options(cap, cap_method))
 
     def outputs(q, k, v):
-        if row_factor is not None:  # t_i * s_ij for every key of row i
-            q = q * row_factor[:, :, None, None].astype(q.dtype)
-        return attend(q, k, v, ids, causal=causal, scale=scale, impl=impl, **options)
+        return attend(q, k, v, ids, **options)
 
-    out, _ = with_z_loss(outputs, float(z_loss_weight), q, k, v)
-    if bad_rows is not None:
-        out = jnp.where(bad_rows[:, :, None, None], jnp.nan, out)
-    return out
+    return with_z_loss(outputs, float(z_loss_weight), q, k, v)[0]
 
 
-def _fold_temp(temp, scale: float, options: dict):
-    """Where temp goes: (scale, a per-row factor for q or None, rows to poison or None).
-
-    A uniform temp t (concrete) scales the logits exactly: scale * t, and with a cap the
-    cap times t (t * cap(s) = cap_t(t * s) for t > 0). Otherwise, without a cap, each row's
-    t multiplies its query (rounded to q's dtype); with a cap, a concrete temp that varies
-    cannot be honoured (RA124), and a traced one is taken as 1 with NaN in rows where it
-    is not.
-    """
-    values = concrete(temp)  # before any jnp op, which would trace it under jit
-    temp = jax.lax.stop_gradient(jnp.asarray(temp))
-    if values is not None and values.size and (values == values.flat[0]).all():
-        t = float(values.flat[0])
-        if options["softcap"] is not None:
-            if t <= 0:
-                raise fail("RA124", f"temp is {t} everywhere with cap > 0; rankattn applies "
-                                    "temp as cap * temp, which must be positive. Pass a "
-                                    "positive temp or cap <= 0.")
-            options["softcap"] *= t
-        return (scale * t, None, None) if t else (scale, temp, None)
-    if options["softcap"] is None:
-        return scale, temp, None
-    if values is None:
-        return scale, None, temp != 1
-    raise fail("RA124", f"temp takes {len(np.unique(values))} different values (e.g. "
-                        f"{np.unique(values)[:3].tolist()}) with cap > 0; rankattn caps before any "
-                        "per-query factor, so with a cap temp must be one value for the whole "
-                        "batch (the model passes ones). Pass cap <= 0, or fold the temperature "
-                        "into q.")
+def _check_temp(temp, shape):
+    """RA124 unless temp is a real array [B, S] (concrete or traced)."""
+    if not hasattr(temp, "shape") or not hasattr(temp, "dtype"):
+        try:
+            temp = np.asarray(temp)
+        except (TypeError, ValueError):
+            raise fail("RA124", f"temp is a {type(temp).__name__} that is not an array; it "
+                                f"must be a real array [B, S] = {tuple(shape)}, one value per "
+                                "query (Phoenix's model passes ones).") from None
+    if tuple(temp.shape) != tuple(shape):
+        raise fail("RA124", f"temp has shape {tuple(temp.shape)}; it must be [B, S] = "
+                            f"{tuple(shape)}, one value per query (Phoenix's model passes "
+                            "jnp.ones(segment_ids.shape)).")
+    if not (jnp.issubdtype(temp.dtype, jnp.integer) or jnp.issubdtype(temp.dtype, jnp.floating)):
+        raise fail("RA124", f"temp has dtype {temp.dtype}; it must be a real array [B, S] "
+                            "(int or float), one value per query. Cast it with "
+                            ".astype(jnp.float32).")
