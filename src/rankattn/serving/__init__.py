@@ -21,6 +21,10 @@ O((S + C)^2), and scores are batch-invariant by construction.
 * :func:`sharded_cache_from_history`, :func:`shard_cache` and ``attend(...,
   sharding=)``: caches split over users and over history on a device mesh
   (:mod:`rankattn.serving.sharded`).
+* :class:`HistoryStore`: the serving state over one stacked cache, keyed by user:
+  which histories stay cached, when one is stale, what is evicted (LRU, to a host
+  tier), pinned while requests read it, safe from many threads
+  (:mod:`rankattn.serving.store`).
 
 Errors are RA2xx in docs/errors.md; the guide is docs/serving.md.
 """
@@ -31,8 +35,10 @@ from rankattn.serving.scoring import (DEFAULT_GROUP_RULE, GQA_MODES, GROUP_RULES
 from rankattn.serving.cache import (AppendStatus, PagedKVCache, append, cache_from_history,
                                     empty_cache, release, stack_caches)
 from rankattn.serving.sharded import shard_cache, sharded_cache_from_history
+from rankattn.serving.store import HistoryStore, Lease
 
-__all__ = ["AppendStatus", "DEFAULT_GROUP_RULE", "GQA_MODES", "GROUP_RULES", "PagedKVCache", "SELECTIONS",
+__all__ = ["AppendStatus", "DEFAULT_GROUP_RULE", "GQA_MODES", "GROUP_RULES", "HistoryStore",
+           "Lease", "PagedKVCache", "SELECTIONS",
            "append", "attend",
            "cache_from_history", "empty_cache", "page_bounds", "release", "select_pages",
            "shard_cache", "sharded_cache_from_history", "stack_caches"]

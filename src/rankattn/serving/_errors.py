@@ -145,4 +145,40 @@ register(
         "Pass layer=i with a stacked cache, or scan over it (jax.lax.scan(body, x, cache) hands "
         "body one layer's cache, which takes no layer=); drop layer= with one layer's cache, or "
         "stack the layers' caches with stack_caches."),
+    ErrorKind(
+        "RA219", "HistoryStore options are invalid",
+        "serving.HistoryStore(num_layers=, kv_heads=, head_dim=, page_size=, device_pages=, "
+        "max_users=, max_pages_per_user=, host_pages=, history=, ...) sizes one stacked paged "
+        "cache and its host tier: positive ints (host_pages may be 0), max_pages_per_user at "
+        "most device_pages, and history 'bidirectional' or 'causal'.",
+        "Pass the sizes as Python ints, e.g. HistoryStore(num_layers=4, kv_heads=2, "
+        "head_dim=64, device_pages=4096, max_users=512, max_pages_per_user=64)."),
+    ErrorKind(
+        "RA220", "acquire rows are malformed",
+        "HistoryStore.acquire(user_ids, versions, lengths) takes one int per row in each "
+        "(equal lengths, lengths >= 0). Rows of one user must share version and length: one "
+        "slot holds one history of a user per call.",
+        "Pass three equal-length int sequences; acquire a user's second history in a later "
+        "call."),
+    ErrorKind(
+        "RA221", "a history is longer than a user's capacity",
+        "A store holds at most max_pages_per_user * page_size tokens of one user's history; "
+        "a longer history can never be cached (a server answers it as too large).",
+        "Cut the history to its newest tokens, or build the store with a larger "
+        "max_pages_per_user (and device_pages)."),
+    ErrorKind(
+        "RA222", "the store has no room right now",
+        "Every page or slot that could make room belongs to an entry pinned by a lease that "
+        "has not been released (or acquire waited past its timeout for another lease's "
+        "write). Nothing was changed; the condition passes as leases are released.",
+        "Retry after releasing leases (a server answers 503 with Retry-After), acquire fewer "
+        "rows at once, or build a store with more device_pages / max_users."),
+    ErrorKind(
+        "RA223", "a lease or a store method was misused",
+        "A Lease is released once and written at most once, by the store that made it, with "
+        "k / v [L, B, T, Hkv, D] covering every row's missing tokens; acquire, write, release "
+        "and clear are not called inside store.reading() on the same thread (the update "
+        "would wait for that reader).",
+        "Release each lease once (use it as a context manager), write once with the shapes "
+        "the message names, and leave reading() before updating the store."),
 )

@@ -1,0 +1,716 @@
+"""A user-keyed history store over one stacked paged cache: reuse, staleness, eviction, a host tier.
+
+:class:`HistoryStore` owns one stacked :class:`~rankattn.serving.PagedKVCache` (every
+layer's K/V) and decides, on the host and under one lock, which user's history occupies
+which cache slot and pages, whether a cached history may serve a request, what is evicted
+when pages run out, and which evicted histories wait in host memory. The device side moves
+data only (:mod:`rankattn.serving.store_device`); attention reads the cache as before
+(:func:`rankattn.serving.attend`).
+
+A request's rows go through three calls::
+
+    lease = store.acquire(user_ids, versions, lengths)   # pin: hits, restores, room for misses
+    store.write(lease, k, v)                             # the history pass's K/V for the rest
+    with store.reading() as cache:                       # a consistent cache to score against
+        out = serving.attend(q, cache, lease.slots, self_kv=..., layer=...)
+    store.release(lease)                                 # unpin (a Lease is a context manager)
+
+The rules (docs/serving.md, "The history store", says the same with an example):
+
+* Validity. ``history="bidirectional"`` (Phoenix: one new action changes every history
+  token above the first layer): an entry serves a row only for the same user, version and
+  length; otherwise it is dropped (an invalidation) and the row is a miss.
+  ``history="causal"`` (HSTU): the same version and a cached length <= the row's reuse the
+  prefix (source "prefix"; ``write`` appends the rest). An equal length is a hit.
+* Pinning. ``acquire`` pins its rows' entries until ``release``; a pinned entry is never
+  evicted, moved or overwritten. Hits on the device are pinned first, then the other rows
+  are placed in row order.
+* Eviction, least recently used (acquired or released) first, whole unpinned entries, until
+  the row fits. With ``host_pages > 0`` an evicted entry's pages (every layer) move to host
+  memory; the host tier drops its least recently evicted entries when full. A later acquire
+  of the same user, version and length restores them (source "host").
+* Rows of one user with the same version and length share one slot (pinned once per row,
+  written once); with different ones in one call, RA220.
+* A new version of a user whose entry is pinned goes into a fresh slot: the old entry can no
+  longer be acquired and is freed (not spilled) at its last release. A causal prefix pinned
+  by another lease is never extended: the row is a miss in a fresh slot.
+* Written before visible: an acquire that matches an entry another lease has yet to write
+  (or restore) waits for it; a release without a write drops the unwritten entries.
+* All or nothing: a row that cannot be placed (RA221: longer than a user's capacity; RA222:
+  every entry pinned) fails the whole call and changes nothing.
+
+Threads: every method may be called from any thread. Policy runs under one lock; device
+updates are jitted, donated programs (dispatched in policy order), and an update waits for
+the readers inside ``reading()`` to leave, so no buffer a reader holds is donated. Copies
+between host and device memory (a spill's pages to host, a restore's to the device) run
+outside the lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import heapq
+import threading
+import time
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rankattn.errors import fail
+from rankattn.serving import store_device as device
+from rankattn.serving.cache import PagedKVCache, empty_cache
+
+HISTORIES = ("bidirectional", "causal")
+SOURCES = ("device", "host", "prefix", "miss")
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    """One user's cached history (one version and length) in one tier."""
+
+    user: int
+    version: int
+    length: int           # tokens valid now (on the device, or in the snapshot)
+    target: int           # tokens once its pending write is done (== length when ready)
+    tier: str             # "device" or "host"
+    slot: int = -1        # the cache user index, on the device
+    pages: list = dataclasses.field(default_factory=list)  # device page ids, in token order
+    snapshot: tuple | None = None  # host: (k, v, k_min, k_max) numpy, [L, pages, ...]
+    host_size: int = 0    # host pages it holds (reserved when its spill starts)
+    pins: int = 0
+    ready: bool = False   # False while a write, a restore or a spill's copy is pending
+    visible: bool = True  # False once a newer version replaced it (freed at its last release)
+
+
+class Lease:
+    """The rows of one :meth:`HistoryStore.acquire`: where each row's history is in the
+    cache, how much of it is there, and where it came from.
+
+    slots: int32 [B], the cache user index of each row (``serving.attend``'s ``users``).
+    cached: int32 [B], tokens of the row's history already in the cache and valid.
+    source: B strings, "device", "host", "prefix" or "miss".
+    missing: int32 [B], ``lengths - cached``: the tokens ``write`` must bring per row.
+    """
+
+    def __init__(self, store, users, versions, lengths, entries, sources, cached):
+        self._store = store
+        self.users, self.versions = users, versions
+        self.lengths = lengths
+        self.slots = np.array([e.slot for e in entries], np.int32)
+        self.cached = np.asarray(cached, np.int32)
+        self.source = list(sources)
+        self.missing = (self.lengths - self.cached).astype(np.int32)
+        self._entries = entries
+        self._to_write = {}  # id(entry) -> (its first row, entry): what write brings
+        for b, e in enumerate(entries):
+            if e.target > e.length:
+                self._to_write.setdefault(id(e), (b, e))
+        self.written = False
+        self.released = False
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.released:
+            self._store.release(self)
+
+    def __repr__(self) -> str:
+        return (f"<Lease rows={len(self.slots)} sources={self.source} "
+                f"{'released' if self.released else 'held'}>")
+
+
+class HistoryStore:
+    """Cached history K/V of many users, in one stacked paged cache. See the module docstring.
+
+    Args (keyword-only):
+      num_layers, kv_heads, head_dim, v_head_dim: the cache's L, Hkv, D, Dv (Dv default D).
+      page_size: P, tokens per page.
+      device_pages: N, pages on the device (per layer).
+      max_users: U, cache slots (entries on the device at once).
+      max_pages_per_user: M; a history holds at most M * P tokens.
+      host_pages: pages (every layer's) the host tier holds; 0: no host tier.
+      dtype: the pages' dtype.
+      history: "bidirectional" or "causal" (the validity rule).
+      max_batch: rows per device update at most (larger calls are split); with
+        ``max_pages_per_user``, the buckets of compiled shapes.
+    """
+
+    def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int,
+                 v_head_dim: int | None = None, page_size: int = 16, device_pages: int,
+                 max_users: int, max_pages_per_user: int, host_pages: int = 0,
+                 dtype=jnp.float32, history: str = "bidirectional", max_batch: int = 16):
+        sizes = dict(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim,
+                     page_size=page_size, device_pages=device_pages, max_users=max_users,
+                     max_pages_per_user=max_pages_per_user, max_batch=max_batch)
+        if v_head_dim is not None:
+            sizes["v_head_dim"] = v_head_dim
+        bad = {n: v for n, v in sizes.items() if not _positive_int(v)}
+        if not _positive_int(host_pages) and host_pages != 0:
+            bad["host_pages"] = host_pages
+        if bad:
+            raise fail("RA219", "HistoryStore needs positive Python ints (host_pages may be 0); "
+                                "got " + ", ".join(f"{n}={v!r}" for n, v in bad.items()) + ".")
+        if history not in HISTORIES:
+            raise fail("RA219", f"HistoryStore history={history!r}; pass 'bidirectional' (a "
+                                "cached entry serves only the exact history it was computed "
+                                "from, as in Phoenix) or 'causal' (a cached prefix stays valid, "
+                                "as in HSTU).")
+        if max_pages_per_user > device_pages:
+            raise fail("RA219", f"HistoryStore max_pages_per_user={max_pages_per_user} exceeds "
+                                f"device_pages={device_pages}: one user could never fit. Pass "
+                                "max_pages_per_user <= device_pages.")
+        self.history = history
+        self.page_size, self.max_pages = page_size, max_pages_per_user
+        self.num_pages, self.num_users, self.host_capacity = device_pages, max_users, host_pages
+        self.buckets = device.Buckets.of(max_batch, max_pages_per_user)
+        self._cache = empty_cache(num_users=max_users, num_pages=device_pages,
+                                  page_size=page_size, kv_heads=kv_heads, head_dim=head_dim,
+                                  v_head_dim=v_head_dim, max_pages=max_pages_per_user,
+                                  dtype=dtype, num_layers=num_layers)
+        # Policy state, under self._lock.
+        self._lock = threading.Condition()
+        self._index: dict[int, _Entry] = {}             # user -> its visible entry
+        self._lru: collections.OrderedDict[int, _Entry] = collections.OrderedDict()  # device
+        self._host: collections.OrderedDict[int, _Entry] = collections.OrderedDict()  # by spill
+        self._free_slots = list(range(max_users))
+        self._free_pages = list(range(device_pages))    # heaps: lowest ids first
+        self._host_used = 0
+        self._counts = collections.Counter()
+        # Device updates against readers: a writer waits for readers to leave, and new
+        # readers wait while a writer waits (so a stream of readers cannot starve updates).
+        self._device = threading.Condition()
+        self._readers = 0
+        self._writers = 0
+        self._reading = threading.local()
+        self._shapes: set[tuple] = set()  # (program, shape) pairs dispatched so far
+
+    # --- Reading. -------------------------------------------------------------------------
+
+    @property
+    def cache(self) -> PagedKVCache:
+        """The current stacked cache, for single-threaded callers: the next update (acquire,
+        write, release) may donate its buffers. Threads read through :meth:`reading`."""
+        return self._cache
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[PagedKVCache]:
+        """The current cache, kept valid while the block runs: no update donates its
+        buffers before the block ends. Do not acquire, write or release inside it (RA223)."""
+        with self._device:
+            while self._writers:
+                self._device.wait()
+            self._readers += 1
+            cache = self._cache
+        self._reading.depth = getattr(self._reading, "depth", 0) + 1
+        try:
+            yield cache
+        finally:
+            self._reading.depth -= 1
+            with self._device:
+                self._readers -= 1
+                self._device.notify_all()
+
+    # --- Acquire. -------------------------------------------------------------------------
+
+    def acquire(self, user_ids, versions, lengths, *, timeout: float | None = None) -> Lease:
+        """Pin a batch's histories: B rows of (user, version, length), ints each.
+
+        Returns a :class:`Lease` once every row has a slot: a hit (pinned), a restore from
+        the host tier (its pages back in the cache), or room for the tokens ``write`` must
+        bring (``lease.missing``). Waits for entries another lease is writing or restoring
+        (at most ``timeout`` seconds, then RA222). Raises RA220 for malformed rows, RA221 for
+        a history longer than a user's capacity, RA222 when the store cannot make room
+        because what it holds is pinned; a call that raises changes nothing.
+        """
+        self._not_reading("acquire")
+        users, versions, lengths = self._check_rows(user_ids, versions, lengths)
+        keys = list(dict.fromkeys(zip(users.tolist(), versions.tolist(), lengths.tolist())))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                pending = [self._index[u] for u, v, n in keys
+                           if u in self._index and not self._index[u].ready
+                           and self._matches(self._index[u], v, n)]
+                if not pending:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise fail("RA222", f"acquire waited {timeout} s for user "
+                                        f"{pending[0].user}'s entry, which another lease has "
+                                        "yet to write or restore; retry later, or release that "
+                                        "lease.")
+                self._lock.wait(left)
+            plan = self._plan(keys)
+            placed, spills, restores = self._apply(plan)
+            rows = [placed[key] for key in zip(users.tolist(), versions.tolist(),
+                                               lengths.tolist())]
+            for entry, _, _ in rows:
+                entry.pins += 1
+                self._touch(entry)
+            for _, source, _ in rows:
+                self._counts[_COUNTER[source]] += 1
+        self._finish_spills(spills)
+        self._finish_restores(restores)
+        return Lease(self, users, versions, lengths, [r[0] for r in rows],
+                     [r[1] for r in rows], [r[2] for r in rows])
+
+    def _matches(self, entry: _Entry, version: int, length: int) -> bool:
+        """Whether ``entry`` (a user's visible entry) is what a row of (version, length)
+        reuses: as it is, or (causal) as a prefix."""
+        if entry.version != version:
+            return False
+        if self.history == "causal":
+            return entry.target <= length
+        return entry.target == length
+
+    def _plan(self, keys) -> list:
+        """The steps that place ``keys`` (unique (user, version, length), in row order),
+        decided on counts alone: RA221 / RA222 leave the store as it was.
+
+        Order: device hits (pinned first), then every stale entry of these users dropped
+        (invalidations free room before anything is placed), then the other rows in row
+        order, each evicting least recently used entries until it fits. Steps:
+        ("hit", key, entry), ("invalidate", None, entry), ("evict", None, entry, spill),
+        ("host_evict", None, entry), ("restore", key, entry, pages), ("prefix", key, entry,
+        pages), ("miss", key, None, pages), in the order they apply.
+        """
+        p = self.page_size
+        for user, _, length in keys:
+            need = -(-length // p)
+            if need > self.max_pages:
+                raise fail("RA221", f"user {user}'s history of {length} tokens needs {need} "
+                                    f"pages of {p}; a user holds at most max_pages_per_user = "
+                                    f"{self.max_pages} pages ({self.max_pages * p} tokens). "
+                                    "Cut the history to its newest tokens, or build the store "
+                                    "with a larger max_pages_per_user.")
+        steps, placing, stale, keep = [], [], [], set()
+        for key in keys:
+            entry = self._index.get(key[0])
+            if entry is None or not self._matches(entry, key[1], key[2]):
+                placing.append((key, None))
+                if entry is not None:
+                    stale.append(entry)
+                continue
+            keep.add(id(entry))  # reused: never evicted by this call
+            if entry.tier == "device" and entry.target == key[2]:
+                steps.append(("hit", key, entry))
+            else:
+                placing.append((key, entry))
+        free_slots, free_pages, host_used = (len(self._free_slots), len(self._free_pages),
+                                             self._host_used)
+        gone = keep | set(map(id, stale))  # ids no device eviction may pick
+        host_gone = set(gone)               # ids no host eviction may pick
+        lru = [e for e in self._lru.values() if e.pins == 0 and e.ready and id(e) not in gone]
+        host = [e for e in self._host.values() if id(e) not in gone]
+        # Host pages of entries this call restores: not for the host tier to give up.
+        kept_host = sum(e.host_size for _, e in placing if e is not None and e.tier == "host")
+        for entry in stale:
+            steps.append(("invalidate", None, entry))
+            if entry.tier == "host":
+                host_used -= entry.host_size
+            elif entry.pins == 0:
+                free_slots, free_pages = free_slots + 1, free_pages + len(entry.pages)
+
+        def room(slots: int, pages: int) -> None:
+            """Evict (spilling where the host tier takes them) least recently used entries
+            until ``slots`` slots and ``pages`` pages are free; RA222 when none is left."""
+            nonlocal free_slots, free_pages, host_used
+            while free_slots < slots or free_pages < pages:
+                victim = next((e for e in lru if id(e) not in gone), None)
+                if victim is None:
+                    pinned = sum(1 for e in self._lru.values() if e.pins)
+                    raise fail("RA222", f"the store cannot make room for {pages} pages and "
+                                        f"{slots} slot(s): {free_pages} of {self.num_pages} "
+                                        f"pages and {free_slots} of {self.num_users} slots are "
+                                        f"free, and the rest belong to {pinned} pinned "
+                                        "entries. Retry once leases are released, acquire "
+                                        "fewer rows at once, or build a larger store.")
+                gone.add(id(victim))
+                size = len(victim.pages)
+                free_slots, free_pages = free_slots + 1, free_pages + size
+                spill = 0 < size <= self.host_capacity - kept_host
+                while spill and host_used + size > self.host_capacity:
+                    old = next(e for e in host if id(e) not in host_gone)  # exists: see spill
+                    host_gone.add(id(old))
+                    host_used -= old.host_size if old.tier == "host" else len(old.pages)
+                    steps.append(("host_evict", None, old))
+                steps.append(("evict", None, victim, spill))
+                if spill:
+                    host_used += size
+                    host.append(victim)  # the newest spill: the last the host tier drops
+
+        for key, entry in placing:
+            need = -(-key[2] // p)
+            if entry is not None and entry.tier == "host":
+                room(1, need)
+                free_slots, free_pages = free_slots - 1, free_pages - need
+                host_used -= entry.host_size
+                kept_host -= entry.host_size
+                steps.append(("restore", key, entry, need))
+            elif entry is not None and entry.pins == 0:  # causal: a prefix nobody else holds
+                grow = need - len(entry.pages)
+                room(0, grow)
+                free_pages -= grow
+                steps.append(("prefix", key, entry, grow))
+            else:  # a miss; a prefix another lease pins stays with it, out of sight
+                if entry is not None:
+                    steps.append(("invalidate", None, entry))
+                room(1, need)
+                free_slots, free_pages = free_slots - 1, free_pages - need
+                steps.append(("miss", key, None, need))
+        return steps
+
+    def _apply(self, steps):
+        """Carry out a plan under the lock: the policy state, and the device programs in
+        the same order (a spill's gather before the drop of its pages). Returns ({key: (entry,
+        source, cached)}, spills, restores); the spills' and restores' copies finish outside
+        the lock."""
+        placed, spills, restores, dropped = {}, {}, [], []
+        for kind, key, entry, *more in steps:
+            if kind == "hit":
+                placed[key] = (entry, "device", entry.length)
+            elif kind == "invalidate":
+                self._counts["invalidations"] += 1
+                self._hide(entry, dropped)
+            elif kind == "evict":
+                self._counts["evictions"] += 1
+                self._lru.pop(id(entry))
+                del self._index[entry.user]
+                if more[0]:  # gathered now, copied to host memory after the lock
+                    spills[id(entry)] = (entry, self._gather(entry.pages))
+                    size = len(entry.pages)
+                    dropped.append(self._take_back(entry))
+                    entry.tier, entry.ready, entry.host_size = "host", False, size
+                    self._host[id(entry)] = entry
+                    self._index[entry.user] = entry
+                    self._host_used += size
+                else:
+                    dropped.append(self._take_back(entry))
+            elif kind == "host_evict":
+                self._counts["host_evictions"] += 1
+                spills.pop(id(entry), None)
+                self._drop_host(entry)
+            elif kind == "restore":
+                snapshot = entry.snapshot
+                self._drop_host(entry)
+                entry.tier, entry.ready, entry.target = "device", False, key[2]
+                entry.slot, entry.pages = self._take_slot(), self._take_pages(more[0])
+                self._index[entry.user] = entry
+                self._lru[id(entry)] = entry
+                restores.append((entry, snapshot))
+                placed[key] = (entry, "host", entry.length)
+            elif kind == "prefix":
+                entry.pages += self._take_pages(more[0])
+                entry.target, entry.ready = key[2], False
+                placed[key] = (entry, "prefix", entry.length)
+            else:  # miss
+                entry = _Entry(key[0], key[1], 0, key[2], "device", slot=self._take_slot(),
+                               pages=self._take_pages(more[0]), ready=key[2] == 0)
+                self._index[entry.user] = entry
+                self._lru[id(entry)] = entry
+                placed[key] = (entry, "miss", 0)
+        self._drop_device(dropped)
+        return placed, list(spills.values()), restores
+
+    # --- Write and release. ---------------------------------------------------------------
+
+    def write(self, lease: Lease, k, v) -> None:
+        """The history pass's K/V for a lease's rows: k [L, B, T, Hkv, D], v [L, B, T, Hkv, Dv]
+        (any float dtype, stored in the cache's). Row b's tokens ``lease.cached[b]`` ..
+        ``lengths[b] - 1`` are its first ``lease.missing[b]`` positions (T >= the largest
+        ``missing``); rows with nothing missing, and repeats of a row, are not read. Once
+        written, the rows' entries can serve other acquires. RA223 for a released or
+        already written lease or arrays of the wrong shape."""
+        self._not_reading("write")
+        self._check_lease(lease, "write")
+        if lease.written:
+            raise fail("RA223", "write was called twice for one lease; each lease's missing "
+                                "tokens are written once.")
+        if not lease._to_write:
+            lease.written = True
+            return
+        cache = self._cache
+        num_layers, _, hkv, _, d = cache.k_pages.shape
+        want_t = int(lease.missing.max(initial=0))
+        for name, x, last in (("k", k, d), ("v", v, cache.v_pages.shape[-1])):
+            shape = tuple(getattr(x, "shape", ()))
+            if (len(shape) != 5 or shape[:2] != (num_layers, len(lease.slots)) or shape[2] < want_t
+                    or shape[3:] != (hkv, last)
+                    or not jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.floating)):
+                raise fail("RA223", f"write: {name} has shape {shape} and dtype "
+                                    f"{getattr(x, 'dtype', type(x).__name__)}; it must be float "
+                                    f"[L, B, T, Hkv, {'D' if name == 'k' else 'Dv'}] = "
+                                    f"[{num_layers}, {len(lease.slots)}, >= {want_t}, {hkv}, "
+                                    f"{last}] (T covers every row's missing tokens).")
+        rows = sorted(lease._to_write.values(), key=lambda r: r[0])
+        batches = []
+        for start in range(0, len(rows), self.buckets.rows[-1]):
+            chunk = rows[start:start + self.buckets.rows[-1]]
+            n_rows = device.Buckets.fit(len(chunk), self.buckets.rows)
+            longest = max(e.target - e.length for _, e in chunk)
+            t = device.Buckets.fit(-(-longest // self.page_size),
+                                   self.buckets.pages) * self.page_size
+            index = device.padded(np.array([b for b, _ in chunk], np.int32), n_rows, 0, 0)
+            batches.append((chunk, n_rows, *(device.rows_of(x, index, t) for x in (k, v))))
+        with self._lock:
+            self._check_lease(lease, "write")
+            for chunk, n_rows, ks, vs in batches:
+                pad = n_rows - len(chunk)
+                slots = np.array([e.slot for _, e in chunk] + [self.num_users] * pad, np.int32)
+                pages = np.full((n_rows, self.max_pages), -1, np.int32)
+                for i, (_, e) in enumerate(chunk):
+                    pages[i, :len(e.pages)] = e.pages
+                starts = np.array([e.length for _, e in chunk] + [0] * pad, np.int32)
+                counts = np.array([e.target - e.length for _, e in chunk] + [0] * pad, np.int32)
+                self._update(device.write, slots, pages, starts, counts, ks, vs)
+            for _, entry in rows:
+                entry.length, entry.ready = entry.target, True
+            lease.written = True
+            self._lock.notify_all()
+
+    def release(self, lease: Lease) -> None:
+        """Unpin a lease's rows (RA223 when it was released before). Entries it left unwritten
+        are dropped; entries a newer version replaced are freed at their last release."""
+        self._not_reading("release")
+        with self._lock:
+            self._check_lease(lease, "release")
+            lease.released = True
+            dropped = []
+            for entry in lease._entries:
+                entry.pins -= 1
+                self._touch(entry)
+            for _, entry in lease._to_write.values():
+                if not lease.written and not entry.ready and entry.tier == "device":
+                    self._hide(entry, dropped)
+            for entry in {id(e): e for e in lease._entries}.values():
+                if not entry.visible and entry.pins == 0 and entry.tier == "device" \
+                        and entry.slot >= 0:
+                    dropped.append(self._take_back(entry))
+            self._drop_device(dropped)
+            self._lock.notify_all()
+
+    def clear(self) -> None:
+        """Drop everything (a new model version): no entry can be acquired again; pinned
+        entries stay valid for their leases and are freed at their last release."""
+        self._not_reading("clear")
+        with self._lock:
+            dropped = []
+            for entry in list(self._index.values()):
+                self._hide(entry, dropped)
+            self._drop_device(dropped)
+            self._counts["clears"] += 1
+            self._lock.notify_all()
+
+    # --- Inspection. ----------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters since the store was built: rows by source (hits, host_hits, prefix_hits,
+        misses), invalidations (stale entries dropped), evictions (device, LRU),
+        host_evictions, clears; and now: device_pages_used, host_pages_used, entries on the
+        device and in the host tier, pinned entries, and compiled_programs (device update
+        shapes dispatched so far; at most ``buckets.programs()``)."""
+        with self._lock:
+            out = {name: self._counts[name] for name in
+                   ("hits", "host_hits", "prefix_hits", "misses", "invalidations",
+                    "evictions", "host_evictions", "clears")}
+            out.update(device_pages_used=self.num_pages - len(self._free_pages),
+                       host_pages_used=self._host_used, device_entries=len(self._lru),
+                       host_entries=len(self._host),
+                       pinned_entries=sum(1 for e in self._lru.values() if e.pins),
+                       compiled_programs=len(self._shapes))
+            return out
+
+    def warmup(self) -> int:
+        """Compile every device program for every bucket (a server calls this before it
+        takes traffic); returns how many. Each runs on the real cache with padding only,
+        which changes nothing."""
+        self._not_reading("warmup")
+        cache = self._cache
+        num_layers, _, hkv, p, d = cache.k_pages.shape
+        with self._lock:
+            for rows in self.buckets.rows:
+                slots = np.full(rows, self.num_users, np.int32)
+                pages = np.full((rows, self.max_pages), -1, np.int32)
+                zeros = np.zeros(rows, np.int32)
+                self._update(device.drop, slots, pages)
+                for n in self.buckets.pages:
+                    k = jnp.zeros((num_layers, rows, n * p, hkv, d), cache.k_pages.dtype)
+                    v = jnp.zeros((num_layers, rows, n * p, hkv, cache.v_pages.shape[-1]),
+                                  cache.v_pages.dtype)
+                    self._update(device.write, slots, pages, zeros, zeros, k, v)
+            for n in self.buckets.pages:
+                ids = np.full(n, self.num_pages, np.int32)
+                parts = self._gather_bucket(ids)
+                table = np.asarray(self._cache.page_table[0, 0])
+                length = np.asarray(self._cache.lengths[0, 0])
+                self._update(device.restore, np.int32(0), ids, table, length, *parts)
+            jax.block_until_ready(self._cache)
+            return len(self._shapes)
+
+    # --- Internals. -----------------------------------------------------------------------
+
+    def _check_rows(self, user_ids, versions, lengths):
+        arrays = []
+        for name, x in (("user_ids", user_ids), ("versions", versions), ("lengths", lengths)):
+            a = np.asarray(x)
+            if a.ndim != 1 or a.size == 0 or not (np.issubdtype(a.dtype, np.integer)
+                                                  or a.dtype == object and all(
+                                                      isinstance(i, int) for i in a.tolist())):
+                raise fail("RA220", f"acquire: {name} must be a non-empty 1-D sequence of ints, "
+                                    f"one per row; got {_describe(x)}.")
+            arrays.append(a.astype(np.int64))
+        users, versions, lengths = arrays
+        if not len(users) == len(versions) == len(lengths):
+            raise fail("RA220", f"acquire: user_ids, versions and lengths have {len(users)}, "
+                                f"{len(versions)} and {len(lengths)} rows; give one of each "
+                                "per row.")
+        if (lengths < 0).any():
+            raise fail("RA220", f"acquire: lengths holds {lengths[lengths < 0][:4].tolist()}; "
+                                "a history has >= 0 tokens.")
+        seen = {}
+        for u, v, n in zip(users.tolist(), versions.tolist(), lengths.tolist()):
+            if seen.setdefault(u, (v, n)) != (v, n):
+                raise fail("RA220", f"acquire: user {u} appears with (version, length) "
+                                    f"{seen[u]} and {(v, n)} in one call; a user's rows in one "
+                                    "call must share them. Acquire the second history in a "
+                                    "later call.")
+        return users, versions, lengths
+
+    def _check_lease(self, lease, what: str) -> None:
+        if not isinstance(lease, Lease) or lease._store is not self:
+            raise fail("RA223", f"{what}: {type(lease).__name__} is not a Lease of this store; "
+                                "pass the object this store's acquire returned.")
+        if lease.released:
+            raise fail("RA223", f"{what}: the lease was already released; acquire the rows "
+                                "again.")
+
+    def _not_reading(self, what: str) -> None:
+        if getattr(self._reading, "depth", 0):
+            raise fail("RA223", f"{what} was called inside store.reading() on the same thread; "
+                                "it would wait for that reader to finish. Leave the with block "
+                                "first.")
+
+    def _touch(self, entry: _Entry) -> None:
+        """Mark ``entry`` used now (acquired or released): the most recent in LRU order."""
+        if entry.tier == "device" and id(entry) in self._lru:
+            self._lru.move_to_end(id(entry))
+
+    def _take_slot(self) -> int:
+        return heapq.heappop(self._free_slots)
+
+    def _take_pages(self, n: int) -> list:
+        return [heapq.heappop(self._free_pages) for _ in range(n)]
+
+    def _take_back(self, entry: _Entry):
+        """Return a device entry's slot and pages to the free lists; (slot, pages) for the
+        device drop."""
+        slot, pages = entry.slot, entry.pages
+        heapq.heappush(self._free_slots, slot)
+        for page in pages:
+            heapq.heappush(self._free_pages, page)
+        entry.slot, entry.pages = -1, []
+        return slot, pages
+
+    def _hide(self, entry: _Entry, dropped: list) -> None:
+        """``entry`` can no longer be acquired; freed now unless pinned (then at its last
+        release)."""
+        if self._index.get(entry.user) is entry:
+            del self._index[entry.user]
+        entry.visible = False
+        if entry.tier == "host":
+            self._drop_host(entry)
+        elif entry.pins == 0:
+            self._lru.pop(id(entry), None)
+            dropped.append(self._take_back(entry))
+        else:
+            self._lru.pop(id(entry), None)
+
+    def _drop_host(self, entry: _Entry) -> None:
+        """Remove a host entry (and its user's index entry); its pages leave the host tier."""
+        self._host.pop(id(entry), None)
+        if self._index.get(entry.user) is entry:
+            del self._index[entry.user]
+        self._host_used -= entry.host_size
+        entry.snapshot, entry.host_size = None, 0
+
+    def _drop_device(self, dropped) -> None:
+        """Empty the dropped (slot, pages) on the device, a bucket of rows per program."""
+        top = self.buckets.rows[-1]
+        for start in range(0, len(dropped), top):
+            chunk = dropped[start:start + top]
+            rows = device.Buckets.fit(len(chunk), self.buckets.rows)
+            slots = np.full(rows, self.num_users, np.int32)
+            pages = np.full((rows, self.max_pages), -1, np.int32)
+            for i, (slot, ids) in enumerate(chunk):
+                slots[i] = slot
+                pages[i, :len(ids)] = ids
+            self._update(device.drop, slots, pages)
+
+    def _gather_bucket(self, ids: np.ndarray):
+        self._shapes.add(("gather", len(ids)))
+        return device.gather(self._cache, ids)
+
+    def _gather(self, pages: list):
+        """(pages, their device arrays) dispatched now, under the lock, before the pages are
+        freed; the copy to host memory happens after it."""
+        n = device.Buckets.fit(len(pages), self.buckets.pages)
+        ids = device.padded(np.array(pages, np.int32), n, 0, self.num_pages)
+        return len(pages), self._gather_bucket(ids)
+
+    def _finish_spills(self, spills) -> None:
+        """Copy spilled pages to host memory (outside the lock), then make them restorable
+        (unless the host tier dropped them meanwhile)."""
+        for entry, (n, parts) in spills:
+            snapshot = tuple(np.asarray(x)[:, :n] for x in parts)
+            with self._lock:
+                if id(entry) in self._host:
+                    entry.snapshot, entry.ready = snapshot, True
+                self._lock.notify_all()
+
+    def _finish_restores(self, restores) -> None:
+        """Copy restored pages to the device (outside the lock), then scatter them in; the
+        entry is ready unless a causal row still has to write its new tokens."""
+        for entry, (k, v, k_min, k_max) in restores:
+            count = k.shape[1]
+            n = device.Buckets.fit(count, self.buckets.pages)
+            ids = device.padded(np.array(entry.pages[:count], np.int32), n, 0, self.num_pages)
+            parts = [jax.device_put(device.padded(x, n, 1, 0)) for x in (k, v, k_min, k_max)]
+            table = np.full(self.max_pages, -1, np.int32)
+            table[:count] = entry.pages[:count]
+            with self._lock:
+                self._update(device.restore, np.int32(entry.slot), ids, table,
+                             np.int32(entry.length), *parts)
+                entry.ready = entry.target == entry.length
+                self._lock.notify_all()
+
+    def _update(self, program, *args) -> None:
+        """Run a donating device program on the cache, once no reader holds it (called under
+        the policy lock, so updates run in policy order)."""
+        self._shapes.add((program.__name__,) + tuple(np.shape(a) for a in args))
+        with self._device:
+            self._writers += 1
+            while self._readers:
+                self._device.wait()
+            try:
+                self._cache = program(self._cache, *args)
+            finally:
+                self._writers -= 1
+                self._device.notify_all()
+
+
+_COUNTER = {"device": "hits", "host": "host_hits", "prefix": "prefix_hits", "miss": "misses"}
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x > 0
+
+
+def _describe(x) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{type(x).__name__} of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"{type(x).__name__} {x!r}"[:120]
