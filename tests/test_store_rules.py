@@ -1,0 +1,214 @@
+"""serving.HistoryStore, rule by rule, and under threads (tests/test_store.py drives it at
+random against a model of the same rules)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import rankattn
+from helpers import assert_explained
+from rankattn import serving
+from test_store import check_rows, write_rows
+
+CONFIG = dict(num_layers=2, kv_heads=1, head_dim=4, page_size=4, device_pages=8, max_users=4,
+              max_pages_per_user=4, host_pages=4, max_batch=4, history="bidirectional")
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return serving.HistoryStore(**CONFIG)
+
+
+@pytest.fixture
+def store(shared):
+    """The module's store, emptied: its programs compile once for every test here."""
+    shared.clear()
+    return shared
+
+
+def acquired(store, rows, write=True, config=CONFIG):
+    lease = store.acquire(*map(list, zip(*rows)))
+    if write:
+        write_rows(store, lease, config)
+    return lease
+
+
+def raises(code, *fragments):
+    return _Raises(code, fragments)
+
+
+class _Raises:
+    def __init__(self, code, fragments):
+        self.code, self.fragments = code, fragments
+
+    def __enter__(self):
+        self.ctx = pytest.raises(rankattn.RankattnError)
+        self.info = self.ctx.__enter__()
+        return self.info
+
+    def __exit__(self, *exc):
+        handled = self.ctx.__exit__(*exc)
+        err = self.info.value
+        assert err.code == self.code, str(err)
+        for fragment in self.fragments:
+            assert fragment in str(err), (fragment, str(err))
+        assert_explained(err)
+        return handled
+
+
+def test_a_pinned_entry_survives_while_a_new_version_takes_a_fresh_slot(store):
+    old = acquired(store, [(1, 0, 6)])
+    new = acquired(store, [(1, 1, 9)])                  # user 1's next version, old pinned
+    assert new.source == ["miss"] and new.slots[0] != old.slots[0]
+    check_rows(store, old, CONFIG)                      # the old entry is still its history
+    check_rows(store, new, CONFIG)
+    assert store.stats()["invalidations"] == 1
+    used = store.stats()["device_pages_used"]
+    store.release(old)                                  # freed at its last release
+    assert store.stats()["device_pages_used"] == used - 2
+    again = acquired(store, [(1, 1, 9)], write=False)
+    assert again.source == ["device"] and again.slots[0] == new.slots[0]
+    for lease in (new, again):
+        store.release(lease)
+
+
+def test_a_failed_acquire_changes_nothing(store):
+    held = [acquired(store, [(u, 0, 8)]) for u in range(4)]  # every slot pinned
+    before = store.stats()
+    with raises("RA222", "pinned"):
+        store.acquire([9, 1], [0, 0], [4, 8])           # row 1 hits; row 0 cannot be placed
+    assert store.stats() == before
+    with raises("RA221", "17 tokens", "max_pages_per_user"):
+        store.acquire([1, 5], [0, 0], [8, 17])
+    assert store.stats() == before
+    for lease in held:
+        check_rows(store, lease, CONFIG)
+        store.release(lease)
+    lease = acquired(store, [(9, 0, 4)])
+    assert lease.source == ["miss"] and store.stats()["evictions"] == 1
+    store.release(lease)
+
+
+def test_one_user_twice_in_a_call(store):
+    lease = acquired(store, [(2, 0, 5), (3, 0, 3), (2, 0, 5)])
+    assert lease.slots[0] == lease.slots[2] and lease.source == ["miss", "miss", "miss"]
+    check_rows(store, lease, CONFIG)
+    store.release(lease)
+    with raises("RA220", "user 2", "(0, 5)", "(1, 5)"):
+        store.acquire([2, 2], [0, 1], [5, 5])
+
+
+def test_a_release_without_a_write_drops_what_it_placed(store):
+    lease = store.acquire([4], [0], [7])
+    assert lease.missing.tolist() == [7]
+    store.release(lease)
+    assert store.stats()["device_pages_used"] == 0
+    assert acquired(store, [(4, 0, 7)]).source == ["miss"]
+
+
+def test_an_acquire_waits_for_the_write_it_matches(store):
+    writer = store.acquire([5], [0], [6])
+    got = {}
+
+    def reader():
+        got["lease"] = store.acquire([5], [0], [6])
+        got["at"] = time.monotonic()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.3)
+    assert "lease" not in got, "an acquire saw an entry that was not written yet"
+    written = time.monotonic()
+    write_rows(store, writer, CONFIG)
+    thread.join(10)
+    assert got["at"] >= written and got["lease"].source == ["device"]
+    check_rows(store, got["lease"], CONFIG)
+    with raises("RA222", "yet to write"):
+        other = store.acquire([6], [0], [3])
+        store.acquire([6], [0], [3], timeout=0.05)
+    for lease in (writer, got["lease"], other):
+        store.release(lease)
+
+
+def test_leases_are_released_once_and_written_once(store):
+    with acquired(store, [(7, 0, 3)]) as lease:
+        with raises("RA223", "twice"):
+            write_rows(store, lease, CONFIG)
+    with raises("RA223", "already released"):
+        store.release(lease)
+    lease = store.acquire([7], [0], [5])
+    with raises("RA223", "[2, 1, >= 5, 1, 4]"):
+        store.write(lease, np.zeros((2, 1, 1, 1, 4), np.float32), np.zeros((2, 1, 1, 1, 4)))
+    with store.reading():
+        with raises("RA223", "inside store.reading()"):
+            store.release(lease)
+    store.release(lease)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(device_pages=0), "device_pages=0"),
+    (dict(history="sliding"), "history='sliding'"),
+    (dict(max_pages_per_user=9), "exceeds device_pages=8"),
+    (dict(host_pages=-1), "host_pages=-1"),
+])
+def test_bad_options_raise_ra219(kwargs, fragment):
+    with raises("RA219", fragment):
+        serving.HistoryStore(**{**CONFIG, **kwargs})
+
+
+def test_warmup_compiles_every_program_once():
+    store = serving.HistoryStore(**{**CONFIG, "max_batch": 2, "max_pages_per_user": 2})
+    count = store.warmup()
+    assert count == store.buckets.programs() == 2 * 2 + 2 + 2 * 2
+    lease = acquired(store, [(1, 0, 8), (2, 0, 3)])
+    check_rows(store, lease, {**CONFIG, "max_pages_per_user": 2})
+    store.release(lease)
+    assert store.stats()["compiled_programs"] == count
+
+
+def test_threads_acquire_write_and_release_overlapping_users(store):
+    """8 threads, 6 users over 4 slots: hits, misses, evictions, spills and restores race;
+    every lease's rows equal their current history, and the store ends consistent."""
+    errors, done, refused = [], [], []
+    lock = threading.Lock()
+    versions = {u: 0 for u in range(6)}
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for step in range(6):
+                users = [int(u) for u in rng.choice(6, 2, replace=False)]
+                with lock:
+                    if rng.random() < 0.2:
+                        versions[users[0]] += 1
+                    rows = [(u, versions[u], 3 + (u + versions[u]) % 10) for u in users]
+                for _ in range(1000):  # what a client does with a 503 and Retry-After
+                    try:
+                        lease = store.acquire(*map(list, zip(*rows)), timeout=30)
+                        break
+                    except rankattn.RankattnError as e:
+                        assert e.code == "RA222", str(e)  # all pinned by the other threads
+                        refused.append(e)
+                        time.sleep(0.002)
+                with lease:
+                    if lease.missing.any():
+                        write_rows(store, lease, CONFIG)
+                    check_rows(store, lease, CONFIG, seed=seed * 10 + step)
+                done.append(lease.source)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors[0]
+    stats = store.stats()
+    assert stats["pinned_entries"] == 0 and len(done) == 8 * 6 and refused
+    sources = {s for row in done for s in row}
+    assert {"device", "miss"} <= sources, sources
