@@ -27,13 +27,14 @@ from rankattn.backends import BlockSizes, Cpu
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def python(script: str, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``script`` in a fresh interpreter with ``env`` added."""
+def python(script: str, env: dict[str, str], *args: str,
+           timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``script`` with ``args`` in a fresh interpreter with ``env`` added."""
     env = dict(os.environ, **env)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
                                          os.environ.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def gxx_runtime(name: str) -> str:
@@ -42,16 +43,18 @@ def gxx_runtime(name: str) -> str:
 
 
 @needs_cpu_kernel
-def test_sanitized_build_runs_odd_shapes_and_malformed_plans():
+@pytest.mark.parametrize("part, budget_mb", [("chunked", "0"), ("whole", str(10**20))])
+def test_sanitized_build_runs_odd_shapes_and_malformed_plans(part, budget_mb):
     """AddressSanitizer + UBSan: odd shapes (fwd + grads against the oracle), a context shard,
-    and plans whose lists point outside the block grid, without one bad access."""
+    and plans whose lists point outside the block grid, without one bad access; dS kept in
+    chunks of one key block, and whole under a budget whose bytes overflowed an int64."""
     # Python is not linked to libstdc++: preload it after libasan, so that ASan finds the
     # __cxa_throw it wraps (jaxlib throws while it starts).
     env = {"RANKATTN_CPU_KERNEL_SANITIZE": "1", "ASAN_OPTIONS": "detect_leaks=0",
-           "UBSAN_OPTIONS": "print_stacktrace=1",
+           "UBSAN_OPTIONS": "print_stacktrace=1", "RANKATTN_CPU_BACKWARD_MB": budget_mb,
            "LD_PRELOAD": f"{gxx_runtime('libasan.so')} {gxx_runtime('libstdc++.so')}"}
     script = (ROOT / "tests/native/sanitized_shapes.py").read_text()
-    result = python(script, env)
+    result = python(script, env, part)
     assert result.returncode == 0 and "SANITIZED RUN PASSED" in result.stdout, (
         result.stdout[-5000:] + result.stderr[-20000:])
 
@@ -62,9 +65,11 @@ def test_other_instruction_sets_run_odd_shapes(isa):
     """The paths this CPU would not take: bfloat16 dots on VDPBF16PS instead of AMX, and
     AVX2 (8 lanes, float32 dots for bfloat16). Where the host lacks an ISA the flag is moot."""
     script = (ROOT / "tests/native/sanitized_shapes.py").read_text()
-    result = python(script, {"RANKATTN_CXXFLAGS": isa})
-    assert result.returncode == 0 and "SANITIZED RUN PASSED" in result.stdout, (
-        result.stdout[-5000:] + result.stderr[-20000:])
+    for part, budget_mb in (("chunked", "0"), ("whole", str(10**20))):
+        result = python(script, {"RANKATTN_CXXFLAGS": isa, "RANKATTN_CPU_BACKWARD_MB": budget_mb},
+                        part)
+        assert result.returncode == 0 and "SANITIZED RUN PASSED" in result.stdout, (
+            result.stdout[-5000:] + result.stderr[-20000:])
 
 
 THREADS_SCRIPT = textwrap.dedent("""

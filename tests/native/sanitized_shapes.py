@@ -6,6 +6,11 @@ buffer, or undefined behaviour, aborts the process. It checks forward and
 gradients against the reference on shapes chosen to break tiling (one token,
 odd lengths, one past a block, head dims 1 / 8 / 33 / 200, GQA 5, cross-attention,
 a context shard), then runs plans whose lists point outside the block grid.
+
+The kernel reads RANKATTN_CPU_BACKWARD_MB once per process, so the test runs the script
+twice, with half of the cases each (argv[1]): "chunked" keeps dS in chunks of one key block
+(budget 0, the path of long sequences), "whole" keeps all of it under a budget too large for
+its bytes to fit an int64 (it is clamped: shifting it was undefined behaviour).
 """
 
 import os
@@ -55,9 +60,11 @@ def run(impl, q, k, v, d_out, **kw):
     return [out, *grads]
 
 
-for i, (b, sq, skv, hq, hkv, d, dv, blocks, mask, dtype) in enumerate(SHAPES):
-    # Every other shape keeps dS in chunks of one key block (the budget of long sequences).
-    os.environ["RANKATTN_CPU_BACKWARD_MB"] = "0" if i % 2 else "1024"
+PART = sys.argv[1]
+BUDGETS = {"chunked": "0", "whole": str(10**20)}
+assert os.environ["RANKATTN_CPU_BACKWARD_MB"] == BUDGETS[PART]
+
+for b, sq, skv, hq, hkv, d, dv, blocks, mask, dtype in SHAPES[PART == "chunked"::2]:
     q, k, v, d_out = inputs(b, sq, skv, hq, hkv, d, dv, dtype)
     kw = {}
     if mask != "none":
@@ -80,56 +87,64 @@ for i, (b, sq, skv, hq, hkv, d, dv, blocks, mask, dtype) in enumerate(SHAPES):
             b, sq, skv, dtype, name, err)
     print("ok", (b, sq, skv, hq, hkv, d, dv, blocks, mask, dtype.__name__))
 
-# A context shard: keys with their own segment ids and positions, history part only.
-q, k, v, d_out = inputs(1, 5, 11, 2, 1, 16, 16, jnp.float32)
-shard = semantics.ShardMask(kv_segment_ids=jnp.ones((1, 11), jnp.int32),
-                            q_positions=jnp.arange(20, 25, dtype=jnp.int32)[None],
-                            kv_positions=jnp.arange(11, dtype=jnp.int32)[None] * 2)
-call = AttentionCall(q, k, v, jnp.ones((1, 5), jnp.int32), causal=True, scale=0.25,
-                     softcap=None, softcap_method="tanh", shard_mask=shard)
-got = Cpu(BlockSizes(2, 3))(call)
-want = rankattn.backends.Reference()(call)
-for x, y in zip(got, want):
-    assert float(jnp.nanmax(jnp.abs(x - y))) < 1e-4
-print("ok shard")
 
-# Serving: paged keys read in place, ragged and empty histories, a self key, and a page table
-# whose entries point outside the pages (clamped; the mask hides those slots).
-from rankattn import serving  # noqa: E402
-from rankattn.backends.cpu import paged_forward  # noqa: E402
-q, k, v, _ = inputs(3, 10, 10, 4, 2, 33, 33, jnp.float32)
-cache = serving.cache_from_history(k, v, jnp.array([10, 4, 0]), page_size=3)
-self_kv = (k[:, :2], v[:, :2])
-for budget in (None, 6):
-    got, want = (serving.attend(q[:, :2], cache, jnp.array([0, 1, 2]), self_kv=self_kv,
-                                budget=budget, selection="per_request", impl=impl)
-                 for impl in (Cpu(BlockSizes(2, 5)), "reference"))
-    assert float(jnp.abs(got - want).max()) < 1e-4, budget
-table = jnp.array([[0, 10**6, -5, 3]], jnp.int32)
-seen = jnp.ones((1, 12), jnp.int32)
-mask = semantics.ShardMask(seen, jnp.array([[12]], jnp.int32), jnp.arange(12)[None])
-out, lse = paged_forward(q[:1, :1], *(x.reshape(-1, 3, 33) for x in (cache.k_pages, cache.v_pages)),
-                         table, (k[:1, :1, :1], v[:1, :1, :1]), -jnp.ones((1, 1), jnp.int32),
-                         shard_mask=mask, scale=0.2, softcap=None, softcap_method="tanh")
-assert bool(jnp.isfinite(out).all() & jnp.isfinite(lse).all())
-print("ok paged")
+def context_shard():
+    """Keys with their own segment ids and positions, history part only."""
+    q, k, v, _ = inputs(1, 5, 11, 2, 1, 16, 16, jnp.float32)
+    shard = semantics.ShardMask(kv_segment_ids=jnp.ones((1, 11), jnp.int32),
+                                q_positions=jnp.arange(20, 25, dtype=jnp.int32)[None],
+                                kv_positions=jnp.arange(11, dtype=jnp.int32)[None] * 2)
+    call = AttentionCall(q, k, v, jnp.ones((1, 5), jnp.int32), causal=True, scale=0.25,
+                         softcap=None, softcap_method="tanh", shard_mask=shard)
+    got = Cpu(BlockSizes(2, 3))(call)
+    want = rankattn.backends.Reference()(call)
+    for x, y in zip(got, want):
+        assert float(jnp.nanmax(jnp.abs(x - y))) < 1e-4
 
-# Malformed plans: block indices and counts outside the grid must never be followed, and
-# repeated entries (query block 0, listed many times) must stay inside the kept dS.
-b, s = 2, 21
-q, k, v, d_out = inputs(b, s, s, 2, 1, 8, 8, jnp.float32)
-sizes = BlockSizes(4, 8)
-n_q, n_k = -(-s // 4), -(-s // 8)
-bad = BlockPlan(kv_index=jnp.full((b, n_q, n_k), 10**6, jnp.int32).at[:, :, 0].set(-7),
-                full_count=jnp.full((b, n_q), 99, jnp.int32),
-                count=jnp.full((b, n_q), 10**4, jnp.int32),
-                q_index=jnp.full((b, n_k, n_q), -1, jnp.int32).at[:, :, ::2].set(0),
-                q_full_count=jnp.full((b, n_k), -3, jnp.int32),
-                q_count=jnp.full((b, n_k), 2**30, jnp.int32))
-plan = Plan(segment_ids=jnp.ones((b, s), jnp.int32), block_plans=(bad,), causal=False,
-            block_sizes=(sizes,))
-out = run(Cpu(sizes), q, k, v, d_out, plan=plan)
-jax.block_until_ready(out)
-print("ok malformed plan")
+
+def paged():
+    """Serving: paged keys read in place, ragged and empty histories, a self key, and a page
+    table whose entries point outside the pages (clamped; the mask hides those slots)."""
+    from rankattn import serving
+    from rankattn.backends.cpu import paged_forward
+    q, k, v, _ = inputs(3, 10, 10, 4, 2, 33, 33, jnp.float32)
+    cache = serving.cache_from_history(k, v, jnp.array([10, 4, 0]), page_size=3)
+    self_kv = (k[:, :2], v[:, :2])
+    for budget in (None, 6):
+        got, want = (serving.attend(q[:, :2], cache, jnp.array([0, 1, 2]), self_kv=self_kv,
+                                    budget=budget, selection="per_request", impl=impl)
+                     for impl in (Cpu(BlockSizes(2, 5)), "reference"))
+        assert float(jnp.abs(got - want).max()) < 1e-4, budget
+    table = jnp.array([[0, 10**6, -5, 3]], jnp.int32)
+    seen = jnp.ones((1, 12), jnp.int32)
+    mask = semantics.ShardMask(seen, jnp.array([[12]], jnp.int32), jnp.arange(12)[None])
+    pages = (x.reshape(-1, 3, 33) for x in (cache.k_pages, cache.v_pages))
+    out, lse = paged_forward(q[:1, :1], *pages, table, (k[:1, :1, :1], v[:1, :1, :1]),
+                             -jnp.ones((1, 1), jnp.int32), shard_mask=mask, scale=0.2,
+                             softcap=None, softcap_method="tanh")
+    assert bool(jnp.isfinite(out).all() & jnp.isfinite(lse).all())
+
+
+def malformed_plan():
+    """Block indices and counts outside the grid must never be followed, and repeated entries
+    (query block 0, listed many times) must stay inside the kept dS."""
+    b, s = 2, 21
+    q, k, v, d_out = inputs(b, s, s, 2, 1, 8, 8, jnp.float32)
+    sizes = BlockSizes(4, 8)
+    n_q, n_k = -(-s // 4), -(-s // 8)
+    bad = BlockPlan(kv_index=jnp.full((b, n_q, n_k), 10**6, jnp.int32).at[:, :, 0].set(-7),
+                    full_count=jnp.full((b, n_q), 99, jnp.int32),
+                    count=jnp.full((b, n_q), 10**4, jnp.int32),
+                    q_index=jnp.full((b, n_k, n_q), -1, jnp.int32).at[:, :, ::2].set(0),
+                    q_full_count=jnp.full((b, n_k), -3, jnp.int32),
+                    q_count=jnp.full((b, n_k), 2**30, jnp.int32))
+    plan = Plan(segment_ids=jnp.ones((b, s), jnp.int32), block_plans=(bad,), causal=False,
+                block_sizes=(sizes,))
+    jax.block_until_ready(run(Cpu(sizes), q, k, v, d_out, plan=plan))
+
+
+for case in {"chunked": [context_shard, paged], "whole": [malformed_plan]}[PART]:
+    case()
+    print("ok", case.__name__)
 print("SANITIZED RUN PASSED")
 sys.exit(0)

@@ -29,8 +29,10 @@
 #include <cstddef>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <new>
@@ -396,6 +398,87 @@ void gemm(int64_t m, int64_t n, int64_t k_len, const E* a, int64_t lda, const E*
   }
 }
 
+// ---- Settings: the environment, read once per process (by the first call), in one place.
+
+struct Settings {
+  int64_t max_threads;     // RANKATTN_CPU_THREADS: at most this many threads per call
+  int64_t backward_bytes;  // RANKATTN_CPU_BACKWARD_MB, in bytes: the dS a backward keeps
+  // Tests only: RANKATTN_CPU_FAIL_ALLOC=caller:<n> or pool:<n> fails the n-th allocation
+  // (from 1) of the kernel's buffers on the threads that call the kernel, or on XLA's pool
+  // workers, once per process.
+  bool fail_in_pool;
+  int64_t fail_at;  // 0: never
+
+  static int64_t number(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+    const char* text = std::getenv(name);
+    return text ? std::clamp<int64_t>(std::strtoll(text, nullptr, 10), lo, hi) : fallback;
+  }
+  static Settings from_environment() {
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    Settings s{};
+    s.max_threads = number("RANKATTN_CPU_THREADS", kMax, 1, kMax);
+    // Clamped so that the bytes fit an int64_t (a larger budget keeps every pair anyway).
+    s.backward_bytes = number("RANKATTN_CPU_BACKWARD_MB", 1024, 0, kMax >> 20) << 20;
+    if (const char* fail = std::getenv("RANKATTN_CPU_FAIL_ALLOC")) {
+      s.fail_in_pool = std::strncmp(fail, "pool:", 5) == 0;
+      if (s.fail_in_pool || std::strncmp(fail, "caller:", 7) == 0) {
+        s.fail_at = std::max<int64_t>(0, std::strtoll(std::strchr(fail, ':') + 1, nullptr, 10));
+      }
+    }
+    return s;
+  }
+};
+
+const Settings& settings() {
+  static const Settings once = Settings::from_environment();
+  return once;
+}
+
+// ---- Memory: every buffer of the kernel is allocated here, so that a failure says how many
+// bytes were asked for (RA126, see `guarded`) and the tests can inject one.
+
+struct OutOfMemory : std::bad_alloc {
+  int64_t bytes;
+  explicit OutOfMemory(int64_t bytes) : bytes(bytes) {}
+};
+
+thread_local bool on_pool_worker = false;  // while a pool worker runs parallel_for's tasks
+
+bool injected_failure() {
+  const Settings& s = settings();
+  if (s.fail_at == 0 || on_pool_worker != s.fail_in_pool) return false;
+  static std::atomic<int64_t> count{0};
+  return count.fetch_add(1) + 1 == s.fail_at;
+}
+
+void* allocate_bytes(int64_t bytes, int64_t alignment) {
+  void* x = nullptr;
+  if (!injected_failure()) {
+    x = alignment <= static_cast<int64_t>(alignof(std::max_align_t))
+            ? std::malloc(bytes)
+            : std::aligned_alloc(alignment, round_up(bytes, alignment));
+  }
+  if (!x) throw OutOfMemory(bytes);
+  return x;
+}
+
+// std::vector's allocator for the kernel's buffers.
+template <typename T>
+struct Allocator {
+  using value_type = T;
+  Allocator() = default;
+  template <typename U>
+  Allocator(const Allocator<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(allocate_bytes(static_cast<int64_t>(n * sizeof(T)), alignof(T)));
+  }
+  void deallocate(T* x, size_t) { std::free(x); }
+  bool operator==(const Allocator&) const { return true; }
+  bool operator!=(const Allocator&) const { return false; }
+};
+template <typename T>
+using Vector = std::vector<T, Allocator<T>>;
+
 // bfloat16 bits of each lane, rounded to nearest even (finite and infinite lanes; p and ds,
 // the only values rounded here, are never NaN).
 typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -411,7 +494,7 @@ inline vu bf16_bits(vf x) {
 // column `cols` to what the dot reads, and in the padded rows.
 template <typename E>
 const E* dot_rows(const float* x, int64_t rows, int64_t cols, int64_t ld,
-                  std::vector<E>& buffer) {
+                  Vector<E>& buffer) {
   if constexpr (std::is_same_v<E, float>) {
     return x;
   } else {
@@ -680,7 +763,7 @@ void gather(Row row, int64_t width, int64_t n, const Destination<E>& to, int32_t
   // scratch per call, allocated and zeroed, and a panel copied from it, measured a fifth of
   // a 64-query forward over 1024 keys.)
   const bool rows_in_panel = !to.rows && to.panel && kRowsArePanel<E>;
-  thread_local std::vector<E> scratch;
+  thread_local Vector<E> scratch;
   E* rows;
   int64_t ld;
   if (to.rows || rows_in_panel) {
@@ -735,10 +818,11 @@ struct Workspace {
   std::unique_ptr<std::byte[], Free> bytes;
   int64_t size = 0;
   std::byte* reserve(int64_t n) {
-    if (n > size) {
-      size = round_up(n, 64);
-      bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, size)));
-      if (!bytes) throw std::bad_alloc();
+    if (n > size) {  // the old contents are not kept: freed first, for a lower peak
+      bytes.reset();
+      size = 0;
+      bytes.reset(static_cast<std::byte*>(allocate_bytes(round_up(n, 64), 64)));
+      size = round_up(n, 64);  // only once the buffer exists (else the next call believes it)
     }
     return bytes.get();
   }
@@ -873,29 +957,48 @@ struct KeyPanels {
 };
 
 // ---- Threads: tasks 0..n-1 claimed from a shared counter by the caller and pool workers.
+// A task that throws (std::bad_alloc above all: an exception that left a pool worker would end
+// the process) fails the call: the tasks not yet started are skipped, every task that started
+// is waited for (they use the caller's stack frame), and the first failure is rethrown on the
+// calling thread, where `guarded` returns it as the FFI handler's error.
 
 template <typename Fn>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
   struct State {
     std::atomic<int64_t> next{0}, done{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr failure;  // the first, written by the task that set `failed`
   };
   auto state = std::make_shared<State>();
   // The state outlives this call for workers that start late; `fn` does not, so a worker
   // only touches it after claiming a task, which cannot happen once all are done.
   auto work = [state, n, &fn]() {
     for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
-      fn(i);
+      if (!state->failed.load(std::memory_order_relaxed)) {
+        try {
+          fn(i);
+        } catch (...) {
+          if (!state->failed.exchange(true)) state->failure = std::current_exception();
+        }
+      }
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
-  int64_t threads = pool.num_threads();
-  if (const char* cap = std::getenv("RANKATTN_CPU_THREADS")) {  // a user's cap, e.g. 1
-    threads = std::min<int64_t>(threads, std::max(1L, std::strtol(cap, nullptr, 10)));
+  const int64_t workers = std::min({pool.num_threads(), settings().max_threads, n}) - 1;
+  try {
+    for (int64_t w = 0; w < workers; ++w) {
+      pool.Schedule([work]() {
+        on_pool_worker = true;
+        work();
+        on_pool_worker = false;
+      });
+    }
+  } catch (const std::bad_alloc&) {
+    // A worker that could not be scheduled leaves its share to the others (the caller below).
   }
-  int64_t workers = std::min<int64_t>(threads, n) - 1;
-  for (int64_t w = 0; w < workers; ++w) pool.Schedule([work]() { work(); });
   work();
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  if (state->failure) std::rethrow_exception(state->failure);
 }
 
 // The first `full` of a visit list are full blocks (no mask), the rest partial.
@@ -928,9 +1031,9 @@ struct Forward {
     const int64_t nq = std::min(p.block_q, p.q_len - q0), m = g_len * nq;
     const int64_t dp = p.dp(), dvp = p.dvp(), np = p.np(), nc = p.nc(), dvc = p.dvc();
     // Per-thread buffers, reused by every task the thread runs (see Workspace).
-    thread_local std::vector<E> qs, pe;
-    thread_local std::vector<float> s, acc, mx, l;
-    thread_local std::vector<int32_t> poisoned;
+    thread_local Vector<E> qs, pe;
+    thread_local Vector<float> s, acc, mx, l;
+    thread_local Vector<int32_t> poisoned;
     qs.assign(rows_size<E>(m, dp), E{});  // the rows of q, zero where the dots read past them
     s.resize(rows_size<E>(m, np));
     acc.assign(rows_size<E>(m, dvp), 0.0f);
@@ -999,7 +1102,7 @@ struct Forward {
                  acc.data(), dvp);
     }
 
-    std::vector<float> own_k(p.dim), own_v(p.dim_v);
+    Vector<float> own_k(p.dim), own_v(p.dim_v);
     for (int64_t t = 0; t < nq; ++t) {
       const bool own = p.own && seg_q[t] < 0;
       bool own_bad = false;
@@ -1126,13 +1229,13 @@ thread_local Workspace grad_memory;
 template <typename E>
 struct KeptGrads {
   const Problem& p;
-  std::vector<int64_t> first;  // per key task: the index of its first pair, over all pairs
+  Vector<int64_t> first;  // per key task: the index of its first pair, over all pairs
   int64_t block_elements, budget_pairs;
   int64_t start = 0, end = 0;  // the chunk: key tasks [start, end)
   E* store = nullptr;
   // Per query task, the chunk's pairs it adds (key block, slot), as CSR rows.
-  std::vector<int64_t> row_start;
-  std::vector<std::pair<int32_t, const E*>> pairs;
+  Vector<int64_t> row_start;
+  Vector<std::pair<int32_t, const E*>> pairs;
 
   KeptGrads(const Problem& p, int64_t budget_bytes)
       : p(p), first(p.batch * p.kv_heads * p.n_k + 1, 0),
@@ -1162,7 +1265,7 @@ struct KeptGrads {
     for_each_pair([&](int64_t row, int64_t, int64_t) { ++row_start[row + 1]; });
     std::partial_sum(row_start.begin(), row_start.end(), row_start.begin());
     pairs.resize(row_start.back());
-    std::vector<int64_t> free_slot(row_start.begin(), row_start.end() - 1);
+    Vector<int64_t> free_slot(row_start.begin(), row_start.end() - 1);
     for_each_pair([&](int64_t row, int64_t t, int64_t e) {
       pairs[free_slot[row]++] = {static_cast<int32_t>(t % p.n_k), slot(t, e)};
     });
@@ -1197,7 +1300,7 @@ struct Backward {
 
   // Per-thread buffers of one block pair, reused by every task the thread runs (see Workspace).
   struct Pair {
-    std::vector<float> st, dpt, raw;
+    Vector<float> st, dpt, raw;
   };
 
   // p^T into pair.st and dp^T - delta into pair.dpt ([nk][mp]: rows are keys, columns query
@@ -1297,8 +1400,8 @@ struct Backward {
     const KeyPanel<E> key = keys.get(b, hk, kb);
     const int64_t nk = key.nk;
     thread_local Pair pair;
-    thread_local std::vector<float> dk_acc, dv_acc;
-    thread_local std::vector<E> rounded;
+    thread_local Vector<float> dk_acc, dv_acc;
+    thread_local Vector<E> rounded;
     dk_acc.assign(rows_size<E>(nk, dp), 0.0f);
     dv_acc.assign(rows_size<E>(nk, dvp), 0.0f);
     const Visits list = visits(p, p.q_index, p.q_full_count, p.q_count, b * p.n_k + kb, p.n_q);
@@ -1350,6 +1453,43 @@ ffi::Error check(bool ok, const std::string& what) {
   return ok ? ffi::Error::Success()
             : ffi::Error(ffi::ErrorCode::kInvalidArgument, "rankattn cpu kernel: " + what);
 }
+
+// RA126 (rankattn/errors.py's catalog): JAX raises it as its JaxRuntimeError, so the message
+// starts with the code, as rankattn's own errors do, and says what to change.
+ffi::Error out_of_memory(int64_t bytes) {
+  char what[96] = "a buffer of unknown size";
+  if (bytes >= 0) {
+    const bool mib = bytes >= (1 << 20);
+    std::snprintf(what, sizeof what, "%lld bytes (%.1f %s)", static_cast<long long>(bytes),
+                  static_cast<double>(bytes) / (mib ? 1 << 20 : 1 << 10), mib ? "MiB" : "KiB");
+  }
+  return ffi::Error(
+      ffi::ErrorCode::kResourceExhausted,
+      std::string("[RA126] the cpu kernel could not allocate memory: it asked for ") + what +
+          ". Lower RANKATTN_CPU_BACKWARD_MB (the dS a backward keeps, default 1024), pass a "
+          "smaller batch or fewer tokens per call, or lower RANKATTN_CPU_THREADS (each thread "
+          "keeps buffers of its own).\n  (rankattn explain RA126 for more.)");
+}
+
+// An FFI handler with every exception it lets out (on the calling thread, or rethrown there by
+// parallel_for) as the call's error: none may cross into XLA.
+template <auto handler>
+struct Guarded {
+  template <typename... Args>
+  ffi::Error operator()(Args&&... args) const {
+    try {
+      return handler(std::forward<Args>(args)...);
+    } catch (const OutOfMemory& e) {
+      return out_of_memory(e.bytes);
+    } catch (const std::bad_alloc&) {
+      return out_of_memory(-1);
+    } catch (const std::exception& e) {
+      return ffi::Error(ffi::ErrorCode::kInternal, std::string("rankattn cpu kernel: ") + e.what());
+    } catch (...) {
+      return ffi::Error(ffi::ErrorCode::kInternal, "rankattn cpu kernel: an unknown exception");
+    }
+  }
+};
 
 bool dims_are(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want) {
   return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
@@ -1548,11 +1688,7 @@ ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
         queries.template pack<D>(t - key_tasks, qp, dop, lse.typed_data(), delta.typed_data());
       }
     });
-    int64_t budget_mib = 1024;
-    if (const char* env = std::getenv("RANKATTN_CPU_BACKWARD_MB")) {
-      budget_mib = std::max(0L, std::strtol(env, nullptr, 10));
-    }
-    KeptGrads<E> kept(p, budget_mib << 20);
+    KeptGrads<E> kept(p, settings().backward_bytes);
     Backward<D> kernel{p, keys, queries, kept, static_cast<T*>(dq->untyped_data()),
                        static_cast<T*>(dk->untyped_data()), static_cast<T*>(dv->untyped_data())};
     const int64_t query_tasks = tasks - key_tasks;
@@ -1598,7 +1734,7 @@ ffi::Error page_bounds(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
     const int64_t b = task / (heads * blocks), hk = task / blocks % heads;
     const int64_t j0 = task % blocks * kBoundPages, nj = std::min(kBoundPages, m - j0);
     const int64_t nc = round_up(nj, kColTile), ld = nc + kLanes;
-    thread_local std::vector<float> a, stats, panel, c;
+    thread_local Vector<float> a, stats, panel, c;
     a.resize(rows * d2);
     for (int64_t r = 0; r < rows; ++r) {
       const float* qr = qp + ((b * heads + hk) * rows + r) * dim;
@@ -1633,7 +1769,7 @@ ffi::Error page_bounds(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RankattnCpuPageBounds, page_bounds,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RankattnCpuPageBounds, Guarded<page_bounds>{},
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [B, Hkv, R, D]
@@ -1668,7 +1804,7 @@ auto with_attributes(Binding binding) {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    RankattnCpuForward, forward,
+    RankattnCpuForward, Guarded<forward>{},
     with_attributes(with_mask_and_plan(ffi::Ffi::Bind()
                                            .Ctx<ffi::ThreadPool>()
                                            .Arg<ffi::AnyBuffer>()   // q
@@ -1678,7 +1814,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                         .Ret<ffi::Buffer<ffi::F32>>()));             // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    RankattnCpuPagedForward, paged_forward,
+    RankattnCpuPagedForward, Guarded<paged_forward>{},
     with_attributes(with_mask_and_plan(ffi::Ffi::Bind()
                                            .Ctx<ffi::ThreadPool>()
                                            .Arg<ffi::AnyBuffer>()   // q
@@ -1691,7 +1827,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                         .Ret<ffi::Buffer<ffi::F32>>()));             // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    RankattnCpuBackward, backward,
+    RankattnCpuBackward, Guarded<backward>{},
     with_attributes(with_mask_and_plan(ffi::Ffi::Bind()
                                            .Ctx<ffi::ThreadPool>()
                                            .Arg<ffi::AnyBuffer>()           // q
