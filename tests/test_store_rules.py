@@ -12,7 +12,7 @@ import pytest
 import rankattn
 from helpers import assert_explained
 from rankattn import serving
-from test_store import check_rows, write_rows
+from test_store import check_rows, history_kv, write_rows
 
 CONFIG = dict(num_layers=2, kv_heads=1, head_dim=4, page_size=4, device_pages=8, max_users=4,
               max_pages_per_user=4, host_pages=4, max_batch=4, history="bidirectional")
@@ -107,7 +107,8 @@ def test_a_release_without_a_write_drops_what_it_placed(store):
     assert lease.missing.tolist() == [7]
     store.release(lease)
     assert store.stats()["device_pages_used"] == 0
-    assert acquired(store, [(4, 0, 7)]).source == ["miss"]
+    with acquired(store, [(4, 0, 7)]) as again:
+        assert again.source == ["miss"]
 
 
 def test_an_acquire_waits_for_the_write_it_matches(store):
@@ -212,3 +213,21 @@ def test_threads_acquire_write_and_release_overlapping_users(store):
     assert stats["pinned_entries"] == 0 and len(done) == 8 * 6 and refused
     sources = {s for row in done for s in row}
     assert {"device", "miss"} <= sources, sources
+
+
+def test_write_takes_only_the_rows_that_miss(store):
+    """rows= names the lease rows k / v hold: a history pass runs only on what misses."""
+    first = acquired(store, [(1, 0, 6)])
+    lease = store.acquire([1, 2, 3, 2], [0, 0, 0, 0], [6, 5, 9, 5])
+    assert lease.source == ["device", "miss", "miss", "miss"]
+    with raises("RA223", "rows [2]", "rows=[1]"):
+        store.write(lease, np.zeros((2, 1, 9, 1, 4), np.float32),
+                    np.zeros((2, 1, 9, 1, 4), np.float32), rows=[1])
+    k, v = (np.zeros((2, 2, 9, 1, 4), np.float32) for _ in range(2))
+    for i, (u, n) in enumerate([(2, 5), (3, 9)]):
+        hk, hv = history_kv(2, 1, 4, u, 0, n, 0, n, causal=False)
+        k[:, i, :n], v[:, i, :n] = hk, hv
+    store.write(lease, k, v, rows=[3, 2])  # row 3 repeats row 1's user: one of them suffices
+    check_rows(store, lease, CONFIG)
+    for held in (first, lease):
+        store.release(held)

@@ -5,6 +5,9 @@
   preset's packed rows (soft cap off in both: jax.nn has none).
 * Serving: one request of 1022 history events and 64 candidates, scored
   against the cached history against the full forward pass over all 1087 tokens.
+
+``smoke_preset`` and SMOKE_SERVING are the smallest shapes, for checking the benchmark
+end to end (``python -m examples.ranker bench --smoke``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ from examples.ranker.packing import pack
 from examples.ranker.world import World
 
 SERVING_HISTORY, SERVING_CANDIDATES = 1022, 64
+SMOKE_SERVING = dict(history=30, candidates=4)
+
+
+def smoke_preset(preset: Preset) -> Preset:
+    """``preset`` with one layer and one short packed row per train step."""
+    return dataclasses.replace(preset, model=dataclasses.replace(preset.model, layers=1),
+                               train=dataclasses.replace(preset.train, rows=1, row_tokens=128))
 
 
 def _ratios(times: dict, ours: str) -> dict:
@@ -51,23 +61,25 @@ def train_step(preset: Preset, repeats: int) -> dict:
     return out
 
 
-def serving(preset: Preset, repeats: int) -> dict:
+def serving(preset: Preset, repeats: int, history: int = SERVING_HISTORY,
+            candidates: int = SERVING_CANDIDATES) -> dict:
     """Per-request latency: cached scoring against the full forward pass."""
-    cfg = dataclasses.replace(preset.world, history_min=SERVING_HISTORY,
-                              history_median=SERVING_HISTORY, history_max=SERVING_HISTORY,
-                              candidates=SERVING_CANDIDATES)
+    cfg = dataclasses.replace(preset.world, history_min=history, history_median=history,
+                              history_max=history, candidates=candidates)
     world = World(cfg)
     request = world.sample(np.random.default_rng(0), 1)
     anchor = preset.model.max_position
     graphdef, params = init(preset.model, len(ACTIONS), cfg.contexts, 0)
-    tokens = 1 + SERVING_HISTORY + SERVING_CANDIDATES
+    tokens = 1 + history + candidates
     full_batch = jax.device_put(pack(request, tokens, anchor)[0])
     caches = serve.build_caches(graphdef, params, request, anchor)
     candidates = jax.device_put(serve.candidate_batch(request, anchor))
-    fns = {"cached": lambda: serve.score(graphdef, params, candidates, caches, None, "group"),
+    users = jax.numpy.arange(1)
+    fns = {"cached": lambda: serve.score(graphdef, params, candidates, caches, users, None,
+                                         "group"),
            "full forward": lambda: _logits(graphdef, params, full_batch),
            "history forward (once per user)":
                lambda: serve.build_caches(graphdef, params, request, anchor)}
     out = _ratios(peers.interleaved_times(fns, repeats), "cached")
-    out["shape"] = dict(history=SERVING_HISTORY, candidates=SERVING_CANDIDATES)
+    out["shape"] = dict(history=cfg.history_max, candidates=cfg.candidates)
     return out

@@ -6,11 +6,18 @@ forward pass fills one stacked ``rankattn.serving`` cache, a layer axis in front
 layers in a ``jax.lax.scan`` over the stacked block weights and the stacked cache,
 each layer attending to its cache and to its own key. With a ``budget`` every
 layer keeps only the history pages Quest's bound ranks highest.
+
+``store_logits`` does the same through a ``rankattn.serving.HistoryStore`` that
+keeps histories across requests: only the sessions whose history the store does
+not hold run the history pass. The store's key is the user, a digest of what
+shapes the history's K/V (``history_version``: the request context, which the user
+token embeds, and the history's items, authors and actions) and its length.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from rankattn import serving
+from rankattn.serving.store_device import padded
 
 from examples.ranker import evaluate
 from examples.ranker.config import ACTIONS, MAIN_ACTION
@@ -61,8 +69,7 @@ def build_caches(graphdef, params, sessions: Sessions, anchor: int):
     return _caches(graphdef, params, batch, jnp.asarray(1 + sessions.history_len, jnp.int32))
 
 
-def _score(graphdef, params, candidates: Batch, caches, budget, gqa):
-    users = jnp.arange(candidates.item.shape[0])
+def _score(graphdef, params, candidates: Batch, caches, users, budget, gqa):
     return nnx.merge(graphdef, params).score_cached(candidates, caches, users, budget, gqa)
 
 
@@ -73,7 +80,68 @@ def cached_logits(graphdef, params, sessions: Sessions, anchor: int, budget: int
                   gqa: str = "group", caches=None):
     """Logits [N, C, A] of every session's candidates, scored against cached histories."""
     caches = build_caches(graphdef, params, sessions, anchor) if caches is None else caches
-    return score(graphdef, params, candidate_batch(sessions, anchor), caches, budget, gqa)
+    users = jnp.arange(len(sessions))
+    return score(graphdef, params, candidate_batch(sessions, anchor), caches, users, budget, gqa)
+
+
+# --- Through a history store. ---------------------------------------------------------------
+
+
+def history_version(sessions: Sessions, i: int) -> int:
+    """The store's version of session i's history: a 63-bit digest of the request context and
+    the history's items, authors and actions, everything its K/V depend on. A changed history
+    (or context) gets another version, so it is never served from a stale entry, whatever
+    version a client claims."""
+    n = int(sessions.history_len[i])
+    digest = hashlib.blake2b(digest_size=8)
+    for part in (sessions.context[i], sessions.history_item[i, :n],
+                 sessions.history_author[i, :n], sessions.history_actions[i, :n]):
+        digest.update(np.ascontiguousarray(part, np.int64).tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def make_store(model, max_history: int, *, users: int, device_pages: int | None = None,
+               host_pages: int = 0, max_batch: int = 8) -> serving.HistoryStore:
+    """A history store for ``model`` (a ModelConfig) holding ``users`` histories of up to
+    ``max_history`` events (+ the user token); ``device_pages`` defaults to room for all."""
+    per_user = -(-(1 + max_history) // PAGE_SIZE)
+    return serving.HistoryStore(
+        num_layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
+        page_size=PAGE_SIZE, device_pages=device_pages or users * per_user, max_users=users,
+        max_pages_per_user=per_user, host_pages=host_pages, max_batch=max_batch)
+
+
+@jax.jit
+def _history_kv(graphdef, params, batch: Batch):
+    k, v = zip(*nnx.merge(graphdef, params).history_kv(batch))
+    return jnp.stack(k), jnp.stack(v)                     # [layers, B, S, Hkv, D]
+
+
+def fill_misses(store: serving.HistoryStore, lease: serving.Lease, graphdef, params,
+                sessions: Sessions, anchor: int) -> int:
+    """Run the history pass on the lease's rows that miss (rows = sessions) and write their
+    K/V; the batch is padded to a power of two (repeating a row, which write reads once).
+    Returns the rows it computed."""
+    todo = np.flatnonzero(lease.missing)
+    if todo.size:
+        rows = padded(todo, 1 << int(todo.size - 1).bit_length(), 0, todo[-1])
+        batch, _ = pack(history_only(sessions.take(rows)), 1 + sessions.history_item.shape[1],
+                        anchor, one_per_row=True)
+        store.write(lease, *_history_kv(graphdef, params, batch), rows=rows)
+    return int(todo.size)
+
+
+def store_logits(store: serving.HistoryStore, graphdef, params, sessions: Sessions,
+                 anchor: int, budget: int | None = None, gqa: str = "group"):
+    """(logits [N, C, A], the rows' cache sources): every session's candidates scored against
+    its history as the store holds it, after the history pass of the sessions it misses."""
+    versions = [history_version(sessions, i) for i in range(len(sessions))]
+    with store.acquire(sessions.user, versions, 1 + sessions.history_len) as lease:
+        fill_misses(store, lease, graphdef, params, sessions, anchor)
+        with store.reading() as cache:
+            logits = score(graphdef, params, candidate_batch(sessions, anchor), cache,
+                           jnp.asarray(lease.slots), budget, gqa)
+            return np.asarray(logits), list(lease.source)
 
 
 def pages_kept(sessions: Sessions, budget: int) -> float:

@@ -152,3 +152,32 @@ def test_train_cli_loss_decreases_resumes_and_serves(tmp_path, monkeypatch):
     serving = json.load(open(os.path.join(out, "serving.json")))
     assert serving["isolation_bit_identical"] and serving["cached_vs_full_max_abs_diff"] < 1e-5
     assert [q["budget"] for q in serving["quest"]] == [None, 48]
+
+
+def test_serving_through_the_history_store_is_exact_and_never_stale(sessions, world):
+    """A store smaller than the sessions (8 slots for 24 users: evictions every batch), fed by
+    the history pass of what it misses: every logit equals the full forward pass, a repeated
+    request hits, and a changed history or context (same user, same length) is recomputed."""
+    graphdef, params = init(MICRO.model, len(ACTIONS), MICRO.world.contexts, seed=5)
+    store = serve.make_store(MICRO.model, MICRO.world.history_max, users=8)
+    full = evaluate.full_logits(graphdef, params, sessions, 96, 4, ANCHOR)
+    for lo in range(0, len(sessions), 8):
+        batch = sessions.take(np.arange(lo, lo + 8))
+        logits, sources = serve.store_logits(store, graphdef, params, batch, ANCHOR)
+        np.testing.assert_allclose(logits, full[lo:lo + 8], atol=RANKER_CACHED_TOL, rtol=0)
+        assert sources == ["miss"] * 8
+    again, sources = serve.store_logits(store, graphdef, params, batch, ANCHOR)
+    assert sources == ["device"] * 8
+    np.testing.assert_array_equal(again, logits)
+    assert store.stats()["evictions"] == 16
+
+    actions = batch.history_actions.copy()
+    actions[0, 0] = ~actions[0, 0]                        # one action of session 0 changed
+    contexts = batch.context.copy()
+    contexts[1] = (contexts[1] + 1) % MICRO.world.contexts  # session 1's context changed
+    changed = dataclasses.replace(batch, history_actions=actions, context=contexts)
+    logits, sources = serve.store_logits(store, graphdef, params, changed, ANCHOR)
+    assert sources == ["miss", "miss"] + ["device"] * 6
+    want = evaluate.full_logits(graphdef, params, changed, 96, 4, ANCHOR)
+    np.testing.assert_allclose(logits, want, atol=RANKER_CACHED_TOL, rtol=0)
+    assert np.abs(want[:2] - full[16:18]).max() > 1e-3   # the change mattered

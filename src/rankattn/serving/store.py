@@ -419,56 +419,66 @@ class HistoryStore:
 
     # --- Write and release. ---------------------------------------------------------------
 
-    def write(self, lease: Lease, k, v) -> None:
-        """The history pass's K/V for a lease's rows: k [L, B, T, Hkv, D], v [L, B, T, Hkv, Dv]
-        (any float dtype, stored in the cache's). Row b's tokens ``lease.cached[b]`` ..
-        ``lengths[b] - 1`` are its first ``lease.missing[b]`` positions (T >= the largest
-        ``missing``); rows with nothing missing, and repeats of a row, are not read. Once
-        written, the rows' entries can serve other acquires. RA223 for a released or
-        already written lease or arrays of the wrong shape."""
+    def write(self, lease: Lease, k, v, *, rows=None) -> None:
+        """The history pass's K/V for a lease's rows: k [L, R, T, Hkv, D], v [L, R, T, Hkv, Dv]
+        (any float dtype, stored in the cache's) hold lease rows ``rows`` (int [R]; default
+        every row, R = B). Row b's tokens ``lease.cached[b]`` .. ``lengths[b] - 1`` are its
+        first ``lease.missing[b]`` positions (T >= the largest of them); every row with
+        tokens missing must be there (a repeated row once is enough), and rows with nothing
+        missing are not read. Once written, the rows' entries serve other acquires. RA223
+        for a released or already written lease, a missing row or arrays of the wrong shape.
+        """
         self._not_reading("write")
         self._check_lease(lease, "write")
         if lease.written:
             raise fail("RA223", "write was called twice for one lease; each lease's missing "
                                 "tokens are written once.")
-        if not lease._to_write:
-            lease.written = True
-            return
+        rows = np.arange(len(lease.slots)) if rows is None else np.asarray(rows)
+        position = {}  # id(entry) -> its row of k / v
+        for i, b in enumerate(rows.tolist()):
+            position.setdefault(id(lease._entries[b]), i)
+        absent = [b for b, e in lease._to_write.values() if id(e) not in position]
+        if absent:
+            raise fail("RA223", f"write: lease rows {absent[:8]} have tokens missing "
+                                f"({lease.missing[absent[:8]].tolist()}) but are not among "
+                                f"rows={rows.tolist()[:8]}; pass their K/V too.")
         cache = self._cache
         num_layers, _, hkv, _, d = cache.k_pages.shape
-        want_t = int(lease.missing.max(initial=0))
+        want_t = int(lease.missing[rows].max(initial=0))
         for name, x, last in (("k", k, d), ("v", v, cache.v_pages.shape[-1])):
             shape = tuple(getattr(x, "shape", ()))
-            if (len(shape) != 5 or shape[:2] != (num_layers, len(lease.slots)) or shape[2] < want_t
+            if (len(shape) != 5 or shape[:2] != (num_layers, len(rows)) or shape[2] < want_t
                     or shape[3:] != (hkv, last)
                     or not jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.floating)):
                 raise fail("RA223", f"write: {name} has shape {shape} and dtype "
                                     f"{getattr(x, 'dtype', type(x).__name__)}; it must be float "
-                                    f"[L, B, T, Hkv, {'D' if name == 'k' else 'Dv'}] = "
-                                    f"[{num_layers}, {len(lease.slots)}, >= {want_t}, {hkv}, "
-                                    f"{last}] (T covers every row's missing tokens).")
-        rows = sorted(lease._to_write.values(), key=lambda r: r[0])
+                                    f"[L, R, T, Hkv, {'D' if name == 'k' else 'Dv'}] = "
+                                    f"[{num_layers}, {len(rows)}, >= {want_t}, {hkv}, "
+                                    f"{last}] (R rows, T covering their missing tokens).")
+        entries = [e for _, e in sorted(lease._to_write.values(), key=lambda r: r[0])]
+        top = self.buckets.rows[-1]
         batches = []
-        for start in range(0, len(rows), self.buckets.rows[-1]):
-            chunk = rows[start:start + self.buckets.rows[-1]]
+        for start in range(0, len(entries), top):
+            chunk = entries[start:start + top]
             n_rows = device.Buckets.fit(len(chunk), self.buckets.rows)
-            longest = max(e.target - e.length for _, e in chunk)
+            longest = max(e.target - e.length for e in chunk)
             t = device.Buckets.fit(-(-longest // self.page_size),
                                    self.buckets.pages) * self.page_size
-            index = device.padded(np.array([b for b, _ in chunk], np.int32), n_rows, 0, 0)
+            index = device.padded(np.array([position[id(e)] for e in chunk], np.int32),
+                                  n_rows, 0, 0)
             batches.append((chunk, n_rows, *(device.rows_of(x, index, t) for x in (k, v))))
         with self._lock:
             self._check_lease(lease, "write")
             for chunk, n_rows, ks, vs in batches:
                 pad = n_rows - len(chunk)
-                slots = np.array([e.slot for _, e in chunk] + [self.num_users] * pad, np.int32)
+                slots = np.array([e.slot for e in chunk] + [self.num_users] * pad, np.int32)
                 pages = np.full((n_rows, self.max_pages), -1, np.int32)
-                for i, (_, e) in enumerate(chunk):
+                for i, e in enumerate(chunk):
                     pages[i, :len(e.pages)] = e.pages
-                starts = np.array([e.length for _, e in chunk] + [0] * pad, np.int32)
-                counts = np.array([e.target - e.length for _, e in chunk] + [0] * pad, np.int32)
+                starts = np.array([e.length for e in chunk] + [0] * pad, np.int32)
+                counts = np.array([e.target - e.length for e in chunk] + [0] * pad, np.int32)
                 self._update(device.write, slots, pages, starts, counts, ks, vs)
-            for _, entry in rows:
+            for entry in entries:
                 entry.length, entry.ready = entry.target, True
             lease.written = True
             self._lock.notify_all()
