@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench.py --sweep          # the shape sweep -> SWEEP.md, sweep.png
     .venv/bin/python benchmarks/bench.py --report         # rewrite the reports from results/
     .venv/bin/python benchmarks/bench.py --only nano-fwd  # print one workload, write nothing
+    .venv/bin/python benchmarks/bench.py --smoke [--sweep] --out DIR  # the same, tiny (CI)
 
 Every implementation of a workload runs in this process, round-robin, each
 round in the reverse order of the last (rankattn.peers.interleaved_times).
@@ -31,6 +32,13 @@ A full run writes benchmarks/results/run-*.json; the sweep writes
 results/sweep.json. RESULTS.md, SWEEP.md, the two PNGs and the README's
 results block are generated from those files only (--report redoes it), so
 no number in them is typed by hand.
+
+--smoke checks the whole script in seconds (tests/test_benchmark_smoke.py runs it):
+the same path at tiny shapes (smoke_version), one round, one full run of the
+SMOKE_WORKLOADS (every kind: forward and backward, bfloat16 with its float32
+twin, one session and packed), the sweep's base cell in every dimension, and
+results/ and the reports written under --out (default: a new temporary folder),
+with a copy of the README: never the committed ones.
 """
 
 from __future__ import annotations
@@ -44,8 +52,10 @@ import os
 import platform
 import re
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -65,6 +75,7 @@ except ImportError:  # the torch peers are optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_DIR = os.path.join(HERE, "results")
+README = os.path.join(os.path.dirname(HERE), "README.md")
 COMMAND = ".venv/bin/python benchmarks/bench.py"
 
 
@@ -117,10 +128,25 @@ WORKLOADS = [
     Workload("long-history-fwd", 1, ((32768, 128),), 4, 2, 64),
     Workload("long-history-fwdbwd", 1, ((32768, 128),), 4, 2, 64, backward=True),
 ]
+# What --smoke runs: every kind of workload (forward / backward, bf16 / float32, packed) once.
+SMOKE_WORKLOADS = ("nano-fwd-bf16", "packed-fwdbwd")
+GEMM_SIZE, SMOKE_GEMM_SIZE = 2048, 128  # the matmul whose rate "% mm" divides by
 # Dense-mask XLA peers form B x H x S x S float32 logits; they are skipped past this size.
 DENSE_LIMIT_BYTES = 6 << 30
 # Rounds stop early once a workload's implementations have used this much time in total.
 ROUND_BUDGET_S = 60.0
+
+
+def smoke_version(w: Workload) -> Workload:
+    """A tiny workload of the same kind (heads, head dim, dtype, direction, one session or
+    packed), for checking a script end to end (--smoke)."""
+    sessions = ((24, 8),) * 2 if len(w.sessions) > 1 else ((40, 8),)
+    return dataclasses.replace(w, batch=1, sessions=sessions)
+
+
+def workloads(smoke: bool = False) -> dict[str, Workload]:
+    """WORKLOADS by name; with ``smoke`` their smoke_version."""
+    return {w.name: smoke_version(w) if smoke else w for w in WORKLOADS}
 
 
 # --- Implementations. ---------------------------------------------------------------
@@ -154,8 +180,7 @@ def jax_runner(w: Workload, attend):
 def rankattn_with(impl="auto"):
     """rankattn with one plan per call, as a model would build it once per batch."""
     def attend(q, k, v, seg):
-        impls = None if impl == "auto" else [impl]
-        return rankattn.attention(q, k, v, plan=rankattn.plan(segment_ids=seg, impl=impls),
+        return rankattn.attention(q, k, v, plan=rankattn.plan(segment_ids=seg, impl=impl),
                                   impl=impl)
     return attend
 
@@ -289,19 +314,20 @@ def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
     return rows
 
 
-def gemm_rates(repeats: int, torch_dtypes=("float32", "bfloat16")) -> dict[str, float]:
-    """FLOP/s of a 2048^3 matmul: XLA and torch (in ``torch_dtypes``), float32 and bf16 x
-    bf16 -> float32. (torch's bf16 matmul on a CPU without AVX-512 BF16 took 63 s.)"""
+def gemm_rates(repeats: int, torch_dtypes=("float32", "bfloat16"),
+               size: int = GEMM_SIZE) -> dict[str, float]:
+    """FLOP/s of a size^3 matmul (2048^3): XLA and torch (in ``torch_dtypes``), float32 and bf16
+    x bf16 -> float32. (torch's bf16 matmul on a CPU without AVX-512 BF16 took 63 s.)"""
     fns = {}
     for dtype in ("float32", "bfloat16"):
-        a = jax.random.normal(jax.random.PRNGKey(0), (2048, 2048), dtype)
+        a = jax.random.normal(jax.random.PRNGKey(0), (size, size), dtype)
         mm = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
         fns[f"xla {dtype}"] = lambda mm=mm, a=a: mm(a).block_until_ready()
         if torch is not None and dtype in torch_dtypes:
             ta = torch.from_numpy(np.asarray(a.astype(jnp.float32))).to(getattr(torch, dtype))
             fns[f"torch {dtype}"] = lambda ta=ta: ta @ ta
     times = peers.interleaved_medians(fns, repeats)
-    return {name: 2 * 2048 ** 3 / t for name, t in times.items()}
+    return {name: 2 * size ** 3 / t for name, t in times.items()}
 
 
 def matmul_rate(rates: dict[str, float], dtype: str = "float32") -> float:
@@ -309,9 +335,10 @@ def matmul_rate(rates: dict[str, float], dtype: str = "float32") -> float:
     return max(r for name, r in rates.items() if name.endswith(dtype))
 
 
-def peak_rss_gib(name: str) -> float:
+def peak_rss_gib(name: str, smoke: bool = False) -> float:
     """Peak RSS of a fresh process that runs only rankattn on one workload (inputs included)."""
-    out = subprocess.run([sys.executable, __file__, "--rss-child", name], check=True,
+    out = subprocess.run([sys.executable, __file__, "--rss-child", name,
+                          *(["--smoke"] if smoke else [])], check=True,
                          capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
 
@@ -364,7 +391,7 @@ def primitives(repeats: int) -> list[dict]:
     return rows
 
 
-def load_sensitivity(repeats: int) -> list[dict]:
+def load_sensitivity(by_name: dict[str, Workload], repeats: int) -> list[dict]:
     """rankattn and torch SDPA on short-fwd and nano-fwd, alone and beside one busy process.
 
     What makes full runs vary: another process taking a core slows torch's
@@ -374,7 +401,7 @@ def load_sensitivity(repeats: int) -> list[dict]:
     if torch is None:
         return []
     out = []
-    for w in (w for w in WORKLOADS if w.name in ("short-fwd", "nano-fwd")):
+    for w in (by_name["nano-fwd"], by_name["short-fwd"]):
         fns = {OURS: jax_runner(w, ours)[0], "torch sdpa (dense mask)": torch_sdpa(w)}
         for label in ("alone", "beside one busy process"):
             spinner = None
@@ -411,14 +438,17 @@ SWEEP_REPEATS = 5
 SWEEP_DENSE_LIMIT = 1 << 30  # keeps the sweep's dense XLA peers to minutes
 
 
-def sweep_cells(directions=("fwd", "fwdbwd")):
-    """(dimension, value, workload) for every cell of ``directions``, forward first."""
+def sweep_cells(directions=("fwd", "fwdbwd"), smoke: bool = False):
+    """(dimension, value, workload) for every cell of ``directions``, forward first; with
+    ``smoke`` only the base cell's value of each dimension, at its smoke_version."""
     for backward in [d == "fwdbwd" for d in directions]:
         for dim, values in SWEEP_DIMENSIONS.items():
             for value, change in values.items():
+                if smoke and dataclasses.replace(SWEEP_BASE, **change) != SWEEP_BASE:
+                    continue
                 name = f"{dim}={value} {'fwdbwd' if backward else 'fwd'}"
-                yield dim, value, dataclasses.replace(SWEEP_BASE, name=name, backward=backward,
-                                                      **change)
+                w = dataclasses.replace(SWEEP_BASE, name=name, backward=backward, **change)
+                yield dim, value, smoke_version(w) if smoke else w
 
 
 def best_peer(rows: list[dict], workload: str, peers_: tuple[str, ...] | None = None):
@@ -709,8 +739,7 @@ def readme_block(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_reports(results_dir: str = RESULTS_DIR, out_dir: str = HERE,
-                  readme: str = os.path.join(os.path.dirname(HERE), "README.md"),
+def write_reports(results_dir: str = RESULTS_DIR, out_dir: str = HERE, readme: str = README,
                   draw: bool = True):
     """RESULTS.md, SWEEP.md, the README's results block and (``draw``) the PNGs, from JSON."""
     runs, sweep = load_runs(results_dir), load_sweep(results_dir)
@@ -758,43 +787,47 @@ def print_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def full_run(workloads: list[Workload], repeats: int, save: str | None):
-    rates = gemm_rates(repeats)
+def full_run(chosen: list[Workload], repeats: int, save: str | None, smoke: bool = False):
+    """Time ``chosen``; with ``save``, also the profile, the load sensitivity and the peak RSS,
+    and save the run there. ``smoke``: workloads(smoke=True) and a tiny matmul."""
+    rates = gemm_rates(repeats, size=SMOKE_GEMM_SIZE if smoke else GEMM_SIZE)
     rate = matmul_rate(rates)
     print(f"jax {jax.__version__} on {jax.default_backend()}, torch "
-          f"{torch.__version__ if torch else 'not installed'}, 2048^3 matmul GFLOP/s "
+          f"{torch.__version__ if torch else 'not installed'}, matmul GFLOP/s "
           + ", ".join(f"{n} {r / 1e9:.0f}" for n, r in rates.items()) + "\n", flush=True)
     notes, rows = [], []
-    for w in workloads:
+    for w in chosen:
         start = time.perf_counter()
         new = run_workload(w, repeats, rate, notes)
         rows += new
         print(print_rows(new), f"\n({time.perf_counter() - start:.0f} s)\n", flush=True)
     if save:
-        profile = primitives(max(repeats, 15))
+        profile = primitives(repeats if smoke else max(repeats, 15))
         for p in profile:
             print(f"{p['op']}: XLA {p['xla_ms']:.2f} ms, torch {p['torch_ms']:.2f} ms", flush=True)
-        sensitivity = load_sensitivity(repeats)
+        sensitivity = load_sensitivity(workloads(smoke), repeats)
         for x in sensitivity:
             print(f"{x['workload']} {x['load']}: rankattn {x['ours_ms']:.1f} ms, torch SDPA "
                   f"{x['sdpa_ms']:.1f} ms, ratio {x['ratio']:.2f}", flush=True)
-        name = "long-history-fwdbwd"
-        rss = peak_rss_gib(name)
-        notes.append(f"{name}: peak RSS of a process running only rankattn (inputs included) "
+        w = workloads(smoke)["long-history-fwdbwd"]
+        rss = peak_rss_gib(w.name, smoke)
+        notes.append(f"{w.name}: peak RSS of a process running only rankattn (inputs included) "
                      f"{rss:.2f} GiB in this run; one dense float32 [S, S] tensor is "
-                     f"{32896 ** 2 * 4 / 2 ** 30:.1f} GiB per head")
+                     f"{w.seq_len ** 2 * 4 / 2 ** 30:.1f} GiB per head")
         with open(save, "w") as f:
             json.dump(dict(meta=meta(rates, notes), rows=rows, primitives=profile,
                            sensitivity=sensitivity), f, indent=1)
         print(f"saved {save}")
 
 
-def sweep_run(repeats: int, direction: str | None = None):
-    """The sweep; with ``direction`` ("fwd" / "fwdbwd") only its cells, replacing them in sweep.json."""
-    rates = gemm_rates(repeats)
+def sweep_run(repeats: int, direction: str | None = None, results_dir: str = RESULTS_DIR,
+              smoke: bool = False):
+    """The sweep; with ``direction`` ("fwd" / "fwdbwd") only its cells, replacing them in
+    sweep.json. ``smoke``: sweep_cells(smoke=True) and a tiny matmul."""
+    rates = gemm_rates(repeats, size=SMOKE_GEMM_SIZE if smoke else GEMM_SIZE)
     rate = matmul_rate(rates)
     notes, cells, measured = [], [], {}
-    for dim, value, w in sweep_cells((direction,) if direction else ("fwd", "fwdbwd")):
+    for dim, value, w in sweep_cells((direction,) if direction else ("fwd", "fwdbwd"), smoke):
         start = time.perf_counter()
         shape = dataclasses.replace(w, name="")  # the base cell recurs in every dimension
         if shape not in measured:
@@ -806,17 +839,29 @@ def sweep_run(repeats: int, direction: str | None = None):
         print(f"{w.name}: rankattn {rows[0]['ms']:.1f} ms, best peer {peer} "
               f"{row['ratio'] if row else float('nan'):.2f}x ({time.perf_counter() - start:.0f} s)",
               flush=True)
-    os.makedirs(RESULTS_DIR, exist_ok=True)
+    os.makedirs(results_dir, exist_ok=True)
     record = dict(meta=meta(rates, notes), cells=cells)
-    old = load_sweep()
+    old = load_sweep(results_dir)
     if direction and old:  # keep the other direction's cells and say when each half ran
         record["cells"] = [c for c in old["cells"] if c["direction"] != direction] + cells
         record["meta"]["date"] = "; ".join(
             f"{d} {record['meta']['date'] if d == direction else old['meta']['date']}"
             for d in ("fwd", "fwdbwd"))
         record["meta"]["notes"] = sorted(set(old["meta"]["notes"]) | set(notes))
-    with open(os.path.join(RESULTS_DIR, "sweep.json"), "w") as f:
+    with open(os.path.join(results_dir, "sweep.json"), "w") as f:
         json.dump(record, f, indent=1)
+
+
+def output_paths(out: str | None) -> tuple[str, str, str]:
+    """(results folder, reports folder, README): benchmarks/results, benchmarks/ and the README
+    without ``out``; else out/results, out and a copy of the README in out."""
+    if out is None:
+        return RESULTS_DIR, HERE, README
+    readme = os.path.join(out, "README.md")
+    if not os.path.exists(readme):
+        os.makedirs(out, exist_ok=True)
+        shutil.copy(README, readme)
+    return os.path.join(out, "results"), out, readme
 
 
 def main():
@@ -830,36 +875,48 @@ def main():
     parser.add_argument("--only", nargs="*", help="print these workloads; write nothing")
     parser.add_argument("--repeats", type=int, default=9, help="rounds per workload at most")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers")
+    parser.add_argument("--smoke", action="store_true",
+                        help="check the script: tiny shapes, 1 round, 1 run of SMOKE_WORKLOADS, "
+                             "the reports into --out (default: a new temporary folder)")
+    parser.add_argument("--out", help="write results/, the reports and a copy of the README "
+                                      "here, not into benchmarks/ and the README")
     parser.add_argument("--save", help=argparse.SUPPRESS)  # one full run, into this file
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    by_name = {w.name: w for w in WORKLOADS}
+    by_name = workloads(args.smoke)
+    if args.smoke:
+        args.repeats, args.runs = 1, 1
 
     if args.rss_child:
         run, _ = jax_runner(by_name[args.rss_child], ours)
         jax.block_until_ready(run())
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20)
-    elif args.report:
-        write_reports()
-    elif args.sweep:
-        sweep_run(min(args.repeats, SWEEP_REPEATS), args.direction)
-        write_reports()
-    elif args.only is not None or args.save:
+        return
+    if args.only is not None or args.save:
         unknown = set(args.only or ()) - set(by_name)
         if unknown:
             parser.error(f"unknown workloads {sorted(unknown)}; choose from {sorted(by_name)}")
-        chosen = [w for w in WORKLOADS if not args.only or w.name in args.only]
-        full_run(chosen, args.repeats, args.save)
-    else:
-        os.makedirs(RESULTS_DIR, exist_ok=True)
-        for old in glob.glob(os.path.join(RESULTS_DIR, "run-*.json")):
+        chosen = [w for w in by_name.values() if not args.only or w.name in args.only]
+        full_run(chosen, args.repeats, args.save, args.smoke)
+        return
+    if args.smoke and not args.out:
+        args.out = tempfile.mkdtemp(prefix="bench-smoke-")
+    results_dir, out_dir, readme = output_paths(args.out)
+    if args.sweep:
+        sweep_run(min(args.repeats, SWEEP_REPEATS), args.direction, results_dir, args.smoke)
+    elif not args.report:
+        os.makedirs(results_dir, exist_ok=True)
+        for old in glob.glob(os.path.join(results_dir, "run-*.json")):
             os.remove(old)  # a record is the runs of one invocation, never a mix
+        extra = (["--no-torch"] if args.no_torch else []) + (
+            ["--smoke", "--only", *SMOKE_WORKLOADS] if args.smoke else [])
         for i in range(args.runs):
             print(f"=== full run {i + 1} of {args.runs} (a fresh process) ===", flush=True)
-            extra = ["--no-torch"] if args.no_torch else []
             subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), *extra,
-                            "--save", os.path.join(RESULTS_DIR, f"run-{i + 1}.json")], check=True)
-        write_reports()
+                            "--save", os.path.join(results_dir, f"run-{i + 1}.json")], check=True)
+    write_reports(results_dir, out_dir, readme)
+    if args.out:
+        print(f"results and reports in {args.out}")
 
 
 if __name__ == "__main__":

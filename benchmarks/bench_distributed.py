@@ -2,7 +2,7 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_distributed.py
 
-(the script sets that flag itself when XLA_FLAGS is unset). Everything is read from
+(the script adds that flag to XLA_FLAGS itself). Everything is read from
 compiled programs (``jax.jit(f).lower(ShapeDtypeStructs).compile()``), never run, so
 256K- and 1M-token histories cost no memory; fake CPU devices make wall-clock time
 meaningless, so none is reported.
@@ -19,18 +19,24 @@ meaningless, so none is reported.
    inputs sharded over the batch: FLOPs per device (``cost_analysis()``) and collectives.
 5. Quest with histories split over context shards: global budget against a budget per
    shard (planted items found, attention mass covered, pages on the busiest shard).
+
+``--smoke`` checks the script: every section at tiny lengths, DISTRIBUTED.md into
+``--out`` (default: a new temporary folder).
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -322,8 +328,8 @@ def quest_on_shards(history: int, budgets, shards: int = N, seed: int = 0):
     return rows
 
 
-def write(memory_rows, byte_rows, reorder_rows, balance, batch, lengths, seconds, quest_rows,
-          quest_history):
+def write(out: pathlib.Path, memory_rows, byte_rows, reorder_rows, balance, batch, lengths,
+          seconds, quest_rows, quest_history):
     gib = lambda x: f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / MiB:.1f} MiB"
     lines = [
         "# Attention on a device mesh: measured",
@@ -466,7 +472,8 @@ def write(memory_rows, byte_rows, reorder_rows, balance, batch, lengths, seconds
                   "which this workload does not test. Neither runs on the mesh yet: `attend` "
                   "raises RA215 for a budget with context axes; per shard is the simpler next "
                   "step (each shard runs today's selection with budget / N)."]
-    OUT.write_text("\n".join(lines) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
 
 
 def main():
@@ -475,7 +482,16 @@ def main():
     parser.add_argument("--balance-length", type=int, default=262144)
     parser.add_argument("--quest-history", type=int, default=16384)
     parser.add_argument("--quest-budgets", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--smoke", action="store_true",
+                        help="check the script: tiny lengths, DISTRIBUTED.md into --out "
+                             "(default: a new temporary folder)")
+    parser.add_argument("--out", help="write DISTRIBUTED.md into this folder, not benchmarks/")
     args = parser.parse_args()
+    if args.smoke:
+        args.lengths, args.balance_length = [1024], 4096
+        args.quest_history, args.quest_budgets = 2048, [512]
+        args.out = args.out or tempfile.mkdtemp(prefix="bench-distributed-smoke-")
+    out = pathlib.Path(args.out, OUT.name) if args.out else OUT
     assert jax.device_count() >= N, "set XLA_FLAGS=--xla_force_host_platform_device_count=8"
     start = time.perf_counter()
     print("memory and collective bytes", flush=True)
@@ -487,9 +503,9 @@ def main():
     batch = batch_only()
     print("quest across context shards", flush=True)
     quest_rows = quest_on_shards(args.quest_history, args.quest_budgets)
-    write(memory_rows, byte_rows, reorder_rows, balance, batch, args.lengths,
+    write(out, memory_rows, byte_rows, reorder_rows, balance, batch, args.lengths,
           time.perf_counter() - start, quest_rows, args.quest_history)
-    print(OUT.read_text())
+    print(out.read_text())
     return 0
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_serving.py            # full run, writes benchmarks/SERVING.md
     .venv/bin/python benchmarks/bench_serving.py --quick    # small shapes, prints only
+    .venv/bin/python benchmarks/bench_serving.py --smoke --out DIR  # tiny, 1 round, DIR/SERVING.md
 
 Times are medians of interleaved runs of jitted functions, after one compile call:
 every variant runs once per round, so load drift hits all alike. Speed-ups are
@@ -13,10 +14,12 @@ medians. Accuracy is measured on the same inputs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -30,7 +33,7 @@ from rankattn import peers, serving
 from rankattn.serving.synthetic import planted_history
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import gemm_rates, matmul_rate  # noqa: E402  (benchmarks/bench.py)
+from bench import GEMM_SIZE, SMOKE_GEMM_SIZE, gemm_rates, matmul_rate  # noqa: E402  (benchmarks/bench.py)
 
 try:  # the torch peer is optional: pip install '.[bench]' torch
     import torch
@@ -46,7 +49,8 @@ Q_HEADS, KV_HEADS, HEAD_DIM, USERS, CANDIDATES = 8, 2, 64, 4, 12
 # Exact-path workload: the Phoenix-like shape of `rankattn demo`.
 EXACT = dict(users=4, history=1022, q_heads=4, kv_heads=2, head_dim=128)
 # Against torch SDPA: (users, history, candidates, q heads, kv heads, dtype, Quest budget); the
-# Phoenix request shape, its production heads, DLRMv3's inference shape, long histories.
+# Phoenix request shape (the first: the 64-candidate request of the 70%-of-GEMM target), its
+# production heads, DLRMv3's inference shape, long histories.
 PEER_SHAPES = ((4, 1022, 64, 4, 2, "float32", None), (4, 1022, 256, 4, 2, "float32", None),
                (4, 1022, 64, 20, 4, "float32", None), (4, 1022, 256, 20, 4, "float32", None),
                (1, 1024, 2048, 4, 2, "float32", None),
@@ -55,7 +59,34 @@ PEER_SHAPES = ((4, 1022, 64, 4, 2, "float32", None), (4, 1022, 256, 4, 2, "float
                (1, 16384, 64, 4, 2, "float32", None), (1, 16384, 64, 4, 2, "float32", 2048),
                (1, 65536, 64, 4, 2, "float32", None), (1, 65536, 64, 4, 2, "float32", 2048),
                (1, 65536, 64, 4, 2, "bfloat16", None))
-GEMM_TARGET_SHAPE = PEER_SHAPES[0]   # the 64-candidate request of the 70%-of-GEMM target
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What a run measures, and how often."""
+
+    histories: tuple[int, ...]       # Quest's history lengths (sections 3-4; the last: 5-6)
+    budgets: tuple[int, ...]         # Quest budgets (the first two: sections 2 and 7)
+    exact_candidates: tuple[int, ...]  # section 1
+    exact_history: int
+    sweep_counts: tuple[int, ...]    # candidates per user in section 6 (CANDIDATES last)
+    peer_shapes: tuple[tuple, ...]   # section 1b (torch)
+    repeats: int                     # timed rounds
+    seeds: int                       # planted workloads per history in section 2
+    gemm_size: int = GEMM_SIZE       # of the matmul whose rate section 1b divides by
+
+
+SIZES = {
+    "full": Sizes((16384, 65536), BUDGETS, (64, 256, 1024), 1022, (1, 2, 4, CANDIDATES),
+                  PEER_SHAPES, 11, 2),
+    "quick": Sizes((2048, 4096), (256, 512), (16, 64), 254, (1, 2, 4, CANDIDATES),
+                   (PEER_SHAPES[0], PEER_SHAPES[4]), 3, 2),
+    # Every section and kind of row (exact, bf16, >= 1024 query rows per history, Quest).
+    "smoke": Sizes((256,), (64,), (8,), 40, (CANDIDATES,),
+                   ((1, 40, 8, 4, 2, "float32", None), (1, 40, 256, 4, 2, "float32", None),
+                    (1, 40, 8, 4, 2, "bfloat16", None), (1, 256, 8, 4, 2, "float32", 64)), 1, 1,
+                   SMOKE_GEMM_SIZE),
+}
 
 
 class Timings:
@@ -416,27 +447,31 @@ def head_dim_limit(history: int, budgets: tuple[int, ...]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes; print, do not write")
+    parser.add_argument("--smoke", action="store_true",
+                        help="check the script: tiny shapes, 1 round, SERVING.md into --out "
+                             "(default: a new temporary folder)")
+    parser.add_argument("--out", help="write SERVING.md into this folder, not benchmarks/")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 11, quick 3)")
     args = parser.parse_args(argv)
-    repeats = args.repeats or (3 if args.quick else 11)
-    if args.quick:
-        histories, budgets, exact_cands, exact_hist = (2048, 4096), (256, 512), (16, 64), 254
-    else:
-        histories, budgets, exact_cands, exact_hist = (16384, 65536), BUDGETS, (64, 256, 1024), 1022
+    sizes = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    repeats = args.repeats or sizes.repeats
+    histories, budgets = sizes.histories, sizes.budgets
+    exact_cands, exact_hist = sizes.exact_candidates, sizes.exact_history
     big = histories[-1]
     start, load0 = time.time(), os.getloadavg()
 
     sections, peer_runs = {}, []
-    rates = gemm_rates(repeats, torch_dtypes=("float32",))  # torch's bf16 one can take a minute
-    peer_shapes = PEER_SHAPES[:1] if args.quick else PEER_SHAPES
+    # torch's bf16 matmul can take a minute
+    rates = gemm_rates(repeats, torch_dtypes=("float32",), size=sizes.gemm_size)
     if torch is not None:
         print("exact path vs torch SDPA, run 1 ...", file=sys.stderr)
-        peer_runs.append(torch_peer(peer_shapes, repeats))
+        peer_runs.append(torch_peer(sizes.peer_shapes, repeats))
     print("exact path ...", file=sys.stderr)
     sections["exact"], exact_ratio = exact_path(exact_cands, repeats, exact_hist)
     print(sections["exact"] + "\n", file=sys.stderr)
     print("group rules ...", file=sys.stderr)
-    sections["rules"], rule_recall = group_rules(histories, budgets[:2], seeds=2, repeats=repeats)
+    sections["rules"], rule_recall = group_rules(histories, budgets[:2], seeds=sizes.seeds,
+                                                repeats=repeats)
     print(sections["rules"] + "\n", file=sys.stderr)
     quest_results = {}
     for history in histories:
@@ -447,27 +482,29 @@ def main(argv=None) -> int:
     sections["decode"], decode_speed = decode(big, budgets, repeats)
     print(sections["decode"] + "\n", file=sys.stderr)
     print("candidates sweep ...", file=sys.stderr)
-    sweep_counts = (1, 2, 4, CANDIDATES)
     sections["sweep"], sweep = candidates_sweep(big, budgets[min(2, len(budgets) - 1)],
-                                                sweep_counts, repeats)
+                                                sizes.sweep_counts, repeats)
     print(sections["sweep"] + "\n", file=sys.stderr)
     print("head dim 128 ...", file=sys.stderr)
     sections["d128"] = head_dim_limit(histories[0], budgets[:2])
     print(sections["d128"] + "\n", file=sys.stderr)
     if torch is not None:  # the second run, after everything else
         print("exact path vs torch SDPA, run 2 ...", file=sys.stderr)
-        peer_runs.append(torch_peer(peer_shapes, repeats))
+        peer_runs.append(torch_peer(sizes.peer_shapes, repeats))
         sections["peer"] = peer_table(peer_runs, rates)
         print(sections["peer"] + "\n", file=sys.stderr)
     elapsed, load1 = time.time() - start, os.getloadavg()
 
     report = render(sections, histories, budgets, exact_cands, exact_hist, exact_ratio, rule_recall,
                     quest_results, decode_speed, sweep, elapsed, load0, load1, peer_runs, rates)
-    if args.quick:
+    out = args.out or (tempfile.mkdtemp(prefix="bench-serving-smoke-") if args.smoke else None)
+    if args.quick and not out:
         print(report)
     else:
-        OUT.write_text(report)
-        print(f"wrote {OUT} ({elapsed:.0f} s)", file=sys.stderr)
+        path = Path(out, OUT.name) if out else OUT
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(report)
+        print(f"wrote {path} ({elapsed:.0f} s)", file=sys.stderr)
     return 0
 
 
@@ -494,8 +531,9 @@ def render(sections, histories, budgets, exact_cands, exact_hist, exact_ratio, r
                  if shape[-1] is None]
         worst, worst_shape = min(exact)
         u, s, c, hq, hkv, dtype, _ = worst_shape
-        u0, s0, c0, hq0 = GEMM_TARGET_SHAPE[:4]
-        achieved = pair_rate(GEMM_TARGET_SHAPE, peer_runs[0][GEMM_TARGET_SHAPE])
+        target = next(iter(peer_runs[0]))  # the 64-candidate request in a full run
+        u0, s0, c0, hq0 = target[:4]
+        achieved = pair_rate(target, peer_runs[0][target])
         share = achieved / matmul_rate(rates)
         amortised = [pair_rate(shape, r) / matmul_rate(rates)
                      for shape, r in peer_runs[0].items()
@@ -509,7 +547,7 @@ shape) or with 20 query heads it is amortised, and the same kernel runs at
 per history, candidates x query heads), against {share:.0%} at 64 candidates and 4 heads."""
         peer_rows = f"""
 | exact `serving.attend` >= 1.0x torch SDPA at every exact shape of section 1b, both runs | lowest {worst:.2f}x ({u} x {s} x {c}, {hq}/{hkv}, {dtype}) | {verdict(worst >= 1)} |
-| {c0}-candidate request ({u0} x {s0}, {hq0}/{GEMM_TARGET_SHAPE[4]} heads, f32) at >= 70% of the f32 GEMM rate | {share:.0%} ({achieved / 1e9:.1f} of {matmul_rate(rates) / 1e9:.0f} GFLOP/s) | {verdict(share >= 0.7)} |"""
+| {c0}-candidate request ({u0} x {s0}, {hq0}/{target[4]} heads, f32) at >= 70% of the f32 GEMM rate | {share:.0%} ({achieved / 1e9:.1f} of {matmul_rate(rates) / 1e9:.0f} GFLOP/s) | {verdict(share >= 0.7)} |"""
     d64 = {g: decode_speed[(b_big, g)] for g in serving.GQA_MODES}
     best_rule = max((k for k in rule_recall if isinstance(k, str) and k.startswith("group:")),
                     key=rule_recall.get)

@@ -1,6 +1,7 @@
 """A backend module at another git revision against the working tree's, interleaved (CPU).
 
     .venv/bin/python benchmarks/compare_revision.py REV [--backend xla] [--repeats 9] WORKLOAD...
+    .venv/bin/python benchmarks/compare_revision.py HEAD --smoke   # bench.SMOKE_WORKLOADS, tiny
 
 Loads ``src/rankattn/backends/<backend>.py`` as it was at ``REV`` beside today's,
 runs each workload of benchmarks/bench.py (plus the named extras below) with
@@ -8,6 +9,8 @@ both and with torch SDPA when installed, round-robin, and prints the medians and
 the median of per-round ratios "REV time / working tree time" (> 1: the
 working tree is faster). Only that one module changes; everything it imports
 (plans, semantics) is today's, so REV must be close enough to import them.
+--smoke runs the workloads (default bench.SMOKE_WORKLOADS) at bench.smoke_version's
+tiny shapes, one round.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import sys
 import tempfile
 
 import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
@@ -38,7 +43,7 @@ EXTRAS = [
 def module_at(rev: str, path: str, name: str):
     """The module at ``path`` (from the repository root) as it was at ``rev``, as ``name``."""
     source = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True,
-                            text=True).stdout
+                            text=True, cwd=ROOT).stdout
     file = os.path.join(tempfile.mkdtemp(), f"{name}.py")
     with open(file, "w") as f:
         f.write(source)
@@ -61,11 +66,21 @@ def backend_at(rev: str, backend: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rev")
-    parser.add_argument("workloads", nargs="+")
+    parser.add_argument("workloads", nargs="*", help="bench.py's or EXTRAS' names "
+                                                     "(default with --smoke: bench.SMOKE_WORKLOADS)")
     parser.add_argument("--backend", default="xla")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--smoke", action="store_true",
+                        help="check the script: tiny shapes (bench.smoke_version), one round")
     args = parser.parse_args()
-    workloads = {w.name: w for w in bench.WORKLOADS + EXTRAS}
+    if args.smoke:
+        args.repeats, args.workloads = 1, args.workloads or list(bench.SMOKE_WORKLOADS)
+    if not args.workloads:
+        parser.error("name at least one workload")
+    workloads = {w.name: bench.smoke_version(w) if args.smoke else w
+                 for w in bench.WORKLOADS + EXTRAS}
+    if bench.torch is None:
+        print("torch is not installed: no torch sdpa column", flush=True)
     then = backend_at(args.rev, args.backend)
     now = getattr(importlib.import_module(f"rankattn.backends.{args.backend}"), then.__name__)
     for name in args.workloads:

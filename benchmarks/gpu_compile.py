@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/gpu_compile.py            # every target and axis -> GPU_COMPILE.md
     .venv/bin/python benchmarks/gpu_compile.py --targets sm_90 --axes default causal --print
+    .venv/bin/python benchmarks/gpu_compile.py --smoke --out DIR  # sm_90, default config -> DIR
 
 Lowering a Pallas kernel stops at Triton IR, which cannot show registers or shared
 memory. XLA's GPU compiler can finish the compile on a CPU-only machine, given
@@ -102,15 +103,20 @@ def compiler_packages() -> list[str]:
             "nvidia-cuda-nvcc-cu12"]
 
 
+def compiler_marker() -> str:
+    """The file that marks compiler_dir's folder complete (present once it is installed)."""
+    import jax
+    return os.path.join(os.path.expanduser("~"), ".cache", "rankattn",
+                        f"cuda-compiler-{jax.__version__}", ".complete")
+
+
 def compiler_dir() -> str:
     """The folder holding the CUDA plugin and ptxas, installed there on first use.
 
     Raises RuntimeError with pip's last lines when the packages cannot be had.
     """
-    import jax
-    path = os.path.join(os.path.expanduser("~"), ".cache", "rankattn",
-                        f"cuda-compiler-{jax.__version__}")
-    marker = os.path.join(path, ".complete")
+    marker = compiler_marker()
+    path = os.path.dirname(marker)
     if os.path.exists(marker):
         return path
     # Staged beside the final folder (same file system, so the rename is atomic): a
@@ -357,12 +363,21 @@ def main():
                         help="only rewrite GPU_COMPILE.md from results/gpu_compile.json")
     parser.add_argument("--options", type=json.loads,
                         help='PallasTriton options as JSON, e.g. \'{"num_warps": 4}\'; with --print')
+    parser.add_argument("--smoke", action="store_true",
+                        help="check the script: sm_90, the default configuration, the report "
+                             "into --out (default: a new temporary folder)")
+    parser.add_argument("--out", help="write GPU_COMPILE.md and results/gpu_compile.json here, "
+                                      "not into benchmarks/")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
+    if args.smoke:
+        args.targets, args.axes = ["sm_90"], ["default"]
+        args.out = args.out or tempfile.mkdtemp(prefix="gpu-compile-smoke-")
+    out = args.out or HERE
     if args.report:
-        with open(os.path.join(HERE, "results", "gpu_compile.json")) as f:
+        with open(os.path.join(out, "results", "gpu_compile.json")) as f:
             report = json.load(f)
     else:
         report = run(args.targets, args.axes, args.options)
@@ -370,9 +385,10 @@ def main():
     if args.print:
         print(text)
         return
-    with open(os.path.join(HERE, "GPU_COMPILE.md"), "w") as f:
+    os.makedirs(os.path.join(out, "results"), exist_ok=True)
+    with open(os.path.join(out, "GPU_COMPILE.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(HERE, "results", "gpu_compile.json"), "w") as f:
+    with open(os.path.join(out, "results", "gpu_compile.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(text)
 

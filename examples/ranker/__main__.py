@@ -4,6 +4,7 @@
   serve   serving on long histories from DIR's last checkpoint: cached = full,
           isolation, Quest AUC per budget; writes DIR/serving.json
   bench   train step against jax.nn with a dense mask, serving latency; DIR/bench.json
+          (--smoke: the smallest shapes, 1 round, to check it end to end)
   report  rewrite the results block of examples/ranker/README.md from DIR/*.json
           (and the bench.json of each --also DIR)
 """
@@ -36,6 +37,8 @@ def main(argv=None):
     parser.add_argument("--out", required=True, help="run directory (checkpoints, metrics)")
     parser.add_argument("--steps", type=int, help="train: total steps (default: the preset's)")
     parser.add_argument("--repeats", type=int, default=7, help="bench: interleaved rounds")
+    parser.add_argument("--smoke", action="store_true",
+                        help="bench: the smallest shapes (bench.smoke_preset), 1 round")
     parser.add_argument("--no-progress", action="store_true", help="train: no progress bar")
     parser.add_argument("--also", nargs="*", default=[],
                         help="report: more run directories whose bench.json to include")
@@ -53,8 +56,11 @@ def main(argv=None):
         _, graphdef, params, _ = train.restore(preset, train.checkpoints(preset, args.out))
         result = serve.report(graphdef, params, World(preset.world), preset)
     elif args.command == "bench":
+        if args.smoke:
+            preset, args.repeats = bench.smoke_preset(preset), 1
+        serving_shape = bench.SMOKE_SERVING if args.smoke else {}
         result = dict(train_step=bench.train_step(preset, args.repeats),
-                      serving=bench.serving(preset, args.repeats))
+                      serving=bench.serving(preset, args.repeats, **serving_shape))
     else:
         write_readme(args.out, args.preset, args.also)
         return

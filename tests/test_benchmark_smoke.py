@@ -1,0 +1,258 @@
+"""Every benchmark script runs: its --smoke mode, end to end, on every CI run (issue 28).
+
+A smoke mode is the script's normal path at its smallest shapes and one round: every kind
+of workload, every peer that is installed (torch's are skipped, saying so, where torch is
+missing), and the report, written into a temporary folder instead of the committed ones
+(benchmarks/*.md, benchmarks/results/, examples/ranker/results/). The revision comparisons
+run against HEAD.
+
+The scripts are compile-bound, so to keep CI short they run in two processes side by side
+(``python tests/test_benchmark_smoke.py NAME...`` runs the named smokes one after another in
+one process, which pays JAX's start-up once), and share a persistent compilation cache: a
+program one script compiled (bench.py's tiny workloads, which compare_revision.py and gpu.py
+time too) is loaded by the next.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import runpy
+import subprocess
+import sys
+import time
+import traceback
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import gpu_compile  # noqa: E402  (imports nothing heavy: jax only when it compiles)
+
+# bench.py rewrites the README between these lines
+README_BEGIN, README_END = "<!-- bench.py results: begin -->", "<!-- bench.py results: end -->"
+
+# name: the command after the interpreter ({out}: this run's temporary folder).
+SMOKES = {
+    "bench.py": ["benchmarks/bench.py", "--smoke", "--out", "{out}/bench"],
+    "bench.py --sweep": ["benchmarks/bench.py", "--smoke", "--sweep", "--out", "{out}/bench"],
+    "compare_revision.py": ["benchmarks/compare_revision.py", "HEAD", "--smoke"],
+    "precision.py": ["benchmarks/precision.py", "--smoke", "--out", "{out}/precision"],
+    "gpu.py": ["benchmarks/gpu.py", "--smoke", "--repeats", "1", "--md", "{out}/gpu/GPU.md"],
+    "bench_distributed.py": ["benchmarks/bench_distributed.py", "--smoke", "--out",
+                             "{out}/distributed"],
+    "bench_serving.py": ["benchmarks/bench_serving.py", "--smoke", "--out", "{out}/serving"],
+    "compare_serving_revision.py": ["benchmarks/compare_serving_revision.py", "HEAD", "--smoke"],
+    "ranker bench": ["-m", "examples.ranker", "bench", "--smoke", "--out", "{out}/ranker"],
+}
+# One process each, side by side; bench_distributed.py needs 8 (fake CPU) devices, which JAX
+# fixes when it starts, so its process has them. The ranker's flax / orbax imports go last.
+GROUPS = {
+    "one device": ["bench.py", "bench.py --sweep", "compare_revision.py", "precision.py",
+                   "gpu.py"],
+    "eight devices": ["bench_distributed.py", "bench_serving.py", "compare_serving_revision.py",
+                      "ranker bench"],
+}
+EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
+BEGIN, END = "@@ smoke {} @@", "@@ smoke {} exit {} ({:.1f} s, {:.1f} s CPU) @@"
+
+
+def run_smokes(names: list[str], out: str) -> None:
+    """Run the named smokes one after another in this process, each as its own __main__,
+    between BEGIN and END lines; END carries its exit status."""
+    os.chdir(ROOT)
+    sys.path.insert(0, ROOT)  # for python -m examples.ranker
+    for name in names:
+        argv = [a.format(out=out) for a in SMOKES[name]]
+        print(BEGIN.format(name), flush=True)
+        start, cpu = time.perf_counter(), sum(os.times()[:4])
+        try:
+            if argv[0] == "-m":
+                sys.argv = argv[1:]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = argv
+                runpy.run_path(argv[0], run_name="__main__")
+            status = 0
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:  # noqa: BLE001 - reported, and the next smoke still runs
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        print(END.format(name, status, time.perf_counter() - start,
+                         sum(os.times()[:4]) - cpu), flush=True)
+
+
+def smoke_env(cache: str, group: str) -> dict:
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    if group == "eight devices":
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {EIGHT_DEVICES}".strip()
+    return env
+
+
+def outputs(log: str) -> dict[str, tuple[int | None, str]]:
+    """{name: (exit status, None if it never finished; what it printed)} from a group's log."""
+    found = {}
+    for name in SMOKES:
+        begin = log.find(BEGIN.format(name))
+        if begin < 0:
+            continue
+        end = re.compile(re.escape(f"@@ smoke {name} exit ") + r"(-?\d+) ").search(log, begin)
+        found[name] = (int(end.group(1)) if end else None,
+                       log[begin:end.start() if end else len(log)])
+    return found
+
+
+# --- What each smoke must have written. --------------------------------------------------
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def table_rows(text: str, first_cell: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(f"| {first_cell} |")]
+
+
+def check_bench(out: str, printed: str):
+    bench = os.path.join(out, "bench")
+    results = read(os.path.join(bench, "RESULTS.md"))
+    for section in ("## Targets", "## Every workload", "## The shape sweep"):
+        assert section in results, section
+    for workload in ("nano-fwd-bf16", "packed-fwdbwd"):
+        impls = {row.split("|")[2].strip() for row in table_rows(results, workload)}
+        assert {"rankattn", "dense reference", "jax.nn.dpa (xla, dense mask)"} <= impls, impls
+    assert {"rankattn, float32 inputs"} <= {row.split("|")[2].strip()
+                                            for row in table_rows(results, "nano-fwd-bf16")}
+    assert "peak RSS of a process running only rankattn" in results
+    readme = read(os.path.join(bench, "README.md"))
+    assert re.search(r"\| packed-fwdbwd \| [\d.]+ \| ", readme), "README results block"
+    assert "torch" in printed  # its version, or that it is not installed
+
+
+def check_sweep(out: str, printed: str):
+    bench = os.path.join(out, "bench")
+    sweep = read(os.path.join(bench, "SWEEP.md"))
+    cells = [line for line in sweep.splitlines() if re.match(r"\| [a-z/ ]+ \| .* \| fwd(bwd)? \|",
+                                                             line)]
+    assert len(cells) == 14, cells  # every dimension, both directions
+    for image in ("sweep.png", "time_vs_history.png"):
+        assert os.path.getsize(os.path.join(bench, image)) > 0
+
+
+def check_compare_revision(out: str, printed: str):
+    for workload in ("nano-fwd-bf16", "packed-fwdbwd"):
+        assert re.search(rf"^{workload}: HEAD [\d.]+ ms, working tree [\d.]+ ms", printed, re.M)
+
+
+def check_precision(out: str, printed: str):
+    text = read(os.path.join(out, "precision", "PRECISION.md"))
+    rows = [line for line in text.splitlines() if re.match(r"\| 1 \| ", line)]
+    assert len(rows) == 4, rows  # 3 precision modes and xla, at the first logit scale
+
+
+def check_gpu(out: str, printed: str):
+    text = read(os.path.join(out, "gpu", "GPU.md"))
+    verdicts = [line.rsplit("|", 2)[-2].strip() for line in text.splitlines()
+                if line.startswith("| B=")]
+    assert len(verdicts) == 4 and set(verdicts) == {"pass"}, verdicts
+    for workload in ("nano-fwd", "packed-fwdbwd"):
+        impls = {row.split("|")[2].strip() for row in table_rows(text, workload)}
+        assert {"pallas_triton", "xla", "jax.nn.dpa (xla, dense mask)"} <= impls, impls
+    assert "## Targets" in text
+
+
+def check_distributed(out: str, printed: str):
+    text = read(os.path.join(out, "distributed", "DISTRIBUTED.md"))
+    for section in range(1, 6):
+        assert f"## {section}. " in text, section
+    assert table_rows(text, "ring") and table_rows(text, "dual-chunk")
+
+
+def check_serving(out: str, printed: str):
+    text = read(os.path.join(out, "serving", "SERVING.md"))
+    for section in ("## Targets", "## 1. ", "## 1b. ", "## 2. ", "## 3. ", "## 4. ", "## 5. ",
+                    "## 6. ", "## 7. ", "## Where the time goes"):
+        assert section in text, section
+    assert "torch is not installed" in text or "| 1 x 40 x 8 |" in text
+
+
+def check_compare_serving(out: str, printed: str):
+    assert len(re.findall(r"^2 x 40 x \d+, \d/2 heads, D=\d+: HEAD [\d.]+ ms; now", printed,
+                          re.M)) == 2, printed
+
+
+def check_ranker(out: str, printed: str):
+    result = json.loads(read(os.path.join(out, "ranker", "bench.json")))
+    assert {"rankattn", "jax.nn dense mask"} <= set(result["train_step"])
+    assert {"cached", "full forward"} <= set(result["serving"])
+
+
+CHECKS = {"bench.py": check_bench, "bench.py --sweep": check_sweep,
+          "compare_revision.py": check_compare_revision, "precision.py": check_precision,
+          "gpu.py": check_gpu, "bench_distributed.py": check_distributed,
+          "bench_serving.py": check_serving,
+          "compare_serving_revision.py": check_compare_serving, "ranker bench": check_ranker}
+
+
+def committed_reports() -> dict[str, bytes]:
+    """What the benchmarks write outside a smoke run: benchmarks/*.md, *.png and results/,
+    examples/ranker/results/ and the README's results block."""
+    paths = [p for pattern in ("benchmarks/*.md", "benchmarks/*.png", "benchmarks/results/**",
+                               "examples/ranker/results/**")
+             for p in glob.glob(os.path.join(ROOT, pattern), recursive=True) if os.path.isfile(p)]
+    found = {p: open(p, "rb").read() for p in paths}
+    readme = read(os.path.join(ROOT, "README.md"))
+    found["README.md results block"] = readme[readme.find(README_BEGIN):
+                                              readme.find(README_END)].encode()
+    return found
+
+
+def test_every_benchmark_smoke_mode_runs_and_writes_its_report(tmp_path):
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout: the revision comparisons need HEAD")
+    before = committed_reports()
+    cache, out = tmp_path / "jax-cache", tmp_path / "out"
+    logs = {group: open(tmp_path / f"{group}.log", "w+") for group in GROUPS}
+    procs = {group: subprocess.Popen([sys.executable, __file__, str(out), *names], cwd=ROOT,
+                                     env=smoke_env(str(cache), group), stdout=logs[group],
+                                     stderr=subprocess.STDOUT, text=True)
+             for group, names in GROUPS.items()}
+    for proc in procs.values():
+        proc.wait(timeout=600)
+    failures = []
+    for group, log in logs.items():
+        log.seek(0)
+        found = outputs(log.read())
+        for name in GROUPS[group]:
+            status, printed = found.get(name, (None, ""))
+            try:
+                assert status == 0, f"exit status {status}"
+                CHECKS[name](str(out), printed)
+            except AssertionError as e:
+                failures.append(f"{name}: {e}\n{printed[-3000:]}")
+    assert not failures, "\n\n".join(failures)
+    assert committed_reports() == before, "a smoke run wrote a committed report"
+
+
+def test_gpu_compile_smoke_mode(tmp_path):
+    if not os.path.exists(gpu_compile.compiler_marker()):
+        pytest.skip("the CUDA compiler packages are not installed (tests/test_gpu_compile.py "
+                    "installs them), so gpu_compile.py cannot compile")
+    subprocess.run([sys.executable, "benchmarks/gpu_compile.py", "--smoke", "--out",
+                    str(tmp_path)], cwd=ROOT, check=True, capture_output=True, timeout=600)
+    text = read(os.path.join(tmp_path, "GPU_COMPILE.md"))
+    assert "## sm_90" in text and "- 0 configurations do not compile" in text
+    assert table_rows(text, "bfloat16, D=128, 4/2 heads")
+    assert os.path.exists(os.path.join(tmp_path, "results", "gpu_compile.json"))
+
+
+if __name__ == "__main__":
+    run_smokes(sys.argv[2:], sys.argv[1])
