@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import rankattn
-from helpers import assert_explained
 from rankattn import serving
+from test_serving_errors import raises
 from test_store import check_rows, history_kv, write_rows
 
 CONFIG = dict(num_layers=2, kv_heads=1, head_dim=4, page_size=4, device_pages=8, max_users=4,
@@ -35,29 +35,6 @@ def acquired(store, rows, write=True, config=CONFIG):
     if write:
         write_rows(store, lease, config)
     return lease
-
-
-def raises(code, *fragments):
-    return _Raises(code, fragments)
-
-
-class _Raises:
-    def __init__(self, code, fragments):
-        self.code, self.fragments = code, fragments
-
-    def __enter__(self):
-        self.ctx = pytest.raises(rankattn.RankattnError)
-        self.info = self.ctx.__enter__()
-        return self.info
-
-    def __exit__(self, *exc):
-        handled = self.ctx.__exit__(*exc)
-        err = self.info.value
-        assert err.code == self.code, str(err)
-        for fragment in self.fragments:
-            assert fragment in str(err), (fragment, str(err))
-        assert_explained(err)
-        return handled
 
 
 def test_a_pinned_entry_survives_while_a_new_version_takes_a_fresh_slot(store):
