@@ -215,27 +215,36 @@ def committed_reports() -> dict[str, bytes]:
     return found
 
 
+def run_groups(tmp_path) -> dict[str, str]:
+    """Run GROUPS side by side, each in one process; every group's log."""
+    procs = {}
+    try:
+        for group, names in GROUPS.items():
+            with open(tmp_path / f"{group}.log", "w") as log:
+                procs[group] = subprocess.Popen(
+                    [sys.executable, __file__, str(tmp_path / "out"), *names],
+                    env=smoke_env(str(tmp_path / "jax-cache"), group), stdout=log,
+                    stderr=subprocess.STDOUT)
+        for proc in procs.values():
+            proc.wait(timeout=600)
+    finally:
+        for proc in procs.values():
+            proc.kill()  # only one still running, after a timeout
+    return {group: (tmp_path / f"{group}.log").read_text() for group in GROUPS}
+
+
 def test_every_benchmark_smoke_mode_runs_and_writes_its_report(tmp_path):
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
         pytest.skip("not a git checkout: the revision comparisons need HEAD")
     before = committed_reports()
-    cache, out = tmp_path / "jax-cache", tmp_path / "out"
-    logs = {group: open(tmp_path / f"{group}.log", "w+") for group in GROUPS}
-    procs = {group: subprocess.Popen([sys.executable, __file__, str(out), *names], cwd=ROOT,
-                                     env=smoke_env(str(cache), group), stdout=logs[group],
-                                     stderr=subprocess.STDOUT, text=True)
-             for group, names in GROUPS.items()}
-    for proc in procs.values():
-        proc.wait(timeout=600)
     failures = []
-    for group, log in logs.items():
-        log.seek(0)
-        found = outputs(log.read())
+    for group, log in run_groups(tmp_path).items():
+        found = outputs(log)
         for name in GROUPS[group]:
-            status, printed = found.get(name, (None, ""))
+            status, printed = found.get(name, (None, log))  # it never began: the whole log
             try:
                 assert status == 0, f"exit status {status}"
-                CHECKS[name](str(out), printed)
+                CHECKS[name](str(tmp_path / "out"), printed)
             except AssertionError as e:
                 failures.append(f"{name}: {e}\n{printed[-3000:]}")
     assert not failures, "\n\n".join(failures)
