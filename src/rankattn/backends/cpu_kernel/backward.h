@@ -1,0 +1,276 @@
+// The backward. The caller passes, per query row [B, Sq, Hq], the lse (+inf for rows that pass
+// no gradient) and delta = rowsum(dO * O) - d lse (semantics.backward_rows). Then with
+// s = scale q . k:
+//   p = exp(cap(s) - lse),  dp = dO . v,  ds = p (dp - delta) cap'(s),
+//   dq = scale * ds k,  dk = scale * ds^T q,  dv = p^T dO.
+// Every block pair is computed once, key-major (rows are keys, columns query rows), by the
+// dk / dv task of its key block, which keeps its dS^T for the dq tasks (KeptGrads): 5 dots per
+// pair. Per pair of a key block (K) and a query block (Q, dO):
+//   S^T = K Q^T,  dP^T = V dO^T                      (dots: K and V rows, Q^T and dO^T panels)
+//   P^T = exp(cap(scale S^T) - lse), masked to 0     (Problem::logits, then the exp)
+//   dV += P^T dO                                     (a dot: P^T rows, the dO panel)
+//   dS^T = P^T (dP^T - delta) cap'                   (Problem::logit_grads)
+//   dK += dS^T Q, and dS^T kept                      (a dot: dS^T rows, the Q panel)
+// then, per query block, dQ^T += K^T dS^T over its kept pairs in key-block order.
+//
+// Part of cpu_attention.cc (see vectors.h).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <utility>
+
+#include "dots.h"
+#include "panels.h"
+#include "problem.h"
+#include "runtime.h"
+#include "vectors.h"
+
+namespace {
+
+thread_local Workspace grad_memory;
+
+// dS^T of the block pairs of a chunk of key blocks, as the panel dQ^T += K^T dS^T reads:
+// written by the dk / dv tasks of the chunk, then added into each query block's dQ^T by the
+// dq tasks. A chunk is as many key blocks (in (b, kv head, block) order) as fit
+// RANKATTN_CPU_BACKWARD_MB (default 1024 MiB; at least one block), so every pair costs 5 dots
+// however long the sequence. Each query block adds its pairs in ascending key-block order in
+// every chunking, so dq has the same bits for any budget and thread count.
+template <typename E>
+struct KeptGrads {
+  const Problem& pr;
+  Vector<int64_t> first;  // per key task: the index of its first pair, over all pairs
+  int64_t block_elements, budget_pairs;
+  int64_t start = 0, end = 0;  // the chunk: key tasks [start, end)
+  E* store = nullptr;
+  // Per query task, the chunk's pairs it adds (key block, slot), as CSR rows.
+  Vector<int64_t> row_start;
+  Vector<std::pair<int32_t, const E*>> pairs;
+
+  KeptGrads(const Problem& pr, int64_t budget_bytes)
+      : pr(pr), first(pr.batch * pr.kv_heads * pr.n_k + 1, 0),
+        block_elements(panel_size<E>(pr.block_k, pr.ld_rows())),
+        budget_pairs(budget_bytes / (block_elements * static_cast<int64_t>(sizeof(E)))),
+        row_start(pr.batch * pr.kv_heads * pr.n_q + 1) {
+    for (int64_t t = 0; t + 1 < static_cast<int64_t>(first.size()); ++t) {
+      first[t + 1] = first[t] + list(t).count;
+    }
+  }
+  int64_t key_tasks() const { return static_cast<int64_t>(first.size()) - 1; }
+  // Key task t = (b, kv head, key block)'s list of query blocks.
+  Visits list(int64_t t) const {
+    const int64_t b = t / (pr.kv_heads * pr.n_k), kb = t % pr.n_k;
+    return visits(pr, pr.q_index, pr.q_full_count, pr.q_count, b * pr.n_k + kb, pr.n_q);
+  }
+  // Makes [from, ...) the next chunk; false when no key task is left.
+  bool next(int64_t from) {
+    if (from >= key_tasks()) return false;
+    start = from;
+    end = from + 1;
+    while (end < key_tasks() && first[end + 1] - first[start] <= budget_pairs) ++end;
+    store = reinterpret_cast<E*>(
+        grad_memory.reserve((first[end] - first[start]) * block_elements * sizeof(E)));
+    // Each query task's pairs, in ascending key-block order (the order of the key tasks).
+    std::fill(row_start.begin(), row_start.end(), 0);
+    for_each_pair([&](int64_t row, int64_t, int64_t) { ++row_start[row + 1]; });
+    std::partial_sum(row_start.begin(), row_start.end(), row_start.begin());
+    pairs.resize(row_start.back());
+    Vector<int64_t> free_slot(row_start.begin(), row_start.end() - 1);
+    for_each_pair([&](int64_t row, int64_t t, int64_t e) {
+      pairs[free_slot[row]++] = {static_cast<int32_t>(t % pr.n_k), slot(t, e)};
+    });
+    return true;
+  }
+  // fn(query task, key task, entry) for every pair of the chunk. A malformed plan's entries
+  // outside the grid are skipped, as the dk / dv tasks skip them.
+  template <typename Fn>
+  void for_each_pair(Fn fn) const {
+    for (int64_t t = start; t < end; ++t) {
+      const Visits l = list(t);
+      for (int64_t e = 0; e < l.count; ++e) {
+        const int32_t qb = l.index[e];
+        if (qb >= 0 && qb < pr.n_q) fn(t / pr.n_k * pr.n_q + qb, t, e);
+      }
+    }
+  }
+  E* slot(int64_t t, int64_t e) const {
+    return store + (first[t] - first[start] + e) * block_elements;
+  }
+};
+
+template <typename D>
+struct Backward {
+  using T = typename D::T;
+  using E = typename DotElement<D>::type;
+  const Problem& pr;
+  const KeyPanels<E>& keys;
+  const QueryPanels<E>& queries;
+  const KeptGrads<E>& kept;  // q, k, v and dO are read from the panels only
+  T *dq, *dk, *dv;
+
+  // Per-thread buffers of one block pair, reused by every task the thread runs (see
+  // Workspace), [nk][ld_rows] each: S^T, then P^T, then dS^T in place; dP^T - delta; and with
+  // a cap the logits before it.
+  struct Pair {
+    Vector<float> s_t, dp_t, raw;
+  };
+
+  // P^T into pair.s_t and dP^T - delta into pair.dp_t, and with a cap the logits before it
+  // into pair.raw.
+  void probabilities(const KeyPanel<E>& key, const QueryPanel<E>& qp, bool masked,
+                     Pair& pair) const {
+    const int64_t nk = key.nk, ld_rows = pr.ld_rows(), row_cols = pr.row_cols();
+    pair.s_t.resize(rows_size<E>(nk, ld_rows));
+    pair.dp_t.resize(rows_size<E>(nk, ld_rows));
+    if (pr.softcap > 0) pair.raw.resize(nk * ld_rows);
+    // S^T = K Q^T, dP^T = V dO^T.
+    gemm<false>(nk, row_cols, pr.dim, key.k_rows, pr.ld_d(), qp.q_t_panel, ld_rows,
+                pair.s_t.data(), ld_rows);
+    gemm<false>(nk, row_cols, pr.dim_v, key.v_rows, pr.ld_dv(), qp.d_out_t_panel, ld_rows,
+                pair.dp_t.data(), ld_rows);
+    for (int64_t j = 0; j < nk; ++j) {  // each column with its query row's lse
+      float* sr = pair.s_t.data() + j * ld_rows;
+      float* dr = pair.dp_t.data() + j * ld_rows;
+      pr.logits(sr, row_cols, pr.softcap > 0 ? pair.raw.data() + j * ld_rows : nullptr);
+      const vi sk = splat_i(key.seg[j]), pk = splat_i(key.pos[j]);
+      for (int64_t r = 0; r < row_cols; r += kLanes) {  // padded rows: shift +inf, so p = 0
+        vf prob = vexp(load(sr + r) - load(qp.shift + r));
+        if (masked) {
+          prob = pr.sees_history(load_i(qp.seg + r), load_i(qp.pos + r), sk, pk) ? prob : 0;
+        }
+        store(sr + r, prob);
+        store(dr + r, load(dr + r) - load(qp.delta + r));
+      }
+    }
+  }
+
+  // dS^T over P^T in pair.s_t.
+  void logit_grads_of(int64_t nk, Pair& pair) const {
+    const int64_t ld_rows = pr.ld_rows();
+    for (int64_t j = 0; j < nk; ++j) {
+      pr.logit_grads(pair.s_t.data() + j * ld_rows, pair.dp_t.data() + j * ld_rows,
+                     pr.softcap > 0 ? pair.raw.data() + j * ld_rows : nullptr, pr.row_cols());
+    }
+  }
+
+  // Element (r, d) of a query panel.
+  static float element(const E* panel, int64_t ld, int64_t r, int64_t d) {
+    return to_float(panel[panel_index<E>(r, d, ld)]);
+  }
+
+  // d logit of a candidate's own key for query row r of `qp`, from the rows of its own k and
+  // v; *prob = p.
+  float own_grad(const QueryPanel<E>& qp, int64_t r, const E* own_k, const E* own_v,
+                 float* prob) const {
+    float dot = 0, dpv = 0;  // q . k and dO . v
+    for (int64_t d = 0; d < pr.dim; ++d) {
+      dot += element(qp.q_panel, pr.ld_d(), r, d) * to_float(own_k[d]);
+    }
+    for (int64_t d = 0; d < pr.dim_v; ++d) {
+      dpv += element(qp.d_out_panel, pr.ld_dv(), r, d) * to_float(own_v[d]);
+    }
+    *prob = std::exp(pr.logit(dot) - qp.shift[r]);
+    return pr.logit_grad(dot, *prob, dpv - qp.delta[r]);
+  }
+
+  // dQ^T of query task `task` (b, kv head, query block) += K^T dS^T over the chunk's pairs.
+  void dq_add(int64_t task) const {
+    const int64_t b = task / (pr.kv_heads * pr.n_q), hk = task / pr.n_q % pr.kv_heads;
+    const QueryPanel<E> qp = queries.get(b, hk, task % pr.n_q);
+    for (int64_t i = kept.row_start[task]; i < kept.row_start[task + 1]; ++i) {
+      const auto& [kb, ds_t] = kept.pairs[i];
+      const KeyPanel<E> key = keys.get(b, hk, kb);
+      gemm<true>(pr.d_cols(), pr.row_cols(), key.nk, key.k_t_rows, pr.ld_keys(), ds_t,
+                 pr.ld_rows(), qp.dq_t, pr.ld_rows());
+    }
+  }
+
+  // dq of query task `task`: its dQ^T, the candidates' own keys, the scale.
+  void dq_finish(int64_t task) const {
+    const int64_t b = task / (pr.kv_heads * pr.n_q), hk = task / pr.n_q % pr.kv_heads;
+    const QueryPanel<E> qp = queries.get(b, hk, task % pr.n_q);
+    const int64_t g_len = pr.group(), ld_rows = pr.ld_rows();
+    for (int64_t t = 0; t < qp.nq; ++t) {
+      const int64_t i = qp.q0 + t;
+      const bool own = pr.own && qp.seg[t] < 0;
+      const E *own_k = nullptr, *own_v = nullptr;  // the rows of key i
+      if (own) {  // own implies q_len == kv_len, so key i exists
+        const KeyPanel<E> key = keys.get(b, hk, i / pr.block_k);
+        own_k = key.k_rows + (i % pr.block_k) * pr.ld_d();
+        own_v = key.v_rows + (i % pr.block_k) * pr.ld_dv();
+      }
+      for (int64_t g = 0; g < g_len; ++g) {
+        const int64_t r = g * qp.nq + t;
+        if (own) {
+          float prob;
+          const float d_s = own_grad(qp, r, own_k, own_v, &prob);
+          for (int64_t d = 0; d < pr.dim; ++d) qp.dq_t[d * ld_rows + r] += d_s * to_float(own_k[d]);
+        }
+        T* o = dq + ((b * pr.q_len + i) * pr.q_heads + hk * g_len + g) * pr.dim;
+        for (int64_t d = 0; d < pr.dim; ++d) o[d] = D::from(qp.dq_t[d * ld_rows + r] * pr.scale);
+      }
+    }
+  }
+
+  // dk, dv of one key block of one kv head, over the query blocks that see it.
+  void dkv_task(int64_t task) const {
+    const int64_t b = task / (pr.kv_heads * pr.n_k), hk = task / pr.n_k % pr.kv_heads;
+    const int64_t kb = task % pr.n_k, ld_d = pr.ld_d(), ld_dv = pr.ld_dv();
+    const int64_t ld_rows = pr.ld_rows();
+    const KeyPanel<E> key = keys.get(b, hk, kb);
+    const int64_t nk = key.nk;
+    thread_local Pair pair;
+    thread_local Vector<float> dk_acc, dv_acc;
+    thread_local Vector<E> rounded;
+    dk_acc.assign(rows_size<E>(nk, ld_d), 0.0f);
+    dv_acc.assign(rows_size<E>(nk, ld_dv), 0.0f);
+    const Visits list = visits(pr, pr.q_index, pr.q_full_count, pr.q_count, b * pr.n_k + kb,
+                               pr.n_q);
+    for (int64_t e = 0; e < list.count; ++e) {
+      const int32_t qb = list.index[e];
+      if (qb < 0 || qb >= pr.n_q) continue;
+      const QueryPanel<E> qp = queries.get(b, hk, qb);
+      probabilities(key, qp, e >= list.full, pair);
+      // dV += P^T dO.
+      gemm<true>(nk, pr.dv_cols(), qp.m, dot_rows<E>(pair.s_t.data(), nk, qp.m, ld_rows, rounded),
+                 ld_rows, qp.d_out_panel, ld_dv, dv_acc.data(), ld_dv);
+      // dS^T, then dK += dS^T Q, and dS^T kept for dQ.
+      logit_grads_of(nk, pair);
+      gemm<true>(nk, pr.d_cols(), qp.m, dot_rows<E>(pair.s_t.data(), nk, qp.m, ld_rows, rounded),
+                 ld_rows, qp.q_panel, ld_d, dk_acc.data(), ld_d);
+      keep_panel<E>(pair.s_t.data(), nk, qp.m, ld_rows, kept.slot(task, e));
+    }
+
+    if (pr.own) {  // each candidate key's own query rows
+      const int64_t g_len = pr.group();
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t i = key.k0 + j;
+        if (pr.seg_q[b * pr.q_len + i] >= 0) continue;
+        const QueryPanel<E> qp = queries.get(b, hk, i / pr.block_q);
+        const int64_t t = i - qp.q0;
+        for (int64_t g = 0; g < g_len; ++g) {
+          const int64_t r = g * qp.nq + t;
+          float prob;
+          const float d_s = own_grad(qp, r, key.k_rows + j * ld_d, key.v_rows + j * ld_dv, &prob);
+          for (int64_t d = 0; d < pr.dim; ++d) {
+            dk_acc[j * ld_d + d] += d_s * element(qp.q_panel, ld_d, r, d);
+          }
+          for (int64_t d = 0; d < pr.dim_v; ++d) {
+            dv_acc[j * ld_dv + d] += prob * element(qp.d_out_panel, ld_dv, r, d);
+          }
+        }
+      }
+    }
+    // dk = scale dK, dv = dV.
+    for (int64_t j = 0; j < nk; ++j) {
+      T* ok = dk + ((b * pr.kv_len + key.k0 + j) * pr.kv_heads + hk) * pr.dim;
+      T* ov = dv + ((b * pr.kv_len + key.k0 + j) * pr.kv_heads + hk) * pr.dim_v;
+      for (int64_t d = 0; d < pr.dim; ++d) ok[d] = D::from(dk_acc[j * ld_d + d] * pr.scale);
+      for (int64_t d = 0; d < pr.dim_v; ++d) ov[d] = D::from(dv_acc[j * ld_dv + d]);
+    }
+  }
+};
+
+}  // namespace

@@ -1,0 +1,247 @@
+// Dot micro-kernels: C[M, N] (+)= A[M, K] B[K, N] with A in rows and B in panels, float32 on
+// one register-tiled microkernel (any ISA), bfloat16 on AMX tiles or with AVX-512 BF16's
+// VDPBF16PS; the layouts of their operands (rows, panels) and what the dots read past them.
+// On a CPU with neither (AVX2, NEON) no bfloat16 dot is compiled: bfloat16 inputs become
+// float32 panels.
+//
+// Part of cpu_attention.cc (see vectors.h).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+// AMX comes with AVX-512 BF16 (Sapphire Rapids on), whose VDPBF16PS is its fallback.
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define RANKATTN_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include "vectors.h"
+
+namespace {
+
+// ---- Dot elements. The dots read float32, except that bfloat16 inputs on a CPU with AMX or
+// AVX-512 BF16 stay bfloat16: exact products summed in float32, on AMX tiles (TDPBF16PS, 2.5-3x
+// the float32 FMA rate of a Sapphire Rapids core on 128-wide blocks) or with VDPBF16PS (twice
+// the FMA rate on Zen 4, but half of it on Sapphire Rapids, which is why AMX comes first). p
+// and ds are then rounded to bfloat16 before the dots that take them, as flash attention does
+// on GPUs (tests/tolerances.py allows for it). q is never pre-scaled, so no scale is rounded
+// into it: the logits are scaled in float32.
+
+using bf16_t = uint16_t;  // a bfloat16's bits, as the dots read them
+
+template <typename D>
+struct DotElement {  // the element type of D's panels
+  using type = float;
+};
+
+#if defined(__AVX512BF16__)
+template <>
+struct DotElement<BF16> {
+  using type = bf16_t;
+};
+#endif
+
+// What a dot of element type E reads past its operands' sizes: the contraction length is
+// rounded up to kDepth (AMX: one 32-element tile row; VDPBF16PS: a pair), and the rows of A
+// and C to kRows (AMX: 16-row tiles). Every operand buffer is sized and zero-padded for it.
+#if defined(RANKATTN_AMX)
+constexpr int64_t kBf16Depth = 32, kBf16Rows = 16;
+#else
+constexpr int64_t kBf16Depth = 2, kBf16Rows = 1;
+#endif
+template <typename E>
+constexpr int64_t kDepth = std::is_same_v<E, float> ? 1 : kBf16Depth;
+template <typename E>
+constexpr int64_t kRows = std::is_same_v<E, float> ? 1 : kBf16Rows;
+template <typename E>
+constexpr int64_t kPair = std::is_same_v<E, float> ? 1 : 2;  // elements side by side
+
+// Two layouts of a matrix X that a dot contracts over one of its dimensions:
+//  - rows, X[i][k] at i * ld + k with k contracted: an A operand;
+//  - panel, X[k][n] with k contracted: at k * ld + n in float32; in bfloat16 the pairs
+//    (k, k + 1) of a column side by side, ((k / 2) * ld + n) * 2 + k % 2, as VDPBF16PS and
+//    AMX's B tiles take them: a B operand.
+// In float32 a matrix's rows layout is its panel layout, so what one dot contracts over its
+// rows and another over its columns is stored once; in bfloat16, twice.
+template <typename E>
+constexpr bool kRowsArePanel = std::is_same_v<E, float>;
+template <typename E>
+inline int64_t panel_index(int64_t k, int64_t n, int64_t ld) {
+  return ((k / kPair<E>) * ld + n) * kPair<E> + k % kPair<E>;
+}
+template <typename E>
+inline int64_t panel_size(int64_t k, int64_t ld) {  // a panel of k contraction rows, padded
+  return round_up(k, kDepth<E>) * ld;
+}
+template <typename E>
+inline int64_t rows_size(int64_t rows, int64_t ld) {  // an A or C operand of `rows` rows
+  return round_up(rows, kRows<E>) * ld;
+}
+
+// The storage dtype whose bits an element E of the dots holds, and its conversions.
+template <typename E>
+using ElementDtype = std::conditional_t<std::is_same_v<E, float>, F32, BF16>;
+template <typename E>
+inline E to_element(float x) {
+  return ElementDtype<E>::from(x);
+}
+template <typename E>
+inline float to_float(E x) {
+  return ElementDtype<E>::to(x);
+}
+
+template <typename E>
+struct DotOps {  // float32: a broadcast of A times a vector of B, fused multiply-add
+  using B = vf;
+  static B load_b(const float* p) { return load(p); }
+  static B broadcast(const float* a) { return splat(*a); }
+  static vf madd(vf acc, B a, B b) { return acc + a * b; }
+};
+
+#if defined(__AVX512BF16__)
+static_assert(kLanes == 16, "AVX-512 BF16 comes with 16-lane float vectors");
+template <>
+struct DotOps<bf16_t> {  // bfloat16: a broadcast pair of A times 16 pairs of B, VDPBF16PS
+  using B = __m512bh;
+  static B load_b(const bf16_t* p) {
+    B v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  static B broadcast(const bf16_t* a) {
+    int32_t pair;
+    std::memcpy(&pair, a, sizeof pair);
+    return (B)_mm512_set1_epi32(pair);
+  }
+  static vf madd(vf acc, B a, B b) { return _mm512_dpbf16_ps(acc, a, b); }
+};
+#endif
+
+// ---- The one dot: C[M, N] (+)= A[M, K] B[K, N], N a multiple of kColTile, A rows, B a panel.
+
+template <int R, bool kAccumulate, typename E>
+inline void tile(int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb, float* c,
+                 int64_t ldc) {
+  using Ops = DotOps<E>;
+  vf acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = kAccumulate ? load(c + r * ldc) : splat(0.0f);
+    acc[r][1] = kAccumulate ? load(c + r * ldc + kLanes) : splat(0.0f);
+  }
+  for (int64_t k = 0; k < k_len; k += kPair<E>) {
+    const auto b0 = Ops::load_b(b + panel_index<E>(k, 0, ldb));
+    const auto b1 = Ops::load_b(b + panel_index<E>(k, kLanes, ldb));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const auto x = Ops::broadcast(a + r * lda + k);
+      acc[r][0] = Ops::madd(acc[r][0], x, b0);
+      acc[r][1] = Ops::madd(acc[r][1], x, b1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    store(c + r * ldc, acc[r][0]);
+    store(c + r * ldc + kLanes, acc[r][1]);
+  }
+}
+
+template <bool kAccumulate, typename E, int R = kRowTile>
+inline void tail_rows(int rows, int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb,
+                      float* c, int64_t ldc) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile<R, kAccumulate>(k_len, a, lda, b, ldb, c, ldc);
+    tail_rows<kAccumulate, E, R - 1>(rows, k_len, a, lda, b, ldb, c, ldc);
+  }
+}
+
+#if defined(RANKATTN_AMX)
+// AMX needs the kernel's permission once per process (Linux 5.16+); without it, VDPBF16PS.
+bool amx_usable() {
+  static const bool usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                     18 /* XFEATURE_XTILEDATA */) == 0;
+  return usable;
+}
+
+struct TileConfig {  // the ldtilecfg operand, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// C in 32 x 32 blocks of four 16 x 16 tiles (0-3), from two A tiles (4, 5: 16 rows x 32 k)
+// and two B tiles (6, 7: 16 pairs of k x 16 columns). Configured per call and released
+// after, so no tile state outlives it on XLA's threads.
+template <bool kAccumulate>
+void amx_gemm(int64_t m, int64_t n, int64_t k_len, const bf16_t* a, int64_t lda,
+              const bf16_t* b, int64_t ldb, float* c, int64_t ldc) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+  const int64_t a_stride = lda * 2, b_stride = ldb * 4, c_stride = ldc * 4;
+  for (int64_t i = 0; i < m; i += 32) {
+    const bool two = i + 16 < m;  // a second 16-row half
+    for (int64_t j = 0; j < n; j += 32) {
+      float* c0 = c + i * ldc + j;
+      float* c1 = c0 + 16 * ldc;
+      if (kAccumulate) {
+        _tile_loadd(0, c0, c_stride);
+        _tile_loadd(1, c0 + 16, c_stride);
+        if (two) _tile_loadd(2, c1, c_stride);
+        if (two) _tile_loadd(3, c1 + 16, c_stride);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t k = 0; k < k_len; k += 32) {
+        _tile_loadd(4, a + i * lda + k, a_stride);
+        _tile_loadd(6, b + panel_index<bf16_t>(k, j, ldb), b_stride);
+        _tile_loadd(7, b + panel_index<bf16_t>(k, j + 16, ldb), b_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, a + (i + 16) * lda + k, a_stride);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c0, c_stride);
+      _tile_stored(1, c0 + 16, c_stride);
+      if (two) _tile_stored(2, c1, c_stride);
+      if (two) _tile_stored(3, c1 + 16, c_stride);
+    }
+  }
+  _tile_release();
+}
+#endif
+
+template <bool kAccumulate, typename E>
+void gemm(int64_t m, int64_t n, int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb,
+          float* c, int64_t ldc) {
+#if defined(RANKATTN_AMX)
+  if constexpr (std::is_same_v<E, bf16_t>) {
+    if (amx_usable()) return amx_gemm<kAccumulate>(m, n, k_len, a, lda, b, ldb, c, ldc);
+  }
+#endif
+  for (int64_t j = 0; j < n; j += kColTile) {  // a B panel stays in L1 across the rows
+    const E* bj = b + panel_index<E>(0, j, ldb);
+    int64_t i = 0;
+    for (; i + kRowTile <= m; i += kRowTile) {
+      tile<kRowTile, kAccumulate>(k_len, a + i * lda, lda, bj, ldb, c + i * ldc + j, ldc);
+    }
+    if (i < m) {
+      tail_rows<kAccumulate>(static_cast<int>(m - i), k_len, a + i * lda, lda, bj, ldb,
+                             c + i * ldc + j, ldc);
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,162 @@
+// The forward: one task per (batch row, kv head, query block), an online softmax over the key
+// blocks its visit list names, with every query head of the kv head's group as rows of one
+// block (GQA never repeats K / V). Per key block, with s the logits of a query row:
+//   S = Q K^T                          (a dot: Q rows, the K^T panel)
+//   s = cap(scale S), masked to -inf   (Problem::logits; the mask in partial blocks only)
+//   m' = max(m, max_j s),  p = exp(s - m'),  l = exp(m - m') l + sum_j p
+//   acc = exp(m - m') acc + P V        (a dot: P rows, the V panel)
+// then a candidate's own key joins the softmax as one more logit, and
+//   out = acc / l,  lse = m + log l    (NaN for a row that saw a non-finite input).
+// Serving's paged forward is this over a Problem whose keys are pages (problem.h).
+//
+// Part of cpu_attention.cc (see vectors.h).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "dots.h"
+#include "panels.h"
+#include "problem.h"
+#include "runtime.h"
+#include "vectors.h"
+
+namespace {
+
+template <typename D>
+struct Forward {
+  using T = typename D::T;
+  using E = typename DotElement<D>::type;
+  const Problem& pr;
+  const KeyPanels<E>& keys;
+  const T *q, *k, *v;
+  T* out;
+  float* lse;
+
+  void run(int64_t task) const {
+    const int64_t b = task / (pr.kv_heads * pr.n_q), hk = task / pr.n_q % pr.kv_heads;
+    const int64_t qb = task % pr.n_q, g_len = pr.group(), q0 = qb * pr.block_q;
+    const int64_t nq = std::min(pr.block_q, pr.q_len - q0), m_rows = g_len * nq;
+    const int64_t ld_d = pr.ld_d(), ld_dv = pr.ld_dv(), ld_keys = pr.ld_keys();
+    const int64_t key_cols = pr.key_cols(), dv_cols = pr.dv_cols();
+    // Per-thread buffers, reused by every task the thread runs (see Workspace): the rows of q
+    // (zero where the dots read past them), S and then P in place, P rounded for the dot
+    // (bfloat16), acc, and per row m (the running max), l (the running sum) and whether it
+    // saw a non-finite input.
+    thread_local Vector<E> q_rows, rounded;
+    thread_local Vector<float> s, acc, m, l;
+    thread_local Vector<int32_t> poisoned;
+    q_rows.assign(rows_size<E>(m_rows, ld_d), E{});
+    s.resize(rows_size<E>(m_rows, ld_keys));
+    acc.assign(rows_size<E>(m_rows, ld_dv), 0.0f);
+    m.assign(m_rows, -kInf);
+    l.assign(m_rows, 0.0f);
+    poisoned.assign(m_rows, 0);
+    for (int64_t g = 0; g < g_len; ++g) {
+      const int64_t h = hk * g_len + g;
+      gather<D, E>([&](int64_t t) { return q + pr.q_offset(b, h, q0 + t, pr.dim); }, pr.dim,
+                   nq, {q_rows.data() + g * nq * ld_d, ld_d}, poisoned.data() + g * nq);
+    }
+    const int32_t* seg_q = pr.seg_q + b * pr.q_len + q0;
+    const int32_t* pos_q = pr.pos_q + b * pr.q_len + q0;
+
+    const bool fold = pr.folds_scale();
+    const vf mul = splat(fold ? pr.scale : 1.0f);
+    const Visits list = visits(pr, pr.kv_index, pr.full_count, pr.count, b * pr.n_q + qb, pr.n_k);
+    for (int64_t e = 0; e < list.count; ++e) {
+      const int32_t kb = list.index[e];
+      if (kb < 0 || kb >= pr.n_k) continue;
+      const KeyPanel<E> key = keys.template for_task<D>(b, hk, kb, k, v);
+      const bool masked = e >= list.full;
+      // S = Q K^T.
+      gemm<false>(m_rows, key_cols, pr.dim, q_rows.data(), ld_d, key.k_t_panel, ld_keys,
+                  s.data(), ld_keys);
+      for (int64_t r = 0; r < m_rows; ++r) {
+        const int64_t t = r % nq;
+        float* sr = s.data() + r * ld_keys;
+        // s = cap(scale S) (folded: S, scaled in the exp below), -inf where the mask hides it.
+        if (!fold) pr.logits(sr, key_cols);
+        if (masked) {
+          const vi sq = splat_i(seg_q[t]), pq = splat_i(pos_q[t]);
+          vi hit = splat_i(0);
+          for (int64_t j = 0; j < key_cols; j += kLanes) {
+            vi vis = pr.sees_history(sq, pq, load_i(key.seg + j), load_i(key.pos + j));
+            hit |= vis & load_i(key.bad + j);
+            store(sr + j, vis ? load(sr + j) : splat(-kInf));
+          }
+          poisoned[r] |= any_lane(hit);
+        } else {
+          poisoned[r] |= key.any_bad;
+          std::fill(sr + key.nk, sr + key_cols, -kInf);
+        }
+        // m' = max(m, max_j s).
+        vf top = splat(-kInf);
+        for (int64_t j = 0; j < key_cols; j += kLanes) {
+          vf x = load(sr + j);
+          top = x > top ? x : top;
+        }
+        const float m_new = std::max(m[r], max_lane(top) * (fold ? pr.scale : 1.0f));
+        const float shift = std::isfinite(m_new) ? m_new : 0.0f;
+        // p = exp(s - m'), l = exp(m - m') l + sum_j p, acc = exp(m - m') acc.
+        const float alpha = std::exp(m[r] - shift);
+        vf sum = splat(0.0f);
+        for (int64_t j = 0; j < key_cols; j += kLanes) {
+          vf pj = vexp(load(sr + j) * mul - shift);
+          store(sr + j, pj);
+          sum += pj;
+        }
+        l[r] = l[r] * alpha + sum_lanes(sum);
+        m[r] = m_new;
+        if (alpha != 1.0f) {
+          float* ar = acc.data() + r * ld_dv;
+          for (int64_t d = 0; d < dv_cols; d += kLanes) store(ar + d, load(ar + d) * alpha);
+        }
+      }
+      // acc += P V. p past the block's keys is 0 (their logits are -inf), so a bfloat16 pair
+      // may read it.
+      gemm<true>(m_rows, dv_cols, key.nk, dot_rows<E>(s.data(), m_rows, key.nk, ld_keys, rounded),
+                 ld_keys, key.v_panel, ld_dv, acc.data(), ld_dv);
+    }
+
+    Vector<float> own_k(pr.dim), own_v(pr.dim_v);
+    for (int64_t t = 0; t < nq; ++t) {
+      const bool own = pr.own && seg_q[t] < 0;
+      bool own_bad = false;
+      if (own) {
+        const int64_t i = q0 + t;
+        const int64_t own_row = (b * pr.q_len + i) * pr.kv_heads + hk;  // in own_k / own_v
+        const T* ko = pr.own_k ? static_cast<const T*>(pr.own_k) + own_row * pr.dim
+                               : k + pr.kv_offset(b, hk, i, pr.dim);
+        const T* vo = pr.own_v ? static_cast<const T*>(pr.own_v) + own_row * pr.dim_v
+                               : v + pr.kv_offset(b, hk, i, pr.dim_v);
+        own_bad = finite_row<D, float>(ko, pr.dim, own_k.data());
+        own_bad |= finite_row<D, float>(vo, pr.dim_v, own_v.data());
+      }
+      for (int64_t g = 0; g < g_len; ++g) {
+        const int64_t r = g * nq + t, h = hk * g_len + g;
+        float* ar = acc.data() + r * ld_dv;
+        if (own) {  // the own key's logit joins the softmax
+          float dot = 0;
+          const E* qr = q_rows.data() + r * ld_d;
+          for (int64_t d = 0; d < pr.dim; ++d) dot += to_float(qr[d]) * own_k[d];
+          const float s_own = pr.logit(dot), m_new = std::max(m[r], s_own);
+          const float alpha = std::exp(m[r] - m_new), p_own = std::exp(s_own - m_new);
+          l[r] = l[r] * alpha + p_own;
+          for (int64_t d = 0; d < pr.dim_v; ++d) ar[d] = ar[d] * alpha + p_own * own_v[d];
+          m[r] = m_new;
+          poisoned[r] |= own_bad;
+        }
+        // out = acc / l, lse = m + log l.
+        const bool seen = l[r] != 0, nan = seen && poisoned[r];
+        const float inv = seen ? 1 / l[r] : 0.0f;
+        T* o = out + ((b * pr.q_len + q0 + t) * pr.q_heads + h) * pr.dim_v;
+        for (int64_t d = 0; d < pr.dim_v; ++d) o[d] = D::from(nan ? kNaN : ar[d] * inv);
+        lse[(b * pr.q_heads + h) * pr.q_len + q0 + t] =
+            nan ? kNaN : (seen ? m[r] + std::log(l[r]) : -kInf);
+      }
+    }
+  }
+};
+
+}  // namespace

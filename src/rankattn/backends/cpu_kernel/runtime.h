@@ -1,0 +1,196 @@
+// The kernel's runtime: its settings (the environment, read once), every allocation of its
+// buffers (with the tests' fault injection), parallel_for on XLA's CPU pool, and the
+// exceptions of a call returned as its FFI error.
+//
+// Part of cpu_attention.cc (see vectors.h).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <new>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "vectors.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---- Settings: the environment, read once per process (by the first call), in one place.
+
+struct Settings {
+  int64_t max_threads;     // RANKATTN_CPU_THREADS: at most this many threads per call
+  int64_t backward_bytes;  // RANKATTN_CPU_BACKWARD_MB, in bytes: the dS a backward keeps
+  // Tests only: RANKATTN_CPU_FAIL_ALLOC=caller:<n> or pool:<n> fails the n-th allocation
+  // (from 1) of the kernel's buffers on the threads that call the kernel, or on XLA's pool
+  // workers, once per process.
+  bool fail_in_pool;
+  int64_t fail_at;  // 0: never
+
+  static int64_t number(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+    const char* text = std::getenv(name);
+    return text ? std::clamp<int64_t>(std::strtoll(text, nullptr, 10), lo, hi) : fallback;
+  }
+  static Settings from_environment() {
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    Settings s{};
+    s.max_threads = number("RANKATTN_CPU_THREADS", kMax, 1, kMax);
+    // Clamped so that the bytes fit an int64_t (a larger budget keeps every pair anyway).
+    s.backward_bytes = number("RANKATTN_CPU_BACKWARD_MB", 1024, 0, kMax >> 20) << 20;
+    if (const char* fail = std::getenv("RANKATTN_CPU_FAIL_ALLOC")) {
+      s.fail_in_pool = std::strncmp(fail, "pool:", 5) == 0;
+      if (s.fail_in_pool || std::strncmp(fail, "caller:", 7) == 0) {
+        s.fail_at = std::max<int64_t>(0, std::strtoll(std::strchr(fail, ':') + 1, nullptr, 10));
+      }
+    }
+    return s;
+  }
+};
+
+const Settings& settings() {
+  static const Settings once = Settings::from_environment();
+  return once;
+}
+
+// ---- Memory: every buffer of the kernel is allocated here, so that a failure says how many
+// bytes were asked for (RA126, see Guarded) and the tests can inject one.
+
+struct OutOfMemory : std::bad_alloc {
+  int64_t bytes;
+  explicit OutOfMemory(int64_t bytes) : bytes(bytes) {}
+};
+
+thread_local bool on_pool_worker = false;  // while a pool worker runs parallel_for's tasks
+
+bool injected_failure() {
+  const Settings& s = settings();
+  if (s.fail_at == 0 || on_pool_worker != s.fail_in_pool) return false;
+  static std::atomic<int64_t> count{0};
+  return count.fetch_add(1) + 1 == s.fail_at;
+}
+
+void* allocate_bytes(int64_t bytes, int64_t alignment) {
+  void* x = nullptr;
+  if (!injected_failure()) {
+    x = alignment <= static_cast<int64_t>(alignof(std::max_align_t))
+            ? std::malloc(bytes)
+            : std::aligned_alloc(alignment, round_up(bytes, alignment));
+  }
+  if (!x) throw OutOfMemory(bytes);
+  return x;
+}
+
+// std::vector's allocator for the kernel's buffers.
+template <typename T>
+struct Allocator {
+  using value_type = T;
+  Allocator() = default;
+  template <typename U>
+  Allocator(const Allocator<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(allocate_bytes(static_cast<int64_t>(n * sizeof(T)), alignof(T)));
+  }
+  void deallocate(T* x, size_t) { std::free(x); }
+  bool operator==(const Allocator&) const { return true; }
+  bool operator!=(const Allocator&) const { return false; }
+};
+template <typename T>
+using Vector = std::vector<T, Allocator<T>>;
+
+// ---- Threads: tasks 0..n-1 claimed from a shared counter by the caller and pool workers.
+// A task that throws (std::bad_alloc above all: an exception that left a pool worker would end
+// the process) fails the call: the tasks not yet started are skipped, every task that started
+// is waited for (they use the caller's stack frame), and the first failure is rethrown on the
+// calling thread, where Guarded returns it as the FFI handler's error.
+
+template <typename Fn>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr failure;  // the first, written by the task that set `failed`
+  };
+  auto state = std::make_shared<State>();
+  // The state outlives this call for workers that start late; `fn` does not, so a worker
+  // only touches it after claiming a task, which cannot happen once all are done.
+  auto work = [state, n, &fn]() {
+    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
+      if (!state->failed.load(std::memory_order_relaxed)) {
+        try {
+          fn(i);
+        } catch (...) {
+          if (!state->failed.exchange(true)) state->failure = std::current_exception();
+        }
+      }
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t workers = std::min({pool.num_threads(), settings().max_threads, n}) - 1;
+  try {
+    for (int64_t w = 0; w < workers; ++w) {
+      pool.Schedule([work]() {
+        on_pool_worker = true;
+        work();
+        on_pool_worker = false;
+      });
+    }
+  } catch (const std::bad_alloc&) {
+    // A worker that could not be scheduled leaves its share to the others (the caller below).
+  }
+  work();
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  if (state->failure) std::rethrow_exception(state->failure);
+}
+
+// ---- Errors.
+
+// RA126 (rankattn/errors.py's catalog): JAX raises it as its JaxRuntimeError, so the message
+// starts with the code, as rankattn's own errors do, and says what to change.
+ffi::Error out_of_memory(int64_t bytes) {
+  char what[96] = "a buffer of unknown size";
+  if (bytes >= 0) {
+    const bool mib = bytes >= (1 << 20);
+    std::snprintf(what, sizeof what, "%lld bytes (%.1f %s)", static_cast<long long>(bytes),
+                  static_cast<double>(bytes) / (mib ? 1 << 20 : 1 << 10), mib ? "MiB" : "KiB");
+  }
+  return ffi::Error(
+      ffi::ErrorCode::kResourceExhausted,
+      std::string("[RA126] the cpu kernel could not allocate memory: it asked for ") + what +
+          ". Lower RANKATTN_CPU_BACKWARD_MB (the dS a backward keeps, default 1024), pass a "
+          "smaller batch or fewer tokens per call, or lower RANKATTN_CPU_THREADS (each thread "
+          "keeps buffers of its own).\n  (rankattn explain RA126 for more.)");
+}
+
+// An FFI handler with every exception it lets out (on the calling thread, or rethrown there by
+// parallel_for) as the call's error: none may cross into XLA.
+template <auto handler>
+struct Guarded {
+  template <typename... Args>
+  ffi::Error operator()(Args&&... args) const {
+    try {
+      return handler(std::forward<Args>(args)...);
+    } catch (const OutOfMemory& e) {
+      return out_of_memory(e.bytes);
+    } catch (const std::bad_alloc&) {
+      return out_of_memory(-1);
+    } catch (const std::exception& e) {
+      return ffi::Error(ffi::ErrorCode::kInternal, std::string("rankattn cpu kernel: ") + e.what());
+    } catch (...) {
+      return ffi::Error(ffi::ErrorCode::kInternal, "rankattn cpu kernel: an unknown exception");
+    }
+  }
+};
+
+}  // namespace

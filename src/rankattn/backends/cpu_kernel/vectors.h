@@ -1,0 +1,182 @@
+// Vector math and storage dtypes: the float / int vectors every loop of the kernel runs on,
+// exp for a vector, horizontal max and sum, and the float32 / bfloat16 / float16 conversions.
+//
+// Part of cpu_attention.cc, the one translation unit that includes these headers (hence the
+// anonymous namespace: nothing here is visible outside the library).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+namespace {
+
+// ---- Vectors: GCC/Clang vector extensions, so the same code is AVX-512, AVX2 or NEON.
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kRowTile = 8;  // 8 x 2 accumulators + 2 loads of 32 registers
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+constexpr int kRowTile = 6;  // 6 x 2 accumulators + 2 loads of 16 registers
+#else
+constexpr int kLanes = 4;
+constexpr int kRowTile = 6;
+#endif
+constexpr int kColTile = 2 * kLanes;  // columns of one register tile
+
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+// x - 0 is x for every x, -0 included, so this compiles to a bare broadcast (x + 0 would not).
+inline vf splat(float x) { return x - vf{}; }
+
+inline vi splat_i(int32_t x) { return x - vi{}; }
+inline vi load_i(const int32_t* p) {
+  vi v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline bool any_lane(vi x) {
+  for (int c = 0; c < kLanes; ++c) {
+    if (x[c]) return true;
+  }
+  return false;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// exp(x) for a vector: exact 0 below -87.3 (so masked -inf logits give p = 0), a
+// degree-6 polynomial on [-ln2/2, ln2/2] after x = n ln2 + r, 2 ulp or better.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.3f), hi = splat(88.3f);
+  vi underflow = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+  vf r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * (r * r) + r + splat(1.0f);
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  vf y = p * scale;
+  return underflow ? splat(0.0f) : y;
+}
+
+// Horizontal max and sum as a tree of halves, in registers (per row and block, a lane-by-lane
+// loop measured a quarter of the forward's softmax pass, and halves taken through memory kept
+// the running sum on the stack).
+template <size_t kOffset, typename V, size_t... kLane>
+inline auto lanes(V x, std::index_sequence<kLane...>) {
+  return __builtin_shufflevector(x, x, (kOffset + kLane)...);
+}
+template <int N, typename V, typename Op>
+inline float reduce(V x, Op op) {
+  if constexpr (N == 1) {
+    return x[0];
+  } else {
+    const auto half = std::make_index_sequence<N / 2>();
+    return reduce<N / 2>(op(lanes<0>(x, half), lanes<N / 2>(x, half)), op);
+  }
+}
+inline float max_lane(vf x) {
+  return reduce<kLanes>(x, [](auto a, auto b) { return a > b ? a : b; });
+}
+inline float sum_lanes(vf x) {
+  return reduce<kLanes>(x, [](auto a, auto b) { return a + b; });
+}
+
+// ---- Storage dtypes: float32, bfloat16 and float16 in, float32 math, the input dtype out.
+
+struct F32 {
+  using T = float;
+  static float to(T x) { return x; }
+  static T from(float x) { return x; }
+};
+
+struct BF16 {
+  using T = uint16_t;
+  static float to(T x) {
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  static T from(float f) {  // round to nearest even; NaN stays NaN
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<T>((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<T>(bits >> 16);
+  }
+};
+
+struct F16 {
+  using T = uint16_t;
+  static float to(T h) {
+    uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+      bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+      bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int shift = 0;
+      while (!(mant & 0x400u)) {
+        mant <<= 1;
+        ++shift;
+      }
+      bits = sign | (static_cast<uint32_t>(113 - shift) << 23) | ((mant & 0x3ffu) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  static T from(float f) {  // round to nearest even, overflow to inf, subnormals kept
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    uint32_t sign = (bits >> 16) & 0x8000u, abs = bits & 0x7fffffffu;
+    if (abs > 0x7f800000u) return static_cast<T>(sign | 0x7e00u);
+    if (abs >= 0x477ff000u) return static_cast<T>(sign | 0x7c00u);  // rounds past 65504
+    if (abs < 0x38800000u) {  // below the smallest normal half: 2^-24 units
+      float scaled;
+      std::memcpy(&scaled, &abs, 4);
+      return static_cast<T>(sign | static_cast<uint32_t>(std::nearbyint(scaled * 16777216.0f)));
+    }
+    uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);
+    return static_cast<T>(sign | ((rounded - 0x38000000u) >> 13));
+  }
+};
+
+// bfloat16 bits of each lane, rounded to nearest even (finite and infinite lanes; p and ds,
+// the only values rounded here, are never NaN).
+typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+inline vu bf16_bits(vf x) {
+  vu bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
+}  // namespace
