@@ -51,6 +51,10 @@ OUT = pathlib.Path(__file__).with_name("DISTRIBUTED.md")
 COMMAND = "XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_distributed.py"
 N = 8
 HQ, HKV, D = 4, 2, 64  # the long-history workload's heads and head dim (float32)
+# Section 4 counts the dots of the optimised HLO, so it runs the xla backend: the cpu kernel
+# (impl='auto' where it builds) is a custom call whose dots neither the HLO nor
+# cost_analysis() shows.
+DOTS_IMPL = "xla"
 MiB = 1 << 20
 
 
@@ -66,21 +70,21 @@ def shapes(batch: int, seq: int, heads_q=HQ, heads_kv=HKV, dim=D):
     return q, kv, seg, lse
 
 
-def training_step(sharding, causal: bool):
+def training_step(sharding, causal: bool, impl="auto"):
     """(q, k, v, seg, d_out, d_lse) -> (out, lse, dq, dk, dv): one layer's attention."""
     def f(q, k, v, seg, d_out, d_lse):
         def attend(q, k, v):
             return rankattn.attention(q, k, v, segment_ids=seg, causal=causal, return_lse=True,
-                                      sharding=sharding)
+                                      impl=impl, sharding=sharding)
         (out, lse), pullback = jax.vjp(attend, q, k, v)
         return (out, lse) + pullback((d_out, d_lse))
     return f
 
 
-def forward(sharding, causal: bool):
+def forward(sharding, causal: bool, impl="auto"):
     def f(q, k, v, seg):
         return rankattn.attention(q, k, v, segment_ids=seg, causal=causal, return_lse=True,
-                                  sharding=sharding)
+                                  impl=impl, sharding=sharding)
     return f
 
 
@@ -249,9 +253,10 @@ def load_balance(seq: int, block_q=128, block_k=512):
 # --- 4: batch-only sharding against today's jit. ----------------------------------------
 
 
-def batch_only():
+def batch_only(row: tuple[int, int]):
+    """Section 4 on 8 rows of ``row`` = (history, candidates) tokens (nano-fwd: 1024, 128)."""
     mesh = Mesh(np.array(jax.devices()[:N]), ("data",))
-    b, seq, hq, hkv, dim = 8, 1152, 4, 2, 128   # nano-fwd: 8 x (1024 history + 128 candidates)
+    b, seq, hq, hkv, dim = 8, sum(row), 4, 2, 128
     q, kv, seg, lse = shapes(b, seq, hq, hkv, dim)
     row = NamedSharding(mesh, P("data"))
 
@@ -259,9 +264,10 @@ def batch_only():
     for name, sharding in (("jit, inputs sharded over the batch", None),
                            ("rankattn.Sharding(batch='data')", rankattn.Sharding(mesh, batch="data"))):
         stats = {}
-        for mode, f, args in (("forward", forward(sharding, False), (q, kv, kv, seg)),
-                              ("forward+backward", training_step(sharding, False),
-                               (q, kv, kv, seg, q, lse))):
+        for mode, f, args in (
+                ("forward", forward(sharding, False, DOTS_IMPL), (q, kv, kv, seg)),
+                ("forward+backward", training_step(sharding, False, DOTS_IMPL),
+                 (q, kv, kv, seg, q, lse))):
             # Both get their inputs sharded over the batch; only the second uses Sharding.
             fn = jax.jit(f, in_shardings=(row,) * len(args))
             compiled = fn.lower(*args).compile()
@@ -328,8 +334,8 @@ def quest_on_shards(history: int, budgets, shards: int = N, seed: int = 0):
     return rows
 
 
-def write(out: pathlib.Path, memory_rows, byte_rows, reorder_rows, balance, batch, lengths,
-          seconds, quest_rows, quest_history):
+def write(out: pathlib.Path, memory_rows, byte_rows, reorder_rows, balance, batch, batch_row,
+          lengths, seconds, quest_rows, quest_history):
     gib = lambda x: f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / MiB:.1f} MiB"
     lines = [
         "# Attention on a device mesh: measured",
@@ -341,7 +347,8 @@ def write(out: pathlib.Path, memory_rows, byte_rows, reorder_rows, balance, batc
         "",
         f"Workload: one row of history (segment ids are a traced input, so each program is the "
         f"one for any mask; bidirectional unless stated), "
-        f"Hq = {HQ}, Hkv = {HKV}, D = {D}, float32, impl 'xla' (the CPU default), forward + "
+        f"Hq = {HQ}, Hkv = {HKV}, D = {D}, float32, impl 'auto' ('{rankattn.available_impls()[0]}' here; "
+        f"section 4: '{DOTS_IMPL}'), forward + "
         "backward (`jax.vjp` with cotangents on out and lse) unless stated.",
         "",
         "## 1. Per-device memory",
@@ -415,8 +422,10 @@ def write(out: pathlib.Path, memory_rows, byte_rows, reorder_rows, balance, batc
     lines += [
         "## 4. Batch-only sharding against today's jit",
         "",
-        "8 rows of 1152 tokens (1024 history + 128 candidates; segment ids a traced input), "
-        "Hq = 4, Hkv = 2, D = 128, on 8 devices; today = `jax.jit(attention)` with q, k, v and "
+        f"8 rows of {sum(batch_row)} tokens ({batch_row[0]} history + {batch_row[1]} candidates; "
+        "segment ids a traced input), "
+        f"Hq = 4, Hkv = 2, D = 128, impl '{DOTS_IMPL}', on 8 devices; today = `jax.jit(attention)` "
+        "with q, k, v and "
         "segment ids sharded over the batch (`in_shardings`).",
         "",
         "GFLOP per device two ways: XLA's `cost_analysis()` (which counts every loop body "
@@ -482,6 +491,8 @@ def main():
     parser.add_argument("--balance-length", type=int, default=262144)
     parser.add_argument("--quest-history", type=int, default=16384)
     parser.add_argument("--quest-budgets", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--batch-row", type=int, nargs=2, default=[1024, 128],
+                        metavar=("HISTORY", "CANDIDATES"), help="section 4's rows")
     parser.add_argument("--smoke", action="store_true",
                         help="check the script: tiny lengths, DISTRIBUTED.md into --out "
                              "(default: a new temporary folder)")
@@ -489,7 +500,7 @@ def main():
     args = parser.parse_args()
     if args.smoke:
         args.lengths, args.balance_length = [1024], 4096
-        args.quest_history, args.quest_budgets = 2048, [512]
+        args.quest_history, args.quest_budgets, args.batch_row = 2048, [512], [40, 8]
         args.out = args.out or tempfile.mkdtemp(prefix="bench-distributed-smoke-")
     out = pathlib.Path(args.out, OUT.name) if args.out else OUT
     assert jax.device_count() >= N, "set XLA_FLAGS=--xla_force_host_platform_device_count=8"
@@ -500,10 +511,10 @@ def main():
     print("load balance", flush=True)
     balance = dict(load_balance(args.balance_length), seq=args.balance_length)
     print("batch-only sharding", flush=True)
-    batch = batch_only()
+    batch = batch_only(tuple(args.batch_row))
     print("quest across context shards", flush=True)
     quest_rows = quest_on_shards(args.quest_history, args.quest_budgets)
-    write(out, memory_rows, byte_rows, reorder_rows, balance, batch, args.lengths,
+    write(out, memory_rows, byte_rows, reorder_rows, balance, batch, args.batch_row, args.lengths,
           time.perf_counter() - start, quest_rows, args.quest_history)
     print(out.read_text())
     return 0

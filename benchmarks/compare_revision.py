@@ -66,8 +66,9 @@ def backend_at(rev: str, backend: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rev")
-    parser.add_argument("workloads", nargs="*", help="bench.py's or EXTRAS' names "
-                                                     "(default with --smoke: bench.SMOKE_WORKLOADS)")
+    parser.add_argument("workloads", nargs="*",
+                        help="bench.py's or EXTRAS' names (with --smoke, default "
+                             "bench.SMOKE_WORKLOADS)")
     parser.add_argument("--backend", default="xla")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--smoke", action="store_true",

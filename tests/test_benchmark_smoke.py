@@ -51,9 +51,8 @@ SMOKES = {
 # fixes when it starts, so its process has them. The ranker's flax / orbax imports go last.
 GROUPS = {
     "one device": ["bench.py", "bench.py --sweep", "compare_revision.py", "precision.py",
-                   "gpu.py"],
-    "eight devices": ["bench_distributed.py", "bench_serving.py", "compare_serving_revision.py",
-                      "ranker bench"],
+                   "gpu.py", "compare_serving_revision.py"],
+    "eight devices": ["bench_distributed.py", "bench_serving.py", "ranker bench"],
 }
 EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
 BEGIN, END = "@@ smoke {} @@", "@@ smoke {} exit {} ({:.1f} s, {:.1f} s CPU) @@"
