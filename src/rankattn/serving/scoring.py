@@ -155,7 +155,8 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
         index). None for one layer's cache (what jax.lax.scan over a stacked
         cache hands its body).
       impl: the core attention backend that attends to the pages: 'auto'
-        (default: the fused 'cpu' kernel where it builds, else 'xla'), a backend
+        (default: the fused 'cpu' kernel where it builds, else 'xla'; None means
+        the same), a backend
         name ('cpu', 'xla', 'reference'), an instance, or a list (the first
         that can run the call; one that takes the keys' own segment ids,
         rankattn.semantics.ShardMask). The 'cpu' kernel reads the cache's pages
