@@ -1,14 +1,17 @@
 """The cpu backend's build, dispatch and guarantees beyond the shared property suite.
 
 Its numerics run in tests/test_backends.py (TestCpu, TestCpuDefaultBlocks) and every
-per-backend test (conftest.BACKENDS); here: the sanitizer build, bit-identical results
-for any thread count, prepared plans, ``impl='auto'``'s choice and fallbacks. Building,
-caching and loading it (rankattn.native): tests/test_native_build.py.
+per-backend test (conftest.BACKENDS); here: the sanitizer build, the builds for other
+instruction sets (TestCpu's core cases), bit-identical results for any task order and thread
+count, prepared plans, ``impl='auto'``'s choice and fallbacks. Out of memory:
+tests/test_cpu_kernel_memory.py; the conversions and exp: tests/test_cpu_kernel_numerics.py.
+Building, caching and loading it (rankattn.native): tests/test_native_build.py.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -59,28 +62,89 @@ def test_sanitized_build_runs_odd_shapes_and_malformed_plans(part, budget_mb):
         result.stdout[-5000:] + result.stderr[-20000:])
 
 
+def host_flags() -> set[str]:
+    """The host CPU's instruction-set flags (x86 Linux; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def kernel_features(case) -> set[str]:
+    """The kernel paths a TestCpu configuration takes."""
+    features = {"own keys" if case.mask != "none" else "no mask"}
+    features |= {name for name, used in [
+        ("causal", case.causal), (f"cap {case.softcap_method}", case.softcap),
+        ("gqa", case.heads_q > case.heads_kv), ("dv != d", case.dim_v not in (None, case.dim)),
+        ("d > 128", case.dim > 128), ("cross-attention", case.kv_seq),
+        ("several blocks", case.seq > 16)] if used}
+    return features
+
+
+def core_cases(dtype: str) -> list[str]:
+    """Node ids of TestCpu's property test for the first `dtype` configurations that, between
+    them, take every path of kernel_features (6 in float32, 4 in bfloat16)."""
+    from helpers import case_id
+    from test_backends import CPU_CONFIGS
+
+    seen, ids = set(), []
+    for case in CPU_CONFIGS:
+        if case.dtype == dtype and case.multiplier == "none" and not kernel_features(case) <= seen:
+            seen |= kernel_features(case)
+            ids.append(f"tests/test_backends.py::TestCpu::test_matches_oracle[{case_id(case)}]")
+    return ids
+
+
+# In a build with other flags: its vector width and bfloat16 dots, then TestCpu's core cases.
+ISA_SCRIPT = textwrap.dedent("""
+    import sys, pytest
+    from rankattn.backends import cpu
+    handle = cpu.library().handle
+    assert handle is not None, cpu.library().reasons
+    built = (handle.rankattn_test_lanes(), handle.rankattn_test_bf16_dots())
+    assert built == (int(sys.argv[1]), int(sys.argv[2])), built
+    sys.exit(pytest.main(["-q", "-n", "0", "-p", "no:cacheprovider", *sys.argv[3:]]))
+""")
+
+
 @needs_cpu_kernel
-@pytest.mark.parametrize("isa", ["-mno-amx-tile", "-mno-avx512f"])
-def test_other_instruction_sets_run_odd_shapes(isa):
-    """The paths this CPU would not take: bfloat16 dots on VDPBF16PS instead of AMX, and
-    AVX2 (8 lanes, float32 dots for bfloat16). Where the host lacks an ISA the flag is moot."""
-    script = (ROOT / "tests/native/sanitized_shapes.py").read_text()
-    for part, budget_mb in (("chunked", "0"), ("whole", str(10**20))):
-        result = python(script, {"RANKATTN_CXXFLAGS": isa, "RANKATTN_CPU_BACKWARD_MB": budget_mb},
-                        part)
-        assert result.returncode == 0 and "SANITIZED RUN PASSED" in result.stdout, (
-            result.stdout[-5000:] + result.stderr[-20000:])
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+@pytest.mark.parametrize("isa, lanes, bf16_dots, dtype", [
+    ("-mno-avx512f", 8, 0, "float32"),  # AVX2: 8 lanes; bfloat16 inputs run float32 dots
+    ("-mno-avx", 4, 0, "float32"),      # no AVX at all: the portable 4-lane path
+    ("-mno-amx-tile", 16, 1, "bfloat16"),  # bfloat16 dots on VDPBF16PS instead of AMX
+])
+def test_other_instruction_sets_pass_the_core_cases(isa, lanes, bf16_dots, dtype):
+    """The paths this CPU would not take, built with RANKATTN_CXXFLAGS=<isa>, against the
+    float64 oracle. An AVX2 CPU has no bfloat16 dot path at all (its bfloat16 inputs run the
+    float32 dots the AVX2 case checks)."""
+    flags = host_flags()
+    if isa == "-mno-avx512f" and "avx512f" not in flags:
+        pytest.skip("no AVX-512 here: this host's own build is the AVX2 one")
+    if isa == "-mno-amx-tile" and "avx512_bf16" not in flags:
+        pytest.skip("no AVX-512 BF16 here: no bfloat16 dot path to test")
+    if isa == "-mno-avx512f" and "avx" not in flags:
+        lanes = 4
+    run = python(ISA_SCRIPT, {"RANKATTN_CXXFLAGS": isa}, str(lanes), str(bf16_dots),
+                 *core_cases(dtype))
+    assert run.returncode == 0, run.stdout[-10000:] + run.stderr[-5000:]
 
 
-THREADS_SCRIPT = textwrap.dedent("""
+# Contiguous forward and backward (float32 dots; bfloat16 on AMX / VDPBF16PS), the paged
+# forward with self keys and a page table with entries outside the pages, and Quest's bounds.
+ORDER_SCRIPT = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp, numpy as np, rankattn
-    from rankattn.backends import BlockSizes, Cpu
+    from rankattn import semantics
+    from rankattn.backends import BlockSizes, Cpu, cpu
     keys = jax.random.split(jax.random.PRNGKey(3), 4)
     b, s = 2, 150
     seg = jnp.asarray(np.tile(np.r_[np.ones(100), -np.ones(40), np.zeros(10)], (b, 1)), jnp.int32)
     impl = Cpu(BlockSizes(16, 32))
     results = {}
-    for dtype in (jnp.float32, jnp.bfloat16):  # float32 dots; bfloat16 on AMX / VDPBF16PS
+    for dtype in (jnp.float32, jnp.bfloat16):
         q = jax.random.normal(keys[0], (b, s, 4, 40), dtype)
         k = jax.random.normal(keys[1], (b, s, 2, 40), dtype)
         v = jax.random.normal(keys[2], (b, s, 2, 24), dtype)
@@ -91,28 +155,50 @@ THREADS_SCRIPT = textwrap.dedent("""
         grads, out = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
         for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
             results[f"{name} {dtype.__name__}"] = np.asarray(x.astype(jnp.float32))
-    np.savez(sys.argv[1] if len(sys.argv) > 1 else sys.stdout.buffer, **results)
+        pages = [x[0, :144, :1].reshape(9, 16, -1) for x in (k, v)]
+        table = jnp.array([[4, 0, 8, 2, 99], [1, -3, 5, 7, 6]], jnp.int32)
+        visible = semantics.ShardMask(jnp.ones((b, 80), jnp.int32).at[1, 50:].set(0),
+                                      jnp.full((b, 20), 80, jnp.int32),
+                                      jnp.broadcast_to(jnp.arange(80, dtype=jnp.int32), (b, 80)))
+        for block_q in (4, 32):  # key blocks packed by their own tasks / by their one reader
+            paged = jax.jit(lambda q, kp, vp, ks, vs: cpu.paged_forward(
+                q, kp, vp, table, (ks, vs), -jnp.ones((b, 20), jnp.int32), shard_mask=visible,
+                scale=0.2, softcap=2.0, softcap_method="tanh",
+                block_sizes=BlockSizes(block_q, 16)))
+            out, lse = paged(q[:, :20], *pages, k[:, :20, :1], v[:, :20, :1])
+            results[f"paged out {dtype.__name__} {block_q}"] = np.asarray(out.astype(jnp.float32))
+            results[f"paged lse {dtype.__name__} {block_q}"] = np.asarray(lse)
+    stats = jax.random.normal(keys[0], (300, 2, 40))
+    bounds, bad = cpu.page_bounds(jax.random.normal(keys[1], (b, 2, 6, 40)), stats, stats - 1,
+                                  jax.random.randint(keys[2], (b, 300), 0, 300, jnp.int32),
+                                  jnp.array([300, 170], jnp.int32))
+    results["bounds"], results["bad"] = np.asarray(bounds), np.asarray(bad)
+    np.savez(sys.argv[1], **results)
 """)
 
 
-
 @needs_cpu_kernel
-def test_results_are_bit_identical_for_any_thread_count_and_backward_memory(tmp_path):
-    """Every output element is computed by one task in a fixed order: 1 thread = the pool.
-    The backward keeps dS for the dq tasks in chunks of key blocks that fit
-    RANKATTN_CPU_BACKWARD_MB (0: one key block per chunk); dq sums in key order in any
-    chunking: the same bits too."""
+def test_results_are_bit_identical_in_any_task_order_thread_count_and_backward_memory(tmp_path):
+    """Every output element is written by one task, in a fixed order: tasks claimed in reverse
+    or shuffled order (the test-only RANKATTN_CPU_TASK_ORDER, which bites where the pool has
+    one thread too), one thread or the pool, give the same bits. The backward keeps dS for the
+    dq tasks in chunks of key blocks that fit RANKATTN_CPU_BACKWARD_MB (0: one key block per
+    chunk); dq sums in key order in any chunking: the same bits too."""
+    runs = {"one thread": {"RANKATTN_CPU_THREADS": "1"},
+            "pool": {},
+            "pool, reversed, dS in chunks": {"RANKATTN_CPU_TASK_ORDER": "reverse",
+                                             "RANKATTN_CPU_BACKWARD_MB": "0"},
+            "pool, shuffled": {"RANKATTN_CPU_TASK_ORDER": "shuffle:7"}}
     results = {}
-    for threads, budget in (("1", "1024"), ("64", "1024"), ("64", "0")):
-        path = tmp_path / f"{threads}-{budget}.npz"
-        run = python(THREADS_SCRIPT.replace("sys.argv[1] if len(sys.argv) > 1 else "
-                                            "sys.stdout.buffer", repr(str(path))),
-                     {"RANKATTN_CPU_THREADS": threads, "RANKATTN_CPU_BACKWARD_MB": budget})
+    for name, env in runs.items():
+        path = tmp_path / f"{len(results)}.npz"
+        run = python(ORDER_SCRIPT, env, str(path))
         assert run.returncode == 0, run.stderr[-5000:]
-        results[threads, budget] = np.load(path)
-    for name in results["1", "1024"].files:
-        bits = {key: r[name].tobytes() for key, r in results.items()}
-        assert len(set(bits.values())) == 1, (name, [k for k in bits])
+        results[name] = np.load(path)
+    for field in results["one thread"].files:
+        bits = {name: r[field].tobytes() for name, r in results.items()}
+        differ = [name for name in bits if bits[name] != bits["one thread"]]
+        assert not differ, (field, differ)
 
 
 @needs_cpu_kernel

