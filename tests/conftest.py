@@ -99,7 +99,7 @@ def impl(request):
 # Suites that run in their own interpreter take 15-100 s each. Collected first, xdist's two
 # workers share them out at the start instead of one worker finishing them alone at the end.
 SLOW_FIRST = ("test_distributed.py", "test_ranker.py", "test_float64.py", "test_multiprocess.py",
-              "test_gpu_script.py")
+              "test_benchmark_smoke.py")
 
 
 def pytest_collection_modifyitems(items):
