@@ -26,19 +26,21 @@ import collections
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from examples.ranker import serve
-from examples.ranker.config import ACTIONS, PRESETS
-from examples.ranker.model import init
-from examples.ranker.world import World
-from rankattn import serving
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ from the repository
+from examples.ranker import serve  # noqa: E402
+from examples.ranker.config import ACTIONS, PRESETS  # noqa: E402
+from examples.ranker.model import init  # noqa: E402
+from examples.ranker.world import World  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_store.py  # from the repository root"
 OUT = Path(__file__).with_name("STORE.md")
@@ -281,7 +283,6 @@ def machine() -> str:
         isa = "AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
     except (OSError, StopIteration):
         model, isa = platform.processor() or platform.machine(), "?"
-    import os
     return f"{model} ({isa}), {os.cpu_count()} cores"
 
 

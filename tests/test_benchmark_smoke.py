@@ -48,13 +48,15 @@ SMOKES = {
     "bench_serving.py": ["benchmarks/bench_serving.py", "--smoke", "--out", "{out}/serving"],
     "compare_serving_revision.py": ["benchmarks/compare_serving_revision.py", "HEAD", "--smoke"],
     "ranker bench": ["-m", "examples.ranker", "bench", "--smoke", "--out", "{out}/ranker"],
+    "bench_store.py": ["benchmarks/bench_store.py", "--smoke", "--out", "{out}/store"],
 }
 # One process each, side by side; bench_distributed.py needs 8 (fake CPU) devices, which JAX
 # fixes when it starts, so its process has them. The ranker's flax / orbax imports go last.
 GROUPS = {
     "one device": ["bench.py", "bench.py --sweep", "compare_revision.py", "precision.py",
                    "gpu.py", "compare_serving_revision.py"],
-    "eight devices": ["bench_distributed.py", "bench_serving.py", "ranker bench"],
+    "eight devices": ["bench_distributed.py", "bench_serving.py", "ranker bench",
+                      "bench_store.py"],
 }
 EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
 BEGIN, END = "@@ smoke {} @@", "@@ smoke {} exit {} ({:.1f} s, {:.1f} s CPU) @@"
@@ -199,11 +201,19 @@ def check_ranker(out: str, printed: str):
     assert {"cached", "full forward"} <= set(result["serving"])
 
 
+def check_store(out: str, printed: str):
+    text = read(os.path.join(out, "store", "STORE.md"))
+    for section in ("## 1. ", "## 2. ", "## 3. "):
+        assert section in text, section
+    assert "The store equals the simulation: **True**" in text
+
+
 CHECKS = {"bench.py": check_bench, "bench.py --sweep": check_sweep,
           "compare_revision.py": check_compare_revision, "precision.py": check_precision,
           "gpu.py": check_gpu, "bench_distributed.py": check_distributed,
           "bench_serving.py": check_serving,
-          "compare_serving_revision.py": check_compare_serving, "ranker bench": check_ranker}
+          "compare_serving_revision.py": check_compare_serving, "ranker bench": check_ranker,
+          "bench_store.py": check_store}
 
 
 def committed_reports() -> dict[str, bytes]:
