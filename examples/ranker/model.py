@@ -12,14 +12,13 @@ One ``rankattn.plan`` is built per batch and used by every layer. Serving uses
 the same blocks in two halves: :meth:`Ranker.history_kv` runs the history alone
 and returns each layer's K/V for a ``rankattn.serving`` cache (with candidate
 isolation, history states never depend on candidates), and
-:meth:`Ranker.score_cached` runs only the candidate tokens through a
-``jax.lax.scan`` over the layers, each attending to its layer of a stacked
-cache plus the candidate's own key.
+:meth:`Ranker.score_cached` runs only the candidate tokens through the
+layers, each attending to its layer of a stacked cache plus the candidate's
+own key.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -152,22 +151,41 @@ class Ranker(nnx.Module):
 
         ``cache`` is a stacked rankattn.serving cache, layer l of it holding layer
         l's history K/V, and row b reads the history of cache user ``users[b]``.
-        The layers run as one ``jax.lax.scan`` over the blocks' stacked weights
-        and the cache, whose body gets one block and that layer's cache.
+        Each block attends to its layer's view of the cache (:func:`_layer_views`).
+        The blocks run one after another, unrolled: a ``jax.lax.scan`` over them
+        would stack their weights on every call (2.5 of the 4 ms a small-preset
+        request of 8 candidates took).
         ``budget`` (tokens) turns on Quest page selection in every layer.
         """
-        graphdef, _ = nnx.split(self.blocks[0])
-        weights = jax.tree.map(lambda *w: jnp.stack(w), *[nnx.state(b) for b in self.blocks])
-
-        def layer(x, inputs):
-            block, cache = nnx.merge(graphdef, inputs[0]), inputs[1]
+        pages, tables, lengths = _layer_views(cache)
+        x = self.embed(candidates)
+        for layer, block in enumerate(self.blocks):
             q, k, v = block.qkv(x, candidates.positions)
-            out = serving.attend(q, cache, users, self_kv=(k, v), budget=budget, gqa=gqa,
+            view = pages._replace(page_table=tables[layer], lengths=lengths[layer])
+            out = serving.attend(q, view, users, self_kv=(k, v), budget=budget, gqa=gqa,
                                  softcap=self.config.softcap)
-            return block.finish(x, out), None
-
-        x = jax.lax.scan(layer, self.embed(candidates), (weights, cache))[0]
+            x = block.finish(x, out)
         return self.heads(self.final_norm(x))
+
+
+def _layer_views(cache):
+    """A stacked cache as one layer's cache holding every layer's pages (L * N of them; a
+    reshape, no copy), and per layer its page table into them ([L, U, M]) and lengths.
+
+    Taking layer l of the stacked cache itself (``x[l]``, or scanning over it) slices out
+    that layer's pages, and the cpu kernel (a custom call) reads a slice only once XLA has
+    copied it: every layer's pages, every call, whatever the batch (6.8 ms per call for
+    4096 pages of the tiny preset, 52 ms for 16384; 0.7 ms this way, the same logits).
+    """
+    num_layers, n = cache.k_pages.shape[:2]
+    flat = lambda x: x.reshape(num_layers * n, *x.shape[2:])  # noqa: E731
+    first = (jnp.arange(num_layers, dtype=jnp.int32) * n)[:, None, None]
+    tables = jnp.where(cache.page_table >= 0, cache.page_table + first, -1)
+    pages = cache._replace(k_pages=flat(cache.k_pages), v_pages=flat(cache.v_pages),
+                           k_min=flat(cache.k_min), k_max=flat(cache.k_max),
+                           page_table=tables[0], lengths=cache.lengths[0],
+                           free=flat(cache.free), overflow=cache.overflow[0])
+    return pages, tables, cache.lengths
 
 
 def candidate_loss(logits, batch: Batch):
