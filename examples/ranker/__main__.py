@@ -1,12 +1,16 @@
-"""python -m examples.ranker {train,serve,bench,report} --preset tiny|small --out DIR
+"""python -m examples.ranker COMMAND --preset tiny|small ...
 
-  train   train (resuming from DIR's checkpoints), evaluate; writes DIR/metrics.json
-  serve   serving on long histories from DIR's last checkpoint: cached = full,
-          isolation, Quest AUC per budget; writes DIR/serving.json
-  bench   train step against jax.nn with a dense mask, serving latency; DIR/bench.json
-          (--smoke: the smallest shapes, 1 round, to check it end to end)
-  report  rewrite the results block of examples/ranker/README.md from DIR/*.json
-          (and the bench.json of each --also DIR)
+  train        train (resuming from DIR's checkpoints), evaluate; writes DIR/metrics.json
+  serve        serving on long histories from DIR's last checkpoint: cached = full,
+               isolation, Quest AUC per budget; writes DIR/serving.json
+  bench        train step against jax.nn with a dense mask, serving latency; DIR/bench.json
+               (--smoke: the smallest shapes, 1 round, to check it end to end)
+  report       rewrite the results block of examples/ranker/README.md from DIR/*.json
+               (and the bench.json of each --also DIR)
+  server       the ranking server on 127.0.0.1:PORT (POST /v1/rank, /healthz, /metrics)
+  loadtest     an open-loop load generator for the server; writes --report FILE
+  serverbench  latency against offered load, store against --no-cache and batch 8 against
+               1; writes benchmarks/SERVER.md (--smoke: tiny, into DIR)
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 
 import jax
 
-from examples.ranker import bench, serve, train
+from examples.ranker import bench, loadtest, serve, server, serverbench, train
 from examples.ranker.config import ACTIONS, PRESETS
 from examples.ranker.world import World
 
@@ -32,17 +36,25 @@ BEGIN, END = "<!-- ranker results: begin -->", "<!-- ranker results: end -->"
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m examples.ranker",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("train", "serve", "bench", "report"))
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--out", required=True, help="run directory (checkpoints, metrics)")
-    parser.add_argument("--steps", type=int, help="train: total steps (default: the preset's)")
-    parser.add_argument("--repeats", type=int, default=7, help="bench: interleaved rounds")
-    parser.add_argument("--smoke", action="store_true",
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)  # train, serve, bench, report
+    common.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    common.add_argument("--out", required=True, help="run directory (checkpoints, metrics)")
+    common.add_argument("--steps", type=int, help="train: total steps (default: the preset's)")
+    common.add_argument("--repeats", type=int, default=7, help="bench: interleaved rounds")
+    common.add_argument("--smoke", action="store_true",
                         help="bench: the smallest shapes (bench.smoke_preset), 1 round")
-    parser.add_argument("--no-progress", action="store_true", help="train: no progress bar")
-    parser.add_argument("--also", nargs="*", default=[],
+    common.add_argument("--no-progress", action="store_true", help="train: no progress bar")
+    common.add_argument("--also", nargs="*", default=[],
                         help="report: more run directories whose bench.json to include")
+    for name in ("train", "serve", "bench", "report"):
+        commands.add_parser(name, parents=[common])
+    tools = {"server": server, "loadtest": loadtest, "serverbench": serverbench}
+    for name, tool in tools.items():
+        tool.add_arguments(commands.add_parser(name, description=tool.__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
+    if args.command in tools:
+        return tools[args.command].main(args, parser)
     preset = PRESETS[args.preset]
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
@@ -158,4 +170,4 @@ def write_readme(out: str, preset: str, also: list[str]):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -93,9 +93,16 @@ def history_version(sessions: Sessions, i: int) -> int:
     (or context) gets another version, so it is never served from a stale entry, whatever
     version a client claims."""
     n = int(sessions.history_len[i])
+    return history_digest(sessions.context[i], sessions.history_item[i, :n],
+                          sessions.history_author[i, :n], sessions.history_actions[i, :n])
+
+
+def history_digest(context, items, authors, actions, hint: int | None = None) -> int:
+    """:func:`history_version` of one history given as arrays. ``hint`` (a client's own
+    version, if any) is hashed in too: a new hint forces a recomputation, an old hint with a
+    changed history cannot prevent one."""
     digest = hashlib.blake2b(digest_size=8)
-    for part in (sessions.context[i], sessions.history_item[i, :n],
-                 sessions.history_author[i, :n], sessions.history_actions[i, :n]):
+    for part in (context, items, authors, actions) + (() if hint is None else (hint,)):
         digest.update(np.ascontiguousarray(part, np.int64).tobytes())
     return int.from_bytes(digest.digest(), "little") >> 1
 
@@ -138,10 +145,18 @@ def store_logits(store: serving.HistoryStore, graphdef, params, sessions: Sessio
     versions = [history_version(sessions, i) for i in range(len(sessions))]
     with store.acquire(sessions.user, versions, 1 + sessions.history_len) as lease:
         fill_misses(store, lease, graphdef, params, sessions, anchor)
-        with store.reading() as cache:
-            logits = score(graphdef, params, candidate_batch(sessions, anchor), cache,
-                           jnp.asarray(lease.slots), budget, gqa)
-            return np.asarray(logits), list(lease.source)
+        return score_rows(store, graphdef, params, sessions, lease.slots, anchor, budget,
+                          gqa), list(lease.source)
+
+
+def score_rows(store: serving.HistoryStore, graphdef, params, sessions: Sessions, slots,
+               anchor: int, budget: int | None = None, gqa: str = "group") -> np.ndarray:
+    """Logits [N, C, A] of every session's candidates against the history in cache slot
+    ``slots[i]`` (int [N]; the slots of a lease the caller holds), in one jitted call."""
+    with store.reading() as cache:
+        logits = score(graphdef, params, candidate_batch(sessions, anchor), cache,
+                       jnp.asarray(slots, jnp.int32), budget, gqa)
+        return np.asarray(logits)
 
 
 def pages_kept(sessions: Sessions, budget: int) -> float:

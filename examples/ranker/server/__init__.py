@@ -1,0 +1,127 @@
+"""The reference ranker behind HTTP: ``python -m examples.ranker server --preset P --out DIR
+--port PORT``.
+
+* schema.py: the request and answer JSON, and the checks behind every 400;
+* engine.py: request batching through a ``serving.HistoryStore`` in two stages (hits are
+  answered without waiting for misses), bucket shapes, warm-up;
+* app.py: the ASGI application run by uvicorn, start-up and drain;
+* metrics.py: GET /metrics.
+
+examples/ranker/README.md, "The ranking server", documents it, every flag included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from examples.ranker import serve, train
+from examples.ranker.config import ACTIONS, PRESETS
+from examples.ranker.model import init
+from examples.ranker.server.engine import DEFAULT_DEVICE_PAGES, Engine, Options
+from examples.ranker.server.schema import Limits
+
+log = logging.getLogger("examples.ranker.server")
+# Tests only: the history stage sleeps this long before each pass (its pins held).
+HISTORY_DELAY_ENV = "RANKER_SERVER_HISTORY_DELAY_MS"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--out", required=True, help="the run directory whose newest "
+                        "checkpoint is served (as train writes them)")
+    parser.add_argument("--port", type=int, required=True, help="listens on 127.0.0.1:PORT")
+    parser.add_argument("--random-weights", action="store_true", help="when DIR has no "
+                        "checkpoint, serve freshly initialised weights (model_step 0) instead "
+                        "of refusing to start")
+    parser.add_argument("--device-pages", type=int, default=DEFAULT_DEVICE_PAGES,
+                        help="pages of 16 tokens (every layer) in the history store; default "
+                        "%(default)s")
+    parser.add_argument("--host-pages", type=int, default=0, help="pages of the store's host "
+                        "tier (evicted histories kept in host memory); default 0: none")
+    parser.add_argument("--max-users", type=int, help="histories the store holds on the "
+                        "device at most; default --device-pages (pages are the limit)")
+    parser.add_argument("--max-history", type=int, help="history events per request at most "
+                        "(more: 400 too_large); default the preset's world's history_max")
+    parser.add_argument("--max-candidates", type=int, default=64,
+                        help="candidates per request at most; default %(default)s")
+    parser.add_argument("--max-batch", type=int, default=8, help="requests per batch at "
+                        "most; default %(default)s")
+    parser.add_argument("--max-wait-ms", type=float, default=2.0, help="how long the oldest "
+                        "queued request waits for a batch to fill; default %(default)s")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests accepted and not "
+                        "yet batched at most (more: 503 queue_full); default %(default)s")
+    parser.add_argument("--max-body-bytes", type=int, help="request body size limit; default "
+                        "twice the largest valid request's JSON")
+    parser.add_argument("--no-cache", action="store_true", help="recompute every history "
+                        "(\"cache\": \"off\"): the baseline the store is measured against")
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Load the model, build the engine, serve until SIGTERM; the exit status."""
+    from examples.ranker.server import app  # uvicorn: only the server needs it
+
+    handler = logging.StreamHandler()  # our own: flax / orbax configure the root logger
+    handler.setFormatter(logging.Formatter("%(asctime)s ranker server: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    preset = PRESETS[args.preset]
+    max_history = args.max_history or preset.world.history_max
+    for flag in ("port", "device_pages", "max_users", "max_history", "max_candidates",
+                 "max_batch", "max_queue", "max_body_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive; got {value}")
+    if args.host_pages < 0 or args.max_wait_ms < 0:
+        parser.error("--host-pages and --max-wait-ms must be >= 0")
+    if max_history >= preset.model.max_position:
+        parser.error(f"--max-history {max_history} does not fit the model's positions: use at "
+                     f"most {preset.model.max_position - 1}")
+    per_user = -(-(1 + max_history) // serve.PAGE_SIZE)
+    if args.device_pages < per_user:
+        parser.error(f"--device-pages {args.device_pages} cannot hold one history of "
+                     f"--max-history {max_history} events ({per_user} pages); pass at least "
+                     f"{per_user}")
+    step, graphdef, params = load(preset, args.out, args.random_weights, parser)
+    options = Options(max_history=max_history, max_candidates=args.max_candidates,
+                      max_batch=args.max_batch, max_wait=args.max_wait_ms / 1e3,
+                      max_queue=args.max_queue, device_pages=args.device_pages,
+                      host_pages=args.host_pages, max_users=args.max_users,
+                      cache=not args.no_cache)
+    delay = float(os.environ.get(HISTORY_DELAY_ENV, "0")) / 1e3
+    engine = Engine(preset, graphdef, params, step, options, history_delay=delay)
+    if not engine.pinned_batches_fit():
+        log.warning("the store holds fewer than 3 * --max-batch histories of --max-history "
+                    "events: requests may get 503 cache_full while batches are in flight")
+    limits = Limits(contexts=preset.world.contexts, max_history=max_history,
+                    max_candidates=args.max_candidates,
+                    max_body=args.max_body_bytes or Limits.body_bytes(max_history,
+                                                                      args.max_candidates))
+    log.info("model step %d; listening on http://127.0.0.1:%d (warming up: /healthz answers "
+             "503 until every program is compiled)", step, args.port)
+    return app.serve(engine, limits, args.port)
+
+
+def load(preset, out: str, random_weights: bool, parser):
+    """(step, graphdef, params) of the newest checkpoint in ``out``, or of a fresh model
+    with ``random_weights`` when there is none."""
+    if os.path.isdir(os.path.join(out, "checkpoints")):
+        manager = train.checkpoints(preset, out)
+        if manager.latest_step() is not None:
+            step, graphdef, params, _ = train.restore(preset, manager)
+            # Orbax restores arrays committed to a device, and a committed input makes a
+            # program's outputs committed: the store's cache would change signature after
+            # warm-up and its programs compile again. Uncommitted, as a fresh model's.
+            return step, graphdef, jax.tree.map(jnp.asarray, jax.device_get(params))
+    if not random_weights:
+        parser.error(f"{out} has no checkpoint: train one first (python -m examples.ranker "
+                     f"train --preset ... --out {out}), or pass --random-weights to serve "
+                     "freshly initialised weights")
+    graphdef, params = init(preset.model, len(ACTIONS), preset.world.contexts,
+                            preset.train.seed)
+    return 0, graphdef, params

@@ -1,0 +1,490 @@
+"""The ranking server's engine: requests batched through a HistoryStore, in two stages.
+
+Accepted requests wait in a bounded queue (:class:`RequestQueue`). Two threads serve it:
+
+* the **front** stage takes a batch (``max_batch`` requests, or what arrived within
+  ``max_wait`` of the oldest), merges requests with equal store keys into one row, acquires
+  the rows (``HistoryStore.acquire``), scores the requests whose history the store holds
+  (device or host tier) in one jitted call and answers them, and hands the misses, their
+  lease still held, to the history stage;
+* the **history** stage runs one batched history pass over a batch's misses
+  (``serve.fill_misses``), scores them in one call, answers them and releases the lease.
+
+A hit therefore never waits for a miss's history pass, in its own batch or an earlier one:
+the two stages share the CPU cores and nothing else. Batching rules:
+
+* a user's second version in one batch waits for the next batch (one acquire holds one
+  history per user: RA220);
+* a request whose key the history stage has yet to write waits in the queue until it is
+  written (then it is a hit) instead of blocking the front stage inside acquire;
+* a batch the store cannot place (RA222: what could make room is pinned by batches in
+  flight) is split in halves; a single request it cannot place is answered 503 cache_full.
+  At most three batches hold pins at once (one in each stage, one handed over), so a store
+  of ``3 * max_batch`` longest histories never answers cache_full.
+
+Shapes (:class:`Shapes`): rows are padded to powers of two up to ``max_batch`` (rounded
+up), candidates to 8, 16, ... up to ``max_candidates``, histories to the store's page
+buckets (16, 32, 64, ... tokens, and the longest). :meth:`Engine.warmup` runs every shape
+once, so traffic compiles nothing (``compiles_after_warmup`` counts what it would).
+
+``--no-cache`` (``Options.cache=False``) keys every batch's rows with a version of their
+own: nothing is reused across batches, every history is recomputed (``"cache": "off"``),
+through the same code.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+
+import jax
+import numpy as np
+
+from rankattn.errors import RankattnError
+from rankattn.serving.store_device import Buckets, padded
+
+from examples.ranker import serve
+from examples.ranker.config import ACTIONS
+from examples.ranker.server.metrics import Metrics
+from examples.ranker.server.schema import ID_LIMIT, Answer, Request, ranked, unavailable
+from examples.ranker.world import Sessions
+
+log = logging.getLogger("examples.ranker.server")
+DEFAULT_DEVICE_PAGES = 4096
+STORE_COUNTS = ("hits", "host_hits", "prefix_hits", "misses", "invalidations", "evictions",
+                "host_evictions", "clears")
+LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # one per program built
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The server's limits and store (the CLI's flags of the same names)."""
+
+    max_history: int
+    max_candidates: int
+    max_batch: int = 8
+    max_wait: float = 0.002        # seconds
+    max_queue: int = 64
+    device_pages: int = DEFAULT_DEVICE_PAGES
+    host_pages: int = 0
+    max_users: int | None = None   # store slots; default: device_pages
+    cache: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Bucket shapes of the model's programs: ``rows`` (requests per scoring call and
+    histories per history pass), ``candidates`` per row, ``tokens`` per history row (the
+    user token and the events)."""
+
+    rows: tuple[int, ...]
+    candidates: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+    @classmethod
+    def of(cls, store, options: Options) -> "Shapes":
+        # The store's page buckets: a history pass of `tokens` writes one bucket of pages.
+        tokens = sorted({min(p * store.page_size, 1 + options.max_history)
+                         for p in store.buckets.pages})
+        candidates = [min(8, options.max_candidates)]
+        while candidates[-1] < options.max_candidates:
+            candidates.append(min(2 * candidates[-1], options.max_candidates))
+        return cls(store.buckets.rows, tuple(candidates), tuple(tokens))
+
+
+class RequestQueue:
+    """Accepted requests, oldest first, taken in batches; ``put`` refuses past ``capacity``.
+
+    It also holds the keys the history stage has yet to write: a request for one of them
+    waits here until it is written (and then hits) rather than inside acquire.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: collections.deque[Request] = collections.deque()
+        self._held = collections.Counter()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, request: Request) -> bool:
+        """Queue ``request``; False when the queue is full or closed."""
+        with self._cond:
+            if len(self._items) >= self.capacity or self._closed:
+                return False
+            self._items.append(request)
+            self._cond.notify_all()
+            return True
+
+    def take(self, max_rows: int, max_wait: float) -> list[Request] | None:
+        """The next batch: up to ``max_rows`` requests, once that many are eligible or the
+        oldest has waited ``max_wait`` seconds (at once when closed); None once closed and
+        empty."""
+        with self._cond:
+            while True:
+                batch = self._eligible(max_rows)
+                now = time.perf_counter()
+                if batch and (len(batch) == max_rows or self._closed
+                              or now >= batch[0].arrival + max_wait):
+                    taken = set(map(id, batch))
+                    self._items = collections.deque(r for r in self._items
+                                                    if id(r) not in taken)
+                    return batch
+                if self._closed and not self._items:
+                    return None
+                self._cond.wait(batch[0].arrival + max_wait - now if batch else None)
+
+    def _eligible(self, max_rows: int) -> list[Request]:
+        """The oldest requests that may share a batch: one key per user, none held."""
+        batch, keys = [], {}
+        for request in self._items:
+            if self._held[request.key] or keys.setdefault(request.user,
+                                                          request.key) != request.key:
+                continue
+            batch.append(request)
+            if len(batch) == max_rows:
+                break
+        return batch
+
+    def hold(self, keys) -> None:
+        with self._cond:
+            self._held.update(keys)
+
+    def free(self, keys) -> None:
+        with self._cond:
+            self._held.subtract(keys)
+            self._held = +self._held
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Take no more requests; ``take`` empties the queue, then returns None."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+@dataclasses.dataclass
+class _Job:
+    """A batch's misses handed to the history stage: its lease (every row of one acquire),
+    the rows' request groups, and which rows missed."""
+
+    lease: object
+    groups: list[list[Request]]
+    misses: list[int]
+    handed: float
+
+
+class Engine:
+    """The model, the store, the queue and the two stage threads (see the module docstring).
+
+    ``history_delay`` (seconds, tests only) makes the history stage sleep before each pass,
+    its pins held, so that tests can catch requests in flight and a store full of pins.
+    """
+
+    def __init__(self, preset, graphdef, params, model_step: int, options: Options,
+                 history_delay: float = 0.0):
+        self.graphdef, self.params, self.model_step = graphdef, params, model_step
+        self.options, self.history_delay = options, history_delay
+        self.anchor = preset.model.max_position
+        rows = 1 << (options.max_batch - 1).bit_length()
+        self.store = serve.make_store(preset.model, options.max_history,
+                                      users=options.max_users or options.device_pages,
+                                      device_pages=options.device_pages,
+                                      host_pages=options.host_pages, max_batch=rows)
+        self.shapes = Shapes.of(self.store, options)
+        self.queue = RequestQueue(options.max_queue)
+        self.metrics = Metrics(self, rows)
+        self.state = "warming"  # then "serving", then "draining"
+        self._state_lock = threading.Lock()
+        self._programs_built = 0      # by this process (JAX's lowerings)
+        self._programs_warm = None    # ... when warm-up ended
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
+        self._batches = itertools.count()  # --no-cache: each batch's own version
+        self._baseline: dict = {}
+        self._threads: list[threading.Thread] = []
+
+    # --- Life cycle. ----------------------------------------------------------------------
+
+    def pinned_batches_fit(self) -> bool:
+        """Whether three full batches of the longest history fit the store (then acquire
+        never fails for want of unpinned room: no cache_full)."""
+        rows = self.shapes.rows[-1]
+        return (3 * rows * self.store.max_pages <= self.store.num_pages
+                and 3 * rows <= self.store.num_users)
+
+    def warmup(self) -> int:
+        """Compile every program traffic uses: the store's, and the history pass and scoring
+        at every bucket shape, run once on made-up users that are then dropped. Returns the
+        programs built.
+
+        A history pass of ``rows`` rows in a token bucket runs on one history of that many
+        tokens and ``rows - 1`` of one token (the least room a batch of that shape takes);
+        shapes no acquire can place in this store are skipped: traffic cannot make them.
+        """
+        before = self._programs_built
+        self.store.warmup()
+        shape = itertools.count()  # each shape's own version: no row of it hits
+        for rows in self.shapes.rows:
+            for tokens in self.shapes.tokens:
+                version = next(shape)
+                made_up = [_made_up(i, tokens - 1 if i == 0 else 0, 1, version)
+                           for i in range(rows)]
+                try:
+                    lease = self.store.acquire(*zip(*(r.key for r in made_up)))
+                except RankattnError as err:
+                    if err.code != "RA222":
+                        raise
+                    continue
+                with lease:
+                    self._history_pass(lease, made_up)
+            for candidates in self.shapes.candidates:
+                made_up = [_made_up(i, 0, candidates, 0) for i in range(rows)]
+                self._logits(made_up, np.zeros(rows, np.int32))
+        self.store.clear()
+        jax.block_until_ready(self.store.cache)
+        self._baseline = self.store.stats()
+        self._programs_warm = self._programs_built
+        return self._programs_warm - before
+
+    def start(self) -> None:
+        """Start the two stages (after :meth:`warmup`) and take requests, unless the
+        engine was drained meanwhile."""
+        with self._state_lock:
+            if self.state != "warming":
+                return
+            self._threads = [threading.Thread(target=self._front, name="front", daemon=True),
+                             threading.Thread(target=self._history, name="history",
+                                              daemon=True)]
+            for thread in self._threads:
+                thread.start()
+            self.state = "serving"
+
+    def drain(self) -> None:
+        """Take no new requests (they get 503 draining); the accepted ones are served."""
+        with self._state_lock:
+            self.state = "draining"
+
+    def stop(self) -> None:
+        """Drain, answer every accepted request, and end the stage threads."""
+        with self._state_lock:
+            self.state = "draining"
+            threads = self._threads
+        self.queue.close()
+        if threads:
+            threads[0].join()
+            self._jobs.put(None)
+            threads[1].join()
+
+    def _on_event(self, event: str, seconds: float, fun_name: str = "?", **_) -> None:
+        if event == LOWERING_EVENT:
+            self._programs_built += 1
+            if self._programs_warm is not None:
+                log.warning("program %s was built after warm-up (a shape warm-up missed)",
+                            fun_name)
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return 0 if self._programs_warm is None else self._programs_built - self._programs_warm
+
+    def store_stats(self) -> dict:
+        """The store's stats, its counts since warm-up."""
+        stats = self.store.stats()
+        return {k: v - self._baseline.get(k, 0) if k in STORE_COUNTS else v
+                for k, v in stats.items()}
+
+    # --- Requests. ------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> Answer | None:
+        """Queue ``request`` (None), or the 503 that refuses it now."""
+        if self.state == "serving" and self.queue.put(request):
+            return None
+        if self.state == "serving":
+            return unavailable("queue_full", f"{self.queue.capacity} requests are already "
+                               "queued.", "Retry after a short wait, send fewer requests at "
+                               "once, or start the server with a larger --max-queue (or run "
+                               "more replicas).")
+        return unavailable(self.state, f"the server is {self.state}.",
+                           "Retry shortly: a warming server answers once it has compiled "
+                           "its programs (GET /healthz answers 200); a draining one is "
+                           "shutting down (send to another replica).")
+
+    def _front(self) -> None:
+        while (batch := self.queue.take(self.options.max_batch,
+                                        self.options.max_wait)) is not None:
+            self.metrics.batch.observe(len(batch))
+            taken = time.perf_counter()
+            groups = {}
+            for request in batch:
+                request.timings["queue"] = taken - request.arrival
+                groups.setdefault(request.key, []).append(request)
+            _guard(batch, self._place, list(groups.values()), next(self._batches))
+
+    def _place(self, groups: list[list[Request]], batch_number: int) -> None:
+        """Acquire the rows (one per group of equal keys), answer the hits, hand the misses
+        on; split on RA222."""
+        users, versions, lengths = zip(*(g[0].key for g in groups))
+        if not self.options.cache:  # a version no other batch has: nothing is reused
+            versions = [hash((v, batch_number)) & (2**63 - 1) for v in versions]
+        start = time.perf_counter()
+        try:
+            lease = self.store.acquire(users, versions, lengths)
+        except RankattnError as err:
+            if err.code != "RA222":
+                raise
+            if len(groups) > 1:
+                half = len(groups) // 2
+                self._place(groups[:half], batch_number)
+                self._place(groups[half:], batch_number)
+                return
+            for request in groups[0]:
+                request.answer(unavailable(
+                    "cache_full", "the history store is full of histories that requests in "
+                    "flight are using.", "Retry after the Retry-After seconds; if this is "
+                    "frequent, start the server with more --device-pages (room for 3 * "
+                    "--max-batch of the longest histories never fills), or fewer "
+                    "--max-batch."))
+            return
+        try:
+            spent = time.perf_counter() - start
+            misses = [i for i, source in enumerate(lease.source) if source == "miss"]
+            for group in groups:
+                for request in group:
+                    request.timings["store"] = spent
+                    request.batch_had_misses = bool(misses)
+            hits = [i for i, source in enumerate(lease.source) if source != "miss"]
+            if hits:
+                self._score([groups[i] for i in hits], lease.slots[hits],
+                            [lease.source[i] for i in hits])
+            if misses:
+                if self.options.cache:
+                    self.queue.hold(groups[i][0].key for i in misses)
+                self._jobs.put(_Job(lease, groups, misses, time.perf_counter()))
+                lease = None  # the history stage releases it
+        finally:
+            if lease is not None:
+                self.store.release(lease)
+
+    def _history(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            requests = [r for i in job.misses for r in job.groups[i]]
+            _guard(requests, self._compute, job)
+
+    def _compute(self, job: _Job) -> None:
+        """The misses of one acquire: history pass, write, score, answer, release."""
+        miss_groups = [job.groups[i] for i in job.misses]
+        try:
+            start = time.perf_counter()
+            try:
+                time.sleep(self.history_delay)
+                rows = [None] * len(job.groups)
+                for i in job.misses:
+                    rows[i] = job.groups[i][0]
+                self._history_pass(job.lease, rows)
+            finally:  # written (or to be dropped at release): the queue may take the keys
+                if self.options.cache:
+                    self.queue.free(g[0].key for g in miss_groups)
+            spent = time.perf_counter() - start
+            self.metrics.call("history", len(job.misses), spent)
+            for group in miss_groups:
+                for request in group:
+                    request.timings.update(history_wait=start - job.handed, history=spent)
+            self._score(miss_groups, job.lease.slots[job.misses], ["miss"] * len(job.misses))
+        finally:
+            self.store.release(job.lease)
+
+    def _history_pass(self, lease, rows: list[Request | None]) -> None:
+        """The history pass of the lease rows that miss (``rows[i]``: row i's request, None
+        for rows that hit), in the token bucket of the longest, and their write."""
+        missing = [r for r in rows if r is not None]
+        tokens = Buckets.fit(max(r.key[2] for r in missing), self.shapes.tokens)
+        sessions = _sessions(rows, len(rows), tokens - 1, 0)
+        serve.fill_misses(self.store, lease, self.graphdef, self.params, sessions, self.anchor)
+        shape = f"history {1 << (len(missing) - 1).bit_length()}x{tokens}"  # fill_misses' rows
+        for request in missing:
+            request.shapes.append(shape)
+
+    def _score(self, groups: list[list[Request]], slots, sources: list[str]) -> None:
+        """Score every request of ``groups`` (group i reads cache slot ``slots[i]``) in one
+        call, and answer each."""
+        requests = [r for g in groups for r in g]
+        row_slots = np.repeat(np.asarray(slots, np.int32), [len(g) for g in groups])
+        start = time.perf_counter()
+        logits = self._logits(requests, row_slots)
+        spent = time.perf_counter() - start
+        self.metrics.call("score", len(requests), spent)
+        row_sources = [s for g, s in zip(groups, sources) for _ in g]
+        shape = "score {}x{}".format(*logits.shape[:2])
+        for request, row, source in zip(requests, logits, row_sources):
+            request.timings["score"] = spent
+            request.shapes.append(shape)
+            cache = source if self.options.cache else "off"
+            request.answer(ranked(request, row[:len(request.cand_item)], cache,
+                                  self.model_step))
+
+    def _logits(self, requests: list[Request], slots: np.ndarray) -> np.ndarray:
+        """Logits [rows, C, A] of the requests' candidates against cache slots ``slots``,
+        rows and candidates padded to their buckets (padding rows read the first slot)."""
+        rows = Buckets.fit(len(requests), self.shapes.rows)
+        width = Buckets.fit(max(len(r.cand_item) for r in requests), self.shapes.candidates)
+        sessions = _sessions(requests, rows, 0, width)
+        slots = padded(np.asarray(slots, np.int32), rows, 0, slots[0])
+        return serve.score_rows(self.store, self.graphdef, self.params, sessions, slots,
+                                self.anchor)
+
+
+def _guard(requests: list[Request], step, *args) -> None:
+    """Run ``step``; if it fails, answer the requests it left unanswered with a 500 (the
+    traceback goes to the log), so that no accepted request goes without an answer."""
+    try:
+        step(*args)
+    except Exception:  # noqa: BLE001 - answered, logged, and the stage goes on
+        log.exception("serving a batch failed")
+        for request in requests:
+            request.answer(Answer(500, {"error": {
+                "kind": "internal", "field": None, "message": "the server failed on this "
+                "request's batch.", "fix": "Retry; the server's log has the traceback (a "
+                "bug: please report it)."}}, kind="internal"))
+
+
+def _sessions(requests: list[Request | None], rows: int, events: int,
+              candidates: int) -> Sessions:
+    """Sessions [rows] of ``requests`` (None and rows past them: empty), histories padded to
+    ``events`` events and candidates to ``candidates``."""
+    a = len(ACTIONS)
+    ints = lambda *shape: np.zeros((rows,) + shape, np.int64)  # noqa: E731
+    out = Sessions(user=ints(), context=ints(), history_len=ints(),
+                   history_item=ints(events), history_author=ints(events),
+                   history_actions=np.zeros((rows, events, a), bool),
+                   cand_item=ints(candidates), cand_author=ints(candidates),
+                   labels=np.zeros((rows, candidates, a), np.float32),
+                   probs=np.zeros((rows, candidates, a), np.float32))
+    for i, request in enumerate(requests):
+        if request is None:
+            continue
+        out.user[i], out.context[i] = request.user, request.context
+        if events:
+            n = out.history_len[i] = len(request.history_item)
+            out.history_item[i, :n] = request.history_item
+            out.history_author[i, :n] = request.history_author
+            out.history_actions[i, :n] = request.history_actions
+        if candidates:
+            c = len(request.cand_item)
+            out.cand_item[i, :c], out.cand_author[i, :c] = request.cand_item, request.cand_author
+    return out
+
+
+def _made_up(i: int, events: int, candidates: int, version: int) -> Request:
+    """Warm-up's request i: user id ID_LIMIT - 1 - i (warm-up drops it), ``events`` events and
+    ``candidates`` candidates of item 1, with store version ``version``."""
+    ones = lambda n: np.ones(n, np.int64)  # noqa: E731
+    return Request(ID_LIMIT - 1 - i, 0, ones(events), ones(events),
+                   np.zeros((events, len(ACTIONS)), bool), ones(candidates), ones(candidates),
+                   None, version, reply=lambda answer: None)

@@ -1,0 +1,88 @@
+"""The server's metrics, in Prometheus' text format (GET /metrics).
+
+Counters and histograms are recorded as requests are answered; the queue depth, the model
+step, the store's stats (counts since warm-up) and the programs compiled after warm-up are
+read when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SECONDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+           0.75, 1.0, 2.0, 5.0, 10.0)
+# A request's stages, in order (Engine and the HTTP layer time them):
+STAGES = ("parse",         # JSON, checks, the history digest
+          "queue",         # accepted .. taken into a batch
+          "store",         # the batch's acquire (hits pinned, room made for misses)
+          "history_wait",  # misses: handed to the history stage .. that stage starts on them
+          "history",       # misses: the batch's history pass and store.write
+          "score",         # the scoring call that held the request
+          "serialize")     # the answer's JSON, and sending it
+
+
+class Metrics:
+    """Every metric of one server; ``engine`` is read at scrape time."""
+
+    def __init__(self, engine, max_batch: int):
+        self.engine = engine
+        registry = self.registry = CollectorRegistry()
+        self.requests = Counter("ranker_requests", "Ranking requests answered 200, by where "
+                                "the history came from (device, host, miss, off)", ["cache"],
+                                registry=registry)
+        self.errors = Counter("ranker_errors", "Requests answered with an error, by kind",
+                              ["kind"], registry=registry)
+        self.latency = Histogram("ranker_request_seconds", "Seconds from a ranking request's "
+                                 "first byte to its answer sent, 200s only, by cache source and "
+                                 "by whether its batch held misses (hits do not wait for them)",
+                                 ["cache", "batch"], buckets=SECONDS, registry=registry)
+        self.stage = Histogram("ranker_stage_seconds", "Seconds a 200 request spent per stage "
+                               "(" + ", ".join(STAGES) + ")", ["stage"], buckets=SECONDS,
+                               registry=registry)
+        rows = tuple(float(1 << i) for i in range(max_batch.bit_length() + 1))
+        self.batch = Histogram("ranker_batch_requests", "Requests per batch taken from the "
+                               "queue", buckets=rows, registry=registry)
+        self.call_rows = Histogram("ranker_call_rows", "Rows per model call: requests per "
+                                   "scoring call, histories per history pass (the misses of "
+                                   "one acquire)", ["call"], buckets=rows, registry=registry)
+        self.call_seconds = Histogram("ranker_call_seconds", "Seconds per model call (score, "
+                                      "history: the pass and the store write)", ["call"],
+                                      buckets=SECONDS, registry=registry)
+        registry.register(self)
+
+    def collect(self):
+        """The gauges read at scrape time (prometheus_client calls this)."""
+        engine = self.engine
+        yield GaugeMetricFamily("ranker_queue_depth", "Requests accepted and not yet taken "
+                                "into a batch", value=len(engine.queue))
+        yield GaugeMetricFamily("ranker_model_step", "The checkpoint step served",
+                                value=engine.model_step)
+        yield GaugeMetricFamily("ranker_ready", "1 once warm-up is done and until draining",
+                                value=float(engine.state == "serving"))
+        yield GaugeMetricFamily("ranker_compiles_after_warmup", "Programs built after warm-up "
+                                "(0: warm-up compiled every shape traffic uses)",
+                                value=engine.compiles_after_warmup)
+        for name, value in engine.store_stats().items():
+            yield GaugeMetricFamily(f"ranker_store_{name}", f"HistoryStore.stats()['{name}'] "
+                                    "(counts since warm-up)", value=value)
+
+    def answered(self, answer, request=None, seconds: float = 0.0) -> None:
+        """Count an answer; a 200's latency and stages too."""
+        if answer.status != 200:
+            self.errors.labels(answer.kind).inc()
+            return
+        self.requests.labels(answer.cache).inc()
+        batch = "with_misses" if request.batch_had_misses else "hits_only"
+        self.latency.labels(answer.cache, batch).observe(seconds)
+        for stage, spent in request.timings.items():
+            self.stage.labels(stage).observe(spent)
+
+    def call(self, name: str, rows: int, seconds: float) -> None:
+        """Count one model call ("score" or "history") of ``rows`` rows."""
+        self.call_rows.labels(name).observe(rows)
+        self.call_seconds.labels(name).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,242 @@
+"""A ranking request: its JSON, the checks that turn a bad one into a 400, and the answer.
+
+POST /v1/rank takes one JSON object::
+
+    {"user": int, "context": int, "history_version": int (optional),
+     "history_item": [int], "history_author": [int], "history_actions": [[0/1 per action]],
+     "cand_item": [int], "cand_author": [int], "request_id": str (optional)}
+
+A request that breaks a rule gets HTTP 400 and ``{"error": {"kind", "field", "message",
+"fix"}}``, kind one of :data:`KINDS`. The store key's version is the server's own digest of
+the context and the history arrays (:func:`serve.history_digest`); ``history_version`` is
+hashed into it as a hint (a new hint forces a recomputation) and never trusted alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Callable
+
+import numpy as np
+
+from examples.ranker import serve
+from examples.ranker.config import ACTIONS, SCORE_WEIGHTS
+
+KINDS = ("bad_json", "missing_field", "bad_value", "too_large")
+ID_LIMIT = 2**31          # user, item and author ids are in [1, ID_LIMIT)
+VERSION_LIMIT = 2**63     # history_version is in [0, VERSION_LIMIT)
+REQUEST_ID_CHARS = 200
+REQUIRED = ("user", "context", "history_item", "history_author", "history_actions",
+            "cand_item", "cand_author")
+OPTIONAL = ("history_version", "request_id")
+WEIGHTS = np.array([SCORE_WEIGHTS[a] for a in ACTIONS])
+
+
+class BadRequest(Exception):
+    """A request the server refuses with HTTP 400: what was wrong and what to send instead."""
+
+    def __init__(self, kind: str, field: str, message: str, fix: str):
+        super().__init__(message)
+        self.kind, self.field, self.message, self.fix = kind, field, message, fix
+
+    def body(self) -> dict:
+        return {"error": {"kind": self.kind, "field": self.field, "message": self.message,
+                          "fix": self.fix}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a request may hold: contexts in [0, contexts), at most ``max_history`` events and
+    ``max_candidates`` candidates, a body of at most ``max_body`` bytes."""
+
+    contexts: int
+    max_history: int
+    max_candidates: int
+    max_body: int
+
+    @staticmethod
+    def body_bytes(max_history: int, max_candidates: int) -> int:
+        """The default body limit: twice the JSON of the largest valid request (10-digit ids,
+        an action list of 0/1 per event), written with spaces."""
+        event = 2 * 12 + 3 * len(ACTIONS) + 4  # two ids, the action list
+        return 2 * (1024 + event * max_history + 24 * max_candidates)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One accepted ranking request (host arrays) and how to answer it.
+
+    ``version`` is the server's digest (the store key's version); ``reply`` is set by the
+    HTTP layer and called once, from any thread, with an :class:`Answer`; ``timings`` holds
+    the seconds each stage took for this request (metrics.STAGES); ``batch_had_misses``
+    whether the acquire that placed it also placed misses; ``shapes`` the bucket shapes of
+    the programs that computed its answer (the X-Ranker-Shapes header).
+    """
+
+    user: int
+    context: int
+    history_item: np.ndarray     # int64 [n]
+    history_author: np.ndarray   # int64 [n]
+    history_actions: np.ndarray  # bool [n, A]
+    cand_item: np.ndarray        # int64 [c]
+    cand_author: np.ndarray      # int64 [c]
+    request_id: str | None
+    version: int
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    reply: Callable[["Answer"], None] | None = None
+    timings: dict = dataclasses.field(default_factory=dict)
+    batch_had_misses: bool = False
+    shapes: list = dataclasses.field(default_factory=list)
+    answered: bool = False
+
+    def answer(self, answer: "Answer") -> None:
+        """Reply, once: later calls do nothing (a failed batch answers what it left)."""
+        if not self.answered:
+            self.answered = True
+            self.reply(answer)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """The store key: (user, version, length in tokens: the user token and the history)."""
+        return self.user, self.version, 1 + len(self.history_item)
+
+
+@dataclasses.dataclass
+class Answer:
+    """An HTTP answer: status, JSON body, extra headers; ``cache`` is the history's source
+    (200) and ``kind`` the error kind (4xx / 5xx), for the metrics."""
+
+    status: int
+    body: dict
+    headers: tuple = ()
+    cache: str | None = None
+    kind: str | None = None
+
+
+def ranked(request: Request, logits: np.ndarray, cache: str, model_step: int) -> Answer:
+    """The 200 answer: logits [c, A] of the request's candidates, their weighted scores."""
+    scores = (WEIGHTS / (1.0 + np.exp(-logits.astype(np.float64)))).sum(-1)
+    return Answer(200, {"logits": logits.tolist(), "scores": scores.tolist(),
+                        "actions": list(ACTIONS), "cache": cache, "model_step": model_step,
+                        "request_id": request.request_id},
+                  headers=((b"x-ranker-shapes", ", ".join(request.shapes).encode()),),
+                  cache=cache)
+
+
+def unavailable(kind: str, message: str, fix: str, retry_after: int = 1) -> Answer:
+    """A 503 (the server cannot take the request now; retrying later can work)."""
+    return Answer(503, {"error": {"kind": kind, "field": None, "message": message, "fix": fix}},
+                  headers=((b"retry-after", str(retry_after).encode()),), kind=kind)
+
+
+def parse(body: bytes, limits: Limits) -> Request:
+    """The request in ``body``, checked; raises :class:`BadRequest` naming the first problem."""
+    if len(body) > limits.max_body:
+        raise too_large_body(limits)
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BadRequest("bad_json", "body", f"the body is not valid JSON: {err}.",
+                         "Send one JSON object in UTF-8, e.g. " + EXAMPLE) from None
+    if not isinstance(data, dict):
+        raise BadRequest("bad_json", "body", f"the body is a JSON {type(data).__name__}, not "
+                         "an object.", "Send one JSON object, e.g. " + EXAMPLE)
+    for name in data:
+        if name not in REQUIRED + OPTIONAL:
+            raise BadRequest("bad_value", name, f"unknown field {name!r}.",
+                             "Send only " + ", ".join(REQUIRED + OPTIONAL) + ".")
+    for name in REQUIRED:
+        if name not in data:
+            raise BadRequest("missing_field", name, f"the request has no {name!r}.",
+                             f"Add {name!r}; every request needs " + ", ".join(REQUIRED) + ".")
+    user = _integer(data, "user", 1, ID_LIMIT)
+    context = _integer(data, "context", 0, limits.contexts)
+    hint = _integer(data, "history_version", 0, VERSION_LIMIT) if "history_version" in data \
+        else None
+    request_id = data.get("request_id")
+    if request_id is not None and not (isinstance(request_id, str)
+                                       and len(request_id) <= REQUEST_ID_CHARS):
+        raise BadRequest("bad_value", "request_id", f"request_id is {_show(request_id)}.",
+                         f"Send a string of at most {REQUEST_ID_CHARS} characters, or leave "
+                         "it out.")
+    items = _ids(data, "history_item", limits.max_history, "--max-history", empty_ok=True)
+    authors = _ids(data, "history_author", limits.max_history, "--max-history", empty_ok=True)
+    _same_length("history_author", authors, "history_item", items)
+    actions = _actions(data, len(items))
+    cand_item = _ids(data, "cand_item", limits.max_candidates, "--max-candidates")
+    cand_author = _ids(data, "cand_author", limits.max_candidates, "--max-candidates")
+    _same_length("cand_author", cand_author, "cand_item", cand_item)
+    version = serve.history_digest(context, items, authors, actions, hint)
+    return Request(user, context, items, authors, actions, cand_item, cand_author, request_id,
+                   version)
+
+
+def too_large_body(limits: Limits) -> BadRequest:
+    return BadRequest("too_large", "body", f"the body is longer than {limits.max_body} bytes.",
+                      f"Send at most {limits.max_history} history events and "
+                      f"{limits.max_candidates} candidates (the server's --max-history and "
+                      "--max-candidates).")
+
+
+EXAMPLE = ('{"user": 7, "context": 0, "history_item": [3, 9], "history_author": [1, 2], '
+           '"history_actions": [' + ", ".join([str([0] * len(ACTIONS))] * 2) + '], '
+           '"cand_item": [4, 5], "cand_author": [1, 1]}')
+
+
+def _show(x) -> str:
+    text = json.dumps(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _integer(data: dict, name: str, low: int, high: int) -> int:
+    x = data[name]
+    if not isinstance(x, int) or isinstance(x, bool) or not low <= x < high:
+        raise BadRequest("bad_value", name, f"{name} is {_show(x)}.",
+                         f"Send {name} as an integer in [{low}, {high - 1}].")
+    return x
+
+
+def _ids(data: dict, name: str, limit: int, flag: str, empty_ok: bool = False) -> np.ndarray:
+    """A list of ids in [1, ID_LIMIT), at most ``limit`` long, as int64."""
+    x = data[name]
+    if not isinstance(x, list):
+        raise BadRequest("bad_value", name, f"{name} is {_show(x)}, not a list.",
+                         f"Send {name} as a list of integers in [1, {ID_LIMIT - 1}].")
+    if len(x) > limit:
+        raise BadRequest("too_large", name, f"{name} has {len(x)} entries; this server takes "
+                         f"at most {limit} ({flag}).",
+                         f"Send at most {limit} (the newest), or start the server with a "
+                         f"larger {flag}.")
+    if not x and not empty_ok:
+        raise BadRequest("bad_value", name, f"{name} is empty.",
+                         "Send at least one candidate.")
+    for i in x:
+        if not isinstance(i, int) or isinstance(i, bool) or not 1 <= i < ID_LIMIT:
+            raise BadRequest("bad_value", name, f"{name} holds {_show(i)}.",
+                             f"Send ids as integers in [1, {ID_LIMIT - 1}] (0 is padding).")
+    return np.array(x, np.int64)
+
+
+def _same_length(name: str, x: np.ndarray, other: str, y: np.ndarray) -> None:
+    if len(x) != len(y):
+        raise BadRequest("bad_value", name, f"{name} has {len(x)} entries and {other} "
+                         f"{len(y)}.", f"Send one {name} per {other} entry.")
+
+
+def _actions(data: dict, events: int) -> np.ndarray:
+    """history_actions: one list of len(ACTIONS) 0/1 per history event, as bool [n, A]."""
+    x, a = data["history_actions"], len(ACTIONS)
+    fix = (f"Send one list of {a} zeros and ones per history event, in the order "
+           f"{list(ACTIONS)}.")
+    if not isinstance(x, list) or len(x) != events:
+        raise BadRequest("bad_value", "history_actions", f"history_actions is "
+                         f"{_show(x) if not isinstance(x, list) else f'{len(x)} lists'} for "
+                         f"{events} history events.", fix)
+    for event in x:
+        if not (isinstance(event, list) and len(event) == a
+                and all(v in (0, 1) and not isinstance(v, float) for v in event)):
+            raise BadRequest("bad_value", "history_actions",
+                             f"history_actions holds {_show(event)}.", fix)
+    return np.array(x, dtype=bool).reshape(events, a)

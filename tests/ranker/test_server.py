@@ -1,0 +1,387 @@
+"""The ranking server (examples/ranker/server) as a client sees it: three server processes.
+
+Server A (module fixture) serves a saved checkpoint of the tiny model with small limits, a
+store of 8 pages (two histories of 60 events) and, through RANKER_SERVER_HISTORY_DELAY_MS,
+a history stage that holds its pins for 150 ms per batch, so that requests in flight and a
+store full of pinned entries can be caught on purpose. Its tests: answers equal to the full
+forward pass, batch and candidate invariance, a reused history_version with a changed
+history, malformed requests of every kind, a flood past the queue, a store full of pins, and
+last SIGTERM with requests in flight. Server B restarts on the same run directory (an empty
+cache, the same answers); server C runs --no-cache with the load generator against it. The
+servers share a persistent compilation cache; each test bounds its requests and waits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import http.client
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from examples.ranker import evaluate, loadtest, serverbench, train
+from examples.ranker.config import ACTIONS, PRESETS, SCORE_WEIGHTS
+from examples.ranker.model import init
+from examples.ranker.packing import pack
+from examples.ranker.server import HISTORY_DELAY_ENV
+from examples.ranker.world import Sessions, World
+
+ROOT = str(serverbench.ROOT)
+PRESET = PRESETS["tiny"]
+MAX_HISTORY, MAX_CANDIDATES, STEP = 60, 8, 7
+LIMITS = ["--preset", "tiny", "--max-history", str(MAX_HISTORY), "--max-candidates",
+          str(MAX_CANDIDATES), "--max-batch", "4", "--max-wait-ms", "30"]
+SMALL_STORE = ["--device-pages", "8", "--max-queue", "8"]  # two histories of 60 events
+DELAY_MS = 150
+ROW = 1 + MAX_HISTORY + MAX_CANDIDATES  # the full forward pass's row (padding past a request)
+
+
+class Server(serverbench.LocalServer):
+    """A server process (ready within 60 s) and the requests the tests send it."""
+
+    def __init__(self, out: str, args: list[str], env: dict, log: str):
+        super().__init__(out, args, log, env, ready_within=60)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers=None,
+                ready: threading.Barrier | None = None):
+        """(status, headers, body bytes); status 0 when no connection could be made. With
+        ``ready``, the request goes once the connection is open and every party is ready."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
+        try:
+            conn.connect()
+            if ready is not None:
+                ready.wait()
+            conn.request(method, path, body=body, headers=headers or {})
+            response = conn.getresponse()
+            return response.status, dict(response.getheaders()), response.read()
+        except ConnectionError:
+            return 0, {}, b""
+        finally:
+            conn.close()
+
+    def rank(self, body, ready: threading.Barrier | None = None) -> tuple[int, dict, dict]:
+        """POST /v1/rank of a dict (or raw bytes): (status, headers, JSON answer)."""
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, headers, answer = self.request("POST", "/v1/rank", raw,
+                                               {"Content-Type": "application/json"}, ready)
+        return status, headers, json.loads(answer) if answer else {}
+
+    def rank_all(self, bodies: list, stagger: float = 0.0) -> list:
+        """(status, headers, answer, seconds) of each body, sent at once on connections of
+        their own (``stagger`` seconds apart)."""
+        ready = threading.Barrier(len(bodies))
+
+        def send(i, body):
+            if stagger:
+                ready.wait()
+                time.sleep(i * stagger)
+            start = time.monotonic()
+            answer = self.rank(body, None if stagger else ready)
+            return *answer, time.monotonic() - start
+
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            return list(pool.map(send, range(len(bodies)), bodies))
+
+@pytest.fixture(scope="module")
+def model():
+    """(graphdef, params) of the checkpoint the servers load: step 7, its own weights."""
+    return init(PRESET.model, len(ACTIONS), PRESET.world.contexts, seed=11)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, model):
+    out = str(tmp_path_factory.mktemp("run"))
+    params = model[1]
+    manager = train.checkpoints(PRESET, out)
+    manager.save(STEP, args=ocp.args.StandardSave(
+        dict(params=params, opt_state=train.optimizer(PRESET).init(params))))
+    manager.wait_until_finished()
+    return out
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("jax_cache"))
+    return dict(os.environ, PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR=cache,
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+@pytest.fixture(scope="module")
+def server_a(run_dir, env, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("logs") / "a.log")
+    server = Server(run_dir, LIMITS + SMALL_STORE, dict(env, **{HISTORY_DELAY_ENV: str(DELAY_MS)}),
+                    log)
+    yield server
+    if server.process.poll() is None:
+        server.process.kill()
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    """Sessions of the tiny world with at least MAX_HISTORY events (requests take the newest
+    ``events`` of them), candidates cut to MAX_CANDIDATES."""
+    s = World(PRESET.world).sample(np.random.default_rng(0), 40, long=True)
+    assert s.history_len.min() >= MAX_HISTORY
+    return dataclasses.replace(s, history_len=np.minimum(s.history_len, MAX_HISTORY),
+                               cand_item=s.cand_item[:, :MAX_CANDIDATES],
+                               cand_author=s.cand_author[:, :MAX_CANDIDATES],
+                               labels=s.labels[:, :MAX_CANDIDATES],
+                               probs=s.probs[:, :MAX_CANDIDATES])
+
+
+def body(sessions, i: int, events: int | None = None, candidates: int = MAX_CANDIDATES,
+         user: int | None = None, **extra) -> dict:
+    """Session i as a request: its newest ``events`` events, its first ``candidates``."""
+    n = int(sessions.history_len[i]) if events is None else events
+    hist = slice(int(sessions.history_len[i]) - n, int(sessions.history_len[i]))
+    return dict(user=int(sessions.user[i]) if user is None else user,
+                context=int(sessions.context[i]),
+                history_item=sessions.history_item[i, hist].tolist(),
+                history_author=sessions.history_author[i, hist].tolist(),
+                history_actions=sessions.history_actions[i, hist].astype(int).tolist(),
+                cand_item=sessions.cand_item[i, :candidates].tolist(),
+                cand_author=sessions.cand_author[i, :candidates].tolist(), **extra)
+
+
+def full_forward(model, request: dict) -> np.ndarray:
+    """Logits [c, A] of the full forward pass over one row [user, history, candidates]."""
+    n, c = len(request["history_item"]), len(request["cand_item"])
+    ids = lambda name: np.asarray(request[name], np.int64).reshape(1, -1)  # noqa: E731
+    zeros = np.zeros((1, c, len(ACTIONS)), np.float32)
+    session = Sessions(user=np.array([request["user"]]), context=np.array([request["context"]]),
+                       history_len=np.array([n]), history_item=ids("history_item"),
+                       history_author=ids("history_author"),
+                       history_actions=np.asarray(request["history_actions"],
+                                                  bool).reshape(1, n, len(ACTIONS)),
+                       cand_item=ids("cand_item"), cand_author=ids("cand_author"),
+                       labels=zeros, probs=zeros)
+    batch, _ = pack(session, ROW, PRESET.model.max_position)
+    logits = np.asarray(evaluate._logits(*model, batch))[0]
+    return logits[batch.candidate[0] >= 0]
+
+
+def assert_answer(model, request: dict, status: int, answer: dict, cache: str | None = None):
+    """A 200 whose logits equal the full forward pass (1e-5) and whose scores are the
+    preset's weighted score of them."""
+    assert status == 200, answer
+    logits = np.asarray(answer["logits"], np.float32)
+    np.testing.assert_allclose(logits, full_forward(model, request), atol=1e-5, rtol=0)
+    weights = np.array([SCORE_WEIGHTS[a] for a in ACTIONS])
+    scores = (weights / (1 + np.exp(-logits.astype(float)))).sum(-1)
+    np.testing.assert_allclose(answer["scores"], scores, rtol=1e-6)
+    assert answer["actions"] == list(ACTIONS) and answer["model_step"] == STEP
+    if cache is not None:
+        assert answer["cache"] == cache
+
+
+# --- Server A. ---------------------------------------------------------------------------------
+
+
+def test_answers_equal_the_full_forward_pass(server_a, model, sessions):
+    """Histories of 0, some and 60 events, 1 to 8 candidates: misses, then hits."""
+    requests = [body(sessions, 0, events=0, candidates=1, request_id="r0"),
+                body(sessions, 1, events=5, candidates=3), body(sessions, 2, events=60)]
+    for cache in ("miss", "device"):
+        for request in requests:
+            status, headers, answer = server_a.rank(request)
+            assert_answer(model, request, status, answer, cache)
+            assert answer["request_id"] == request.get("request_id")
+            assert headers["x-ranker-shapes"].endswith("x8") and (
+                ("history" in headers["x-ranker-shapes"]) == (cache == "miss"))
+
+
+def test_batch_and_candidate_invariance(server_a, model, sessions):
+    """A hit's logits are bit-identical whatever shares its batch in one bucket shape, within
+    1e-6 relative across shapes, and a candidate's never depend on the other candidates."""
+    target = body(sessions, 3, events=20)
+    others = [body(sessions, i, events=5) for i in range(4, 10)]  # a page each: all fit
+    for request in [target] + others:  # cached first: then they hit together
+        assert server_a.rank(request)[0] == 200
+    answers = {}
+    for companions, shape in ((others[:3], "score 4x8"), (others[3:], "score 4x8"),
+                              ([], "score 1x8")):
+        for _ in range(3):  # until the four land in one batch
+            status, headers, answer, _ = server_a.rank_all([target] + companions)[0]
+            assert status == 200 and answer["cache"] == "device"
+            if headers["x-ranker-shapes"] == shape:
+                break
+        answers.setdefault(headers["x-ranker-shapes"], []).append(
+            np.asarray(answer["logits"], np.float32))
+    assert "score 4x8" in answers and len(answers["score 4x8"]) == 2, answers.keys()
+    np.testing.assert_array_equal(*answers["score 4x8"])
+    alone = answers["score 1x8"][0]
+    assert np.abs(alone - answers["score 4x8"][0]).max() <= 1e-6 * np.abs(alone).max()
+
+    fewer = dict(target, cand_item=target["cand_item"][:1] + target["cand_item"][5:],
+                 cand_author=target["cand_author"][:1] + target["cand_author"][5:])
+    status, _, answer = server_a.rank(fewer)
+    assert status == 200
+    np.testing.assert_array_equal(np.asarray(answer["logits"], np.float32)[0], alone[0])
+
+
+def test_a_reused_history_version_with_a_changed_history_is_recomputed(server_a, model,
+                                                                         sessions):
+    first = body(sessions, 10, history_version=5)
+    assert_answer(model, first, *server_a.rank(first)[0::2], cache="miss")
+    assert_answer(model, first, *server_a.rank(first)[0::2], cache="device")
+    changed = json.loads(json.dumps(first))
+    changed["history_actions"][-1][0] ^= 1  # one action of the newest event
+    status, _, answer = server_a.rank(changed)
+    assert_answer(model, changed, status, answer, cache="miss")
+    assert np.abs(np.asarray(answer["logits"]) - full_forward(model, first)).max() > 1e-4
+    bumped = dict(first, history_version=6)  # a new hint alone forces a recomputation too
+    assert_answer(model, bumped, *server_a.rank(bumped)[0::2], cache="miss")
+
+
+def malformed(sessions) -> list[tuple[str, str, object]]:
+    """(kind, field, body) of a bad request of every kind."""
+    good = body(sessions, 11, events=4, candidates=2)
+    a = len(ACTIONS)
+    cases = [("bad_json", "body", b'{"user": 1,'), ("bad_json", "body", b"[1, 2]"),
+             ("bad_json", "body", b"\xff\xfe"), ("too_large", "body", b" " * 16384)]
+    for name in ("user", "context", "history_item", "history_author", "history_actions",
+                 "cand_item", "cand_author"):
+        cases.append(("missing_field", name, {k: v for k, v in good.items() if k != name}))
+    bad_values = [("user", 0), ("user", 2**31), ("user", "7"), ("user", True), ("user", 1.0),
+                  ("context", PRESET.world.contexts), ("context", -1),
+                  ("history_item", [0, 1, 2, 3]), ("history_item", [1.5, 1, 2, 3]),
+                  ("history_item", 3), ("history_author", [1, 2, 3]),
+                  ("history_actions", [[0] * a] * 3), ("history_actions", [[0] * (a - 1)] * 4),
+                  ("history_actions", [[2] + [0] * (a - 1)] * 4), ("cand_item", []),
+                  ("cand_author", [1]), ("history_version", -1), ("request_id", 5),
+                  ("candidates", [1])]
+    for name, value in bad_values:
+        cases.append(("bad_value", name, dict(good, **{name: value})))
+    long = body(sessions, 2, events=60)
+    cases += [("too_large", "history_item", dict(long, history_item=long["history_item"] + [1],
+                                                 history_author=long["history_author"] + [1],
+                                                 history_actions=long["history_actions"]
+                                                 + [[0] * a])),
+              ("too_large", "cand_item", dict(good, cand_item=[1] * 9, cand_author=[1] * 9))]
+    return cases
+
+
+def test_malformed_requests_get_400_and_service_continues(server_a, model, sessions):
+    for kind, field, request in malformed(sessions):
+        status, _, answer = server_a.rank(request)
+        assert status == 400, (kind, field, answer)
+        error = answer["error"]
+        assert (error["kind"], error["field"]) == (kind, field), (kind, field, error)
+        assert error["message"] and error["fix"]
+    assert server_a.request("GET", "/v1/rank")[0] == 405
+    assert server_a.request("GET", "/nowhere")[0] == 404
+    request = body(sessions, 11, events=4, candidates=2)
+    assert_answer(model, request, *server_a.rank(request)[0::2])
+
+
+def test_a_flood_past_the_queue_gets_503_at_once_then_service_resumes(server_a, model,
+                                                                      sessions):
+    """60 requests of one new history at once: its first batch goes to the history stage
+    (150 ms), the queue (8) fills with requests waiting for that write, the rest get 503
+    queue_full without waiting; every 200 is correct, and service resumes."""
+    request = body(sessions, 12, events=8, user=10**6)
+    results = server_a.rank_all([request] * 60)
+    full = [(seconds, h, a) for s, h, a, seconds in results if s == 503]
+    assert 40 <= len(full) < 60
+    for seconds, headers, answer in full:
+        assert answer["error"]["kind"] == "queue_full" and "retry-after" in headers
+        assert seconds < 1.0
+    for status, _, answer, _ in results:
+        if status == 200:
+            assert_answer(model, request, status, answer)
+    other = body(sessions, 13)
+    assert_answer(model, other, *server_a.rank(other)[0::2])
+
+
+def test_a_store_full_of_pinned_entries_answers_503_never_stale(server_a, model, sessions):
+    """Two 60-event misses pin all 8 pages for the history stage's 150 ms; a third user's
+    request meanwhile gets 503 cache_full with Retry-After, and once the pins are gone its
+    answer is correct; a changed history after it is recomputed."""
+    first = [body(sessions, i, events=60, user=2 * 10**6 + i) for i in (13, 14)]
+    third = body(sessions, 15, events=60, user=2 * 10**6 + 15)
+    results = server_a.rank_all(first + [third], stagger=0.01)
+    status, headers, answer, _ = results[2]
+    assert status == 503 and answer["error"]["kind"] == "cache_full", answer
+    assert int(headers["retry-after"]) >= 1
+    for request, (status, _, answer, _) in zip(first, results):
+        assert_answer(model, request, status, answer, cache="miss")
+    assert_answer(model, third, *server_a.rank(third)[0::2], cache="miss")
+    changed = json.loads(json.dumps(third))
+    changed["history_item"][0] = changed["history_item"][1]
+    assert_answer(model, changed, *server_a.rank(changed)[0::2], cache="miss")
+
+
+def test_metrics_are_prometheus_text(server_a):
+    status, text = server_a.get("/metrics")
+    text = text.decode()
+    assert status == 200
+    for name in ("ranker_requests_total", "ranker_errors_total", "ranker_request_seconds_bucket",
+                 "ranker_batch_requests_bucket", "ranker_queue_depth", "ranker_store_hits",
+                 "ranker_stage_seconds_sum"):
+        assert f"\n{name}" in text, name
+    assert "\nranker_compiles_after_warmup 0.0" in text  # warm-up compiled every shape
+    assert 'ranker_errors_total{kind="bad_value"}' in text
+
+
+def test_sigterm_answers_every_request_in_flight_and_exits_0(server_a, model, sessions):
+    """Six one-page misses (two batches of the history stage, 150 ms each) in flight when SIGTERM
+    lands: each is answered, correctly, and the process exits 0 within 10 s."""
+    requests = [body(sessions, i, events=10, user=3 * 10**6 + i) for i in range(16, 22)]
+    taken = server_a.metrics()[("ranker_batch_requests_sum", ())] + len(requests)
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(server_a.rank, r) for r in requests]
+        deadline = time.monotonic() + 5
+        while server_a.metrics()[("ranker_batch_requests_sum", ())] < taken:  # all accepted
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not all(f.done() for f in futures)  # SIGTERM lands with answers owed
+        start = time.monotonic()
+        assert server_a.stop() == 0
+        assert time.monotonic() - start < 10
+        results = [f.result() for f in futures]
+    for request, (status, _, answer) in zip(requests, results):
+        assert_answer(model, request, status, answer)
+    assert server_a.get("/healthz")[0] == 0  # no longer listening
+
+
+# --- Servers B and C. --------------------------------------------------------------------------
+
+
+def test_a_restart_starts_empty_and_answers_the_same(server_a, run_dir, env, model, sessions,
+                                                    tmp_path):
+    """(After server A's SIGTERM.) The same flags on the same run directory: the first answers
+    are misses, equal to the full forward pass."""
+    assert server_a.process.poll() == 0
+    server = Server(run_dir, LIMITS + SMALL_STORE, env, str(tmp_path / "b.log"))
+    try:
+        for i in (0, 1, 2):
+            request = body(sessions, i)
+            assert_answer(model, request, *server.rank(request)[0::2], cache="miss")
+    finally:
+        assert server.stop() == 0
+
+
+def test_no_cache_recomputes_and_the_load_generator_runs(run_dir, env, model, sessions,
+                                                         tmp_path):
+    server = Server(run_dir, LIMITS + ["--no-cache"], env, str(tmp_path / "c.log"))
+    try:
+        request = body(sessions, 5)
+        for _ in range(2):
+            assert_answer(model, request, *server.rank(request)[0::2], cache="off")
+        trace = loadtest.Trace(PRESET, users=50, zipf=1.1, change_share=0.1, seed=0,
+                               candidates=MAX_CANDIDATES, max_history=MAX_HISTORY)
+        report = loadtest.run(trace.load(qps=40, duration=2.0),
+                              f"http://127.0.0.1:{server.port}", grace=10)
+        assert report["errors"] == {} and report["answered_ok"] == report["requests"] > 40
+        assert set(report["by_cache"]) == {"off"} and report["latency"]["p99_ms"] < 2000
+        with pytest.raises(ValueError, match="only to this machine"):
+            loadtest.run(trace.load(qps=1, duration=1), "http://10.0.0.1:80")
+    finally:
+        assert server.stop() == 0
