@@ -7,7 +7,8 @@ CONFIGS, chosen to cover every axis the spec names at least once:
 sequence lengths 1, 2, odd, one below / at / one past a block (7/8/9 and
 15/16/17 for 16x8 blocks) and ~70, batch 1..3, head dims 8..200, GQA ratios
 1, 2, 4, 5, 8, Dv != D, causal, both soft caps with small caps, scale
-overrides, segment ids, row-wise and broadcast bounds, no mask (and
+overrides, caps of 30 and 50 (near the identity, where a cap's formula can cancel),
+logit multipliers, segment ids, row-wise and broadcast bounds, no mask (and
 cross-attention), float32 and bfloat16, and two sequences past 1000. Each
 backend's class may run its own list.
 Hypothesis then draws, for each configuration, the *values*: segment-id rows
@@ -37,30 +38,33 @@ CONFIGS = [
     C(batch=2, seq=1, heads_q=2, heads_kv=1, dim=8, mask=SEG),
     C(batch=3, seq=2, heads_q=4, heads_kv=1, dim=48, dim_v=24, mask=SEG, causal=True, softcap=2.0),
     C(batch=1, seq=7, heads_q=5, heads_kv=1, dim=80, mask=SEG, softcap=2.0,
-      softcap_method="soft_sign"),
+      softcap_method="soft_sign", multiplier="heads"),
     C(batch=2, seq=9, heads_q=8, heads_kv=1, dim=8, mask=SEG, causal=True, scale=0.3),
-    C(batch=3, seq=15, heads_q=4, heads_kv=2, dim=96, mask=SEG, softcap=5.0),
+    C(batch=3, seq=15, heads_q=4, heads_kv=2, dim=96, mask=SEG, softcap=5.0, multiplier="rows"),
     C(batch=2, seq=17, heads_q=3, heads_kv=3, dim=128, dim_v=24, mask=SEG, causal=True,
       softcap=2.0, softcap_method="soft_sign"),
-    C(batch=1, seq=33, heads_q=2, heads_kv=1, dim=200, mask=SEG, softcap=2.0),
+    C(batch=1, seq=33, heads_q=2, heads_kv=1, dim=200, mask=SEG, softcap=50.0),
     C(batch=2, seq=70, heads_q=4, heads_kv=1, dim=48, mask=SEG, causal=True),
-    C(batch=3, seq=16, heads_q=2, heads_kv=2, dim=80, mask=ROWS, causal=True, softcap=2.0),
+    C(batch=3, seq=16, heads_q=2, heads_kv=2, dim=80, mask=ROWS, causal=True, softcap=2.0,
+      multiplier="rows"),
     C(batch=2, seq=23, heads_q=5, heads_kv=1, dim=8, dim_v=24, mask=ROWS),
     C(batch=2, seq=8, heads_q=4, heads_kv=2, dim=48, mask=BCAST, softcap=2.0,
       softcap_method="soft_sign"),
     C(batch=1, seq=70, heads_q=8, heads_kv=1, dim=96, mask=BCAST, causal=True),
     C(batch=2, seq=5, heads_q=2, heads_kv=1, dim=8, causal=True),
-    C(batch=1, seq=17, kv_seq=9, heads_q=4, heads_kv=2, dim=80, dim_v=24, softcap=2.0),
+    C(batch=1, seq=17, kv_seq=9, heads_q=4, heads_kv=2, dim=80, dim_v=24, softcap=2.0,
+      multiplier="heads"),
     C(batch=2, seq=1, kv_seq=70, heads_q=4, heads_kv=1, dim=48, dim_v=8),
     C(batch=3, seq=3, kv_seq=40, heads_q=2, heads_kv=2, dim=8, scale=0.3),
     C(batch=1, seq=70, heads_q=1, heads_kv=1, dim=128, softcap=2.0, softcap_method="soft_sign",
       scale=0.2),
-    C(batch=2, seq=16, heads_q=4, heads_kv=1, dim=48, dtype="bfloat16", mask=SEG, softcap=2.0),
+    C(batch=2, seq=16, heads_q=4, heads_kv=1, dim=48, dtype="bfloat16", mask=SEG, softcap=2.0,
+      multiplier="rows"),
     C(batch=2, seq=70, heads_q=2, heads_kv=2, dim=96, dtype="bfloat16", mask=SEG, causal=True),
     C(batch=3, seq=9, heads_q=5, heads_kv=1, dim=80, dim_v=24, dtype="bfloat16", mask=ROWS,
       softcap=2.0, softcap_method="soft_sign"),
     C(batch=1, seq=33, heads_q=8, heads_kv=1, dim=8, dtype="bfloat16", causal=True),
-    C(batch=2, seq=33, heads_q=10, heads_kv=2, dim=200, dtype="bfloat16", mask=SEG, softcap=2.0),
+    C(batch=2, seq=33, heads_q=10, heads_kv=2, dim=200, dtype="bfloat16", mask=SEG, softcap=30.0),
 ]
 LONG_CONFIGS = [
     C(batch=1, seq=1100, heads_q=2, heads_kv=1, dim=32, mask=SEG, causal=True, softcap=5.0),
@@ -69,7 +73,10 @@ LONG_CONFIGS = [
 
 
 def mask_values(config: Case):
-    """Hypothesis strategy for the mask values of ``config`` (None when it has no mask)."""
+    """Hypothesis strategy for the mask values of ``config`` (None when it has no mask); a
+    configuration that names its values (a production layout) keeps them."""
+    if config.mask_values is not None:
+        return st.just(config.mask_values)
     if config.mask == SEG:
         return segment_ids(config.batch, config.seq)
     if config.mask in (ROWS, BCAST):
@@ -284,11 +291,15 @@ class TestCpu(BackendTests):
     configs = CPU_CONFIGS
 
 
-# Lengths around the cpu kernel's default blocks (64 queries x 128 keys).
+# Lengths around the cpu kernel's default blocks (64 queries x 128 keys), and the production
+# bf16 shape: D = Dv = 128 and key blocks its tokens fill (no padding to clear, AMX tiles or
+# VDPBF16PS pairs over whole blocks), history of 256 then 64 candidates, GQA 20 / 4.
 CPU_DEFAULT_BLOCK_LENGTHS = [
     C(batch=1, seq=63, heads_q=2, heads_kv=1, dim=8, mask=SEG),
     C(batch=2, seq=65, heads_q=4, heads_kv=2, dim=48, mask=ROWS, causal=True, softcap=2.0),
     C(batch=1, seq=129, heads_q=2, heads_kv=2, dim=16, dtype="bfloat16", mask=SEG),
+    C(batch=1, seq=320, heads_q=20, heads_kv=4, dim=128, dtype="bfloat16", mask=BCAST,
+      softcap=30.0, mask_values=(0, 256, 256, 320)),
 ]
 
 

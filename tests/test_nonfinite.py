@@ -12,6 +12,7 @@ in session 1 used to make all of session 2 NaN (0 * NaN in P @ V) and its dq NaN
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,10 +53,13 @@ def run(impl, q, k, v, d_out, d_lse, causal):
             "dq": np.asarray(dq), "dk": np.asarray(dk), "dv": np.asarray(dv)}
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, causal", [("float32", False), ("float32", True),
+                                           ("bfloat16", False), ("float16", True)])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
-def test_a_bad_value_poisons_exactly_the_queries_that_see_it(impl, causal, value):
+def test_a_bad_value_poisons_exactly_the_queries_that_see_it(impl, dtype, causal, value):
+    """In every input dtype: bf16 and f16 hold NaN and inf too (the kernels test their bits)."""
     q, k, v, d_out = random_qkv(11, B, S, HQ, HKV, D)
+    q, k, v = (x.astype(jnp.dtype(dtype)) for x in (q, k, v))
     d_lse = np.random.default_rng(12).normal(0, 1, (B, HQ, S)).astype(np.float32)
     clean = run(impl, q, k, v, d_out, d_lse, causal)
     session_of = np.abs(SEG)

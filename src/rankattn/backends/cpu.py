@@ -71,8 +71,9 @@ class _Static:
 def fused_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
                     softcap_method: str, block_sizes: BlockSizes | None = None,
                     block_plan: BlockPlan | None = None,
-                    shard_mask: semantics.ShardMask | None = None):
-    """The ``cpu`` kernel; arguments and results as :func:`rankattn.attention` (checked).
+                    shard_mask: semantics.ShardMask | None = None, logit_multiplier=None):
+    """The ``cpu`` kernel; arguments and results as :func:`rankattn.attention` (checked;
+    ``logit_multiplier`` float32 [B, Sq, Hq], finite, or None).
 
     ``block_plan``: :func:`rankattn.blocks.make_block_plan` of these segment ids at
     ``plan_sizes(block_sizes, ...)``, made here when not given. ``shard_mask``: the
@@ -81,6 +82,7 @@ def fused_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
     """
     static, mask, block_plan = _prepare(q.shape, k.shape[1], segment_ids, causal, scale, softcap,
                                         softcap_method, block_sizes, block_plan, shard_mask,
+                                        logit_multiplier,
                                         own=segment_ids is not None and shard_mask is None)
     return _fused(static, q, k, v, mask, block_plan)
 
@@ -102,7 +104,7 @@ def paged_forward(q, k_pages, v_pages, page_table, self_kv, segment_ids, *, shar
     b, t = q.shape[:2]
     s = page_table.shape[1] * k_pages.shape[1]
     static, mask, block_plan = _prepare(q.shape, s, segment_ids, False, scale, softcap,
-                                        softcap_method, block_sizes, None, shard_mask,
+                                        softcap_method, block_sizes, None, shard_mask, None,
                                         own=self_kv is not None)
     k_self, v_self = self_kv or (jnp.zeros((1, 1, 1, 1), q.dtype),) * 2
     shapes = (jax.ShapeDtypeStruct((b, t, q.shape[2], v_pages.shape[-1]), q.dtype),
@@ -128,8 +130,9 @@ def page_bounds(q, k_max, k_min, page_table, npages):
 
 
 def _prepare(q_shape, skv: int, segment_ids, causal: bool, scale: float, softcap, softcap_method,
-             block_sizes, block_plan, shard_mask, *, own: bool):
-    """(the kernel's attributes, its mask arrays (seg_q, seg_k, pos_q, pos_k), block plan)."""
+             block_sizes, block_plan, shard_mask, logit_multiplier, *, own: bool):
+    """(the kernel's attributes, its per-token arrays (logit multiplier [B, Sq, Hq] or empty,
+    seg_q, seg_k, pos_q, pos_k), block plan)."""
     b, sq = q_shape[:2]
     sizes = plan_sizes(block_sizes, sq, skv)
     seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, sizes, causal,
@@ -141,7 +144,8 @@ def _prepare(q_shape, skv: int, segment_ids, causal: bool, scale: float, softcap
         pos_q = jnp.asarray(shard_mask.q_positions, jnp.int32)
         pos_k = jnp.asarray(shard_mask.kv_positions, jnp.int32)
     static = _Static(float(scale), softcap, softcap_method == "soft_sign", causal, own, sizes)
-    return static, (seg_q[:, :sq], seg_k[:, :skv], pos_q, pos_k), block_plan
+    multiplier = jnp.zeros((0,), jnp.float32) if logit_multiplier is None else logit_multiplier
+    return static, (multiplier, seg_q[:, :sq], seg_k[:, :skv], pos_q, pos_k), block_plan
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -210,8 +214,6 @@ class Cpu(Backend):
         if not any(call.q.dtype == d for d in SUPPORTED_DTYPES):
             return [f"cpu: inputs are {call.q.dtype}; the fused kernel takes float32, bfloat16 "
                     "or float16 (use impl='xla' for float64)"]
-        if call.logit_multiplier is not None:
-            return ["cpu: logit_multiplier is not in the fused kernel yet; use impl='xla'"]
         return self._library_reasons()
 
     @staticmethod
@@ -232,7 +234,8 @@ class Cpu(Backend):
         return fused_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
                                scale=call.scale, softcap=call.softcap,
                                softcap_method=call.softcap_method, block_sizes=self.block_sizes,
-                               block_plan=blocks, shard_mask=call.shard_mask)
+                               block_plan=blocks, shard_mask=call.shard_mask,
+                               logit_multiplier=call.logit_multiplier)
 
     def __repr__(self) -> str:
         return f"<rankattn backend 'cpu' {self.block_sizes or 'default blocks'}>"

@@ -55,6 +55,7 @@ namespace {
 // ---- FFI: checks of what the Python side passes, then the tasks.
 
 using I32 = ffi::Buffer<ffi::S32>;
+using F32Buffer = ffi::Buffer<ffi::F32>;
 
 ffi::Error check(bool ok, const std::string& what) {
   return ok ? ffi::Error::Success()
@@ -68,11 +69,13 @@ bool dims_are(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want
 // The problem of a call, after checking every shape against q, k, v and the block sizes, so
 // the tasks can index without further checks. With a page table [B, M], k and v are pages
 // [N, P, D] of one kv head and the keys of row b are its M pages in table order (S = M * P).
+// The logit multiplier is [B, Sq, Hq], or empty for none.
 ffi::Error describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                    const I32* page_table, const I32& seg_q, const I32& seg_k, const I32& pos_q,
-                    const I32& pos_k, const I32& kv_index, const I32& full_count,
-                    const I32& count, float scale, float softcap, bool soft_sign, bool causal,
-                    bool own, int64_t block_q, int64_t block_k, Problem* pr) {
+                    const I32* page_table, const F32Buffer& multiplier, const I32& seg_q,
+                    const I32& seg_k, const I32& pos_q, const I32& pos_k, const I32& kv_index,
+                    const I32& full_count, const I32& count, float scale, float softcap,
+                    bool soft_sign, bool causal, bool own, int64_t block_q, int64_t block_k,
+                    Problem* pr) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const size_t kv_rank = page_table ? 3 : 4;
   if (auto e = check(qd.size() == 4 && kd.size() == kv_rank && vd.size() == kv_rank,
@@ -121,6 +124,11 @@ ffi::Error describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi:
   if (auto e = check(ok, "mask or plan arrays do not match q, k and the block sizes");
       e.failure())
     return e;
+  const bool multiplied = multiplier.element_count() != 0;
+  ok = !multiplied || dims_are(multiplier.dimensions(), {pr->batch, pr->q_len, pr->q_heads});
+  if (auto e = check(ok, "the logit multiplier must be [B, Sq, Hq] or empty"); e.failure())
+    return e;
+  pr->multiplier = multiplied ? multiplier.typed_data() : nullptr;
   pr->seg_q = seg_q.typed_data(), pr->seg_k = seg_k.typed_data();
   pr->pos_q = pos_q.typed_data(), pr->pos_k = pos_k.typed_data();
   pr->kv_index = kv_index.typed_data(), pr->full_count = full_count.typed_data();
@@ -174,14 +182,15 @@ ffi::Error run_forward(ffi::ThreadPool& pool, const Problem& pr, const ffi::AnyB
 }
 
 ffi::Error forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   I32 seg_q, I32 seg_k, I32 pos_q, I32 pos_k, I32 kv_index, I32 full_count,
-                   I32 count, ffi::Result<ffi::AnyBuffer> out,
+                   F32Buffer multiplier, I32 seg_q, I32 seg_k, I32 pos_q, I32 pos_k, I32 kv_index,
+                   I32 full_count, I32 count, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::Buffer<ffi::F32>> lse,
                    float scale, float softcap, bool soft_sign, bool causal, bool own,
                    int64_t block_q, int64_t block_k) {
   Problem pr;
-  if (auto e = describe(q, k, v, nullptr, seg_q, seg_k, pos_q, pos_k, kv_index, full_count,
-                        count, scale, softcap, soft_sign, causal, own, block_q, block_k, &pr);
+  if (auto e = describe(q, k, v, nullptr, multiplier, seg_q, seg_k, pos_q, pos_k, kv_index,
+                        full_count, count, scale, softcap, soft_sign, causal, own, block_q,
+                        block_k, &pr);
       e.failure())
     return e;
   return run_forward(pool, pr, q, k, v, out, lse);
@@ -191,16 +200,16 @@ ffi::Error forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 // `own` each query's own key from k_self / v_self [B, Sq, 1, D] (ignored without it).
 ffi::Error paged_forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                          ffi::AnyBuffer v_pages, I32 page_table, ffi::AnyBuffer k_self,
-                         ffi::AnyBuffer v_self, I32 seg_q, I32 seg_k, I32 pos_q, I32 pos_k,
-                         I32 kv_index, I32 full_count, I32 count,
+                         ffi::AnyBuffer v_self, F32Buffer multiplier, I32 seg_q, I32 seg_k,
+                         I32 pos_q, I32 pos_k, I32 kv_index, I32 full_count, I32 count,
                          ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, float softcap,
                          bool soft_sign, bool causal, bool own, int64_t block_q,
                          int64_t block_k) {
   Problem pr;
-  if (auto e = describe(q, k_pages, v_pages, &page_table, seg_q, seg_k, pos_q, pos_k, kv_index,
-                        full_count, count, scale, softcap, soft_sign, causal, own, block_q,
-                        block_k, &pr);
+  if (auto e = describe(q, k_pages, v_pages, &page_table, multiplier, seg_q, seg_k, pos_q,
+                        pos_k, kv_index, full_count, count, scale, softcap, soft_sign, causal,
+                        own, block_q, block_k, &pr);
       e.failure())
     return e;
   if (own) {
@@ -217,14 +226,15 @@ ffi::Error paged_forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
 
 ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
-                    I32 seg_q, I32 seg_k, I32 pos_q, I32 pos_k, I32 kv_index, I32 full_count,
-                    I32 count, I32 q_index, I32 q_full_count, I32 q_count,
+                    F32Buffer multiplier, I32 seg_q, I32 seg_k, I32 pos_q, I32 pos_k, I32 kv_index,
+                    I32 full_count, I32 count, I32 q_index, I32 q_full_count, I32 q_count,
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, float scale, float softcap, bool soft_sign,
                     bool causal, bool own, int64_t block_q, int64_t block_k) {
   Problem pr;
-  if (auto e = describe(q, k, v, nullptr, seg_q, seg_k, pos_q, pos_k, kv_index, full_count,
-                        count, scale, softcap, soft_sign, causal, own, block_q, block_k, &pr);
+  if (auto e = describe(q, k, v, nullptr, multiplier, seg_q, seg_k, pos_q, pos_k, kv_index,
+                        full_count, count, scale, softcap, soft_sign, causal, own, block_q,
+                        block_k, &pr);
       e.failure())
     return e;
   const auto dtype = q.element_type();
@@ -317,10 +327,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RankattnCpuPageBounds, Guarded<page_bounds>{},
                                   .Ret<ffi::Buffer<ffi::F32>>()  // bounds [B, Hkv, R, M]
                                   .Ret<I32>());                  // bad [B, Hkv, M]
 
-// The bindings' shared parts: the mask and block plan arrays, and the attributes.
+// The bindings' shared parts: the logit multiplier, the mask and block plan arrays, and the
+// attributes.
 template <typename Binding>
 auto with_mask_and_plan(Binding binding) {
-  return std::move(binding).template Arg<I32>()  // seg_q
+  return std::move(binding).template Arg<F32Buffer>()  // logit multiplier [B, Sq, Hq] or empty
+      .template Arg<I32>()             // seg_q
       .template Arg<I32>()             // seg_k
       .template Arg<I32>()             // pos_q
       .template Arg<I32>()             // pos_k
@@ -381,7 +393,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                         .Ret<ffi::AnyBuffer>()));                            // dv
 
 // ---- Tests only (tests/test_cpu_kernel_numerics.py, through ctypes): the dtype conversions,
-// the vector exp, and which vector width and bfloat16 dots this build has.
+// the vector exp and tanh, and which vector width and bfloat16 dots this build has.
 
 namespace {
 
@@ -413,6 +425,7 @@ void rankattn_test_f16_to_f32(const uint16_t* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = F16::to(x[i]);
 }
 void rankattn_test_exp(const float* x, float* y, int64_t n) { by_vectors(x, y, n, vexp); }
+void rankattn_test_tanh(const float* x, float* y, int64_t n) { by_vectors(x, y, n, vtanh); }
 int rankattn_test_lanes() { return kLanes; }
 // 0: bfloat16 inputs run float32 dots; 1: VDPBF16PS; 2: AMX tiles.
 int rankattn_test_bf16_dots() {

@@ -1,15 +1,15 @@
 // The backward. The caller passes, per query row [B, Sq, Hq], the lse (+inf for rows that pass
 // no gradient) and delta = rowsum(dO * O) - d lse (semantics.backward_rows). Then with
-// s = scale q . k:
-//   p = exp(cap(s) - lse),  dp = dO . v,  ds = p (dp - delta) cap'(s),
+// s = scale q . k and t the query's logit multiplier (1 without one):
+//   p = exp(t cap(s) - lse),  dp = dO . v,  ds = p (dp - delta) t cap'(s),
 //   dq = scale * ds k,  dk = scale * ds^T q,  dv = p^T dO.
 // Every block pair is computed once, key-major (rows are keys, columns query rows), by the
 // dk / dv task of its key block, which keeps its dS^T for the dq tasks (KeptGrads): 5 dots per
 // pair. Per pair of a key block (K) and a query block (Q, dO):
 //   S^T = K Q^T,  dP^T = V dO^T                      (dots: K and V rows, Q^T and dO^T panels)
-//   P^T = exp(cap(scale S^T) - lse), masked to 0     (Problem::logits, then the exp)
+//   P^T = exp(t cap(scale S^T) - lse), masked to 0   (Problem::logits, then the exp)
 //   dV += P^T dO                                     (a dot: P^T rows, the dO panel)
-//   dS^T = P^T (dP^T - delta) cap'                   (Problem::logit_grads)
+//   dS^T = P^T (dP^T - delta) t cap'                 (Problem::logit_grads)
 //   dK += dS^T Q, and dS^T kept                      (a dot: dS^T rows, the Q panel)
 // then, per query block, dQ^T += K^T dS^T over its kept pairs in key-block order.
 //
@@ -133,7 +133,8 @@ struct Backward {
     for (int64_t j = 0; j < nk; ++j) {  // each column with its query row's lse
       float* sr = pair.s_t.data() + j * ld_rows;
       float* dr = pair.dp_t.data() + j * ld_rows;
-      pr.logits(sr, row_cols, pr.softcap > 0 ? pair.raw.data() + j * ld_rows : nullptr);
+      pr.logits(sr, row_cols, pr.softcap > 0 ? pair.raw.data() + j * ld_rows : nullptr,
+                [&](int64_t r) { return load(qp.multiplier + r); });
       const vi sk = splat_i(key.seg[j]), pk = splat_i(key.pos[j]);
       for (int64_t r = 0; r < row_cols; r += kLanes) {  // padded rows: shift +inf, so p = 0
         vf prob = vexp(load(sr + r) - load(qp.shift + r));
@@ -147,11 +148,12 @@ struct Backward {
   }
 
   // dS^T over P^T in pair.s_t.
-  void logit_grads_of(int64_t nk, Pair& pair) const {
+  void logit_grads_of(int64_t nk, const QueryPanel<E>& qp, Pair& pair) const {
     const int64_t ld_rows = pr.ld_rows();
     for (int64_t j = 0; j < nk; ++j) {
       pr.logit_grads(pair.s_t.data() + j * ld_rows, pair.dp_t.data() + j * ld_rows,
-                     pr.softcap > 0 ? pair.raw.data() + j * ld_rows : nullptr, pr.row_cols());
+                     pr.softcap > 0 ? pair.raw.data() + j * ld_rows : nullptr, pr.row_cols(),
+                     [&](int64_t r) { return load(qp.multiplier + r); });
     }
   }
 
@@ -171,8 +173,8 @@ struct Backward {
     for (int64_t d = 0; d < pr.dim_v; ++d) {
       dpv += element(qp.d_out_panel, pr.ld_dv(), r, d) * to_float(own_v[d]);
     }
-    *prob = std::exp(pr.logit(dot) - qp.shift[r]);
-    return pr.logit_grad(dot, *prob, dpv - qp.delta[r]);
+    *prob = std::exp(pr.logit(dot, qp.multiplier[r]) - qp.shift[r]);
+    return pr.logit_grad(dot, *prob, dpv - qp.delta[r], qp.multiplier[r]);
   }
 
   // dQ^T of query task `task` (b, kv head, query block) += K^T dS^T over the chunk's pairs.
@@ -237,7 +239,7 @@ struct Backward {
       gemm<true>(nk, pr.dv_cols(), qp.m, dot_rows<E>(pair.s_t.data(), nk, qp.m, ld_rows, rounded),
                  ld_rows, qp.d_out_panel, ld_dv, dv_acc.data(), ld_dv);
       // dS^T, then dK += dS^T Q, and dS^T kept for dQ.
-      logit_grads_of(nk, pair);
+      logit_grads_of(nk, qp, pair);
       gemm<true>(nk, pr.d_cols(), qp.m, dot_rows<E>(pair.s_t.data(), nk, qp.m, ld_rows, rounded),
                  ld_rows, qp.q_panel, ld_d, dk_acc.data(), ld_d);
       keep_panel<E>(pair.s_t.data(), nk, qp.m, ld_rows, kept.slot(task, e));

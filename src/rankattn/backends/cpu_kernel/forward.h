@@ -1,8 +1,9 @@
 // The forward: one task per (batch row, kv head, query block), an online softmax over the key
 // blocks its visit list names, with every query head of the kv head's group as rows of one
-// block (GQA never repeats K / V). Per key block, with s the logits of a query row:
+// block (GQA never repeats K / V). Per key block, with s the logits of a query row and t its
+// logit multiplier (1 without one):
 //   S = Q K^T                          (a dot: Q rows, the K^T panel)
-//   s = cap(scale S), masked to -inf   (Problem::logits; the mask in partial blocks only)
+//   s = t cap(scale S), masked to -inf (Problem::logits; the mask in partial blocks only)
 //   m' = max(m, max_j s),  p = exp(s - m'),  l = exp(m - m') l + sum_j p
 //   acc = exp(m - m') acc + P V        (a dot: P rows, the V panel)
 // then a candidate's own key joins the softmax as one more logit, and
@@ -75,8 +76,11 @@ struct Forward {
       for (int64_t r = 0; r < m_rows; ++r) {
         const int64_t t = r % nq;
         float* sr = s.data() + r * ld_keys;
-        // s = cap(scale S) (folded: S, scaled in the exp below), -inf where the mask hides it.
-        if (!fold) pr.logits(sr, key_cols);
+        // s = t cap(scale S) (folded: S, scaled in the exp below), -inf where the mask hides it.
+        if (!fold) {
+          const vf t_row = splat(pr.multiplier_of(b, hk * g_len + r / nq, q0 + t));
+          pr.logits(sr, key_cols, nullptr, [&](int64_t) { return t_row; });
+        }
         if (masked) {
           const vi sq = splat_i(seg_q[t]), pq = splat_i(pos_q[t]);
           vi hit = splat_i(0);
@@ -140,7 +144,8 @@ struct Forward {
           float dot = 0;
           const E* qr = q_rows.data() + r * ld_d;
           for (int64_t d = 0; d < pr.dim; ++d) dot += to_float(qr[d]) * own_k[d];
-          const float s_own = pr.logit(dot), m_new = std::max(m[r], s_own);
+          const float s_own = pr.logit(dot, pr.multiplier_of(b, h, q0 + t));
+          const float m_new = std::max(m[r], s_own);
           const float alpha = std::exp(m[r] - m_new), p_own = std::exp(s_own - m_new);
           l[r] = l[r] * alpha + p_own;
           for (int64_t d = 0; d < pr.dim_v; ++d) ar[d] = ar[d] * alpha + p_own * own_v[d];

@@ -362,12 +362,12 @@ struct KeyPanels {
 // hk * G + g), as the dots read it: the panels of Q [ld_rows][ld_d] (dK += dS^T Q), of Q^T
 // [D][ld_rows] (S^T = K Q^T), of dO [ld_rows][ld_dv] (dV += P^T dO) and of dO^T [Dv][ld_rows]
 // (dP^T = V dO^T). Floats: shift [ld_rows] (the lse; +inf where p must be 0), delta [ld_rows],
-// and the block's dQ^T [d_cols][ld_rows], summed over its key blocks. Ints: seg, pos
-// [ld_rows].
+// the rows' logit multipliers [ld_rows] (1 without one), and the block's dQ^T
+// [d_cols][ld_rows], summed over its key blocks. Ints: seg, pos [ld_rows].
 template <typename E>
 struct QueryPanel {
   E *q_panel, *q_t_panel, *d_out_panel, *d_out_t_panel;
-  float *shift, *delta, *dq_t;
+  float *shift, *delta, *multiplier, *dq_t;
   int32_t *seg, *pos;
   int64_t q0, nq, m;
 };
@@ -383,7 +383,7 @@ struct QueryPanels {
         d_out_size(panel_size<E>(pr.ld_rows(), pr.ld_dv())),
         d_out_t_size(panel_size<E>(pr.dim_v, pr.ld_rows())),
         store(query_memory, pr.batch * pr.kv_heads * pr.n_q,
-              q_size + q_t_size + d_out_size + d_out_t_size, (2 + pr.d_cols()) * pr.ld_rows(),
+              q_size + q_t_size + d_out_size + d_out_t_size, (3 + pr.d_cols()) * pr.ld_rows(),
               2 * pr.ld_rows()) {}
 
   QueryPanel<E> get(int64_t b, int64_t hk, int64_t qb) const {
@@ -397,8 +397,8 @@ struct QueryPanels {
     const int64_t ld_rows = pr.ld_rows(), q0 = block % pr.n_q * pr.block_q;
     const int64_t nq = std::min(pr.block_q, pr.q_len - q0);
     return QueryPanel<E>{q, q + q_size, q + q_size + q_t_size,
-                         q + q_size + q_t_size + d_out_size, f, f + ld_rows, f + 2 * ld_rows, i,
-                         i + ld_rows, q0, nq, pr.group() * nq};
+                         q + q_size + q_t_size + d_out_size, f, f + ld_rows, f + 2 * ld_rows,
+                         f + 3 * ld_rows, i, i + ld_rows, q0, nq, pr.group() * nq};
   }
 
   template <typename D>
@@ -426,6 +426,7 @@ struct QueryPanels {
         const int64_t row = (b * pr.q_len + qp.q0 + t) * pr.q_heads + h, r = r0 + t;
         qp.shift[r] = lse[row] == -kInf ? kInf : lse[row];  // sees nothing: every p is 0
         qp.delta[r] = delta[row];
+        qp.multiplier[r] = pr.multiplier_of(b, h, qp.q0 + t);
         qp.seg[r] = pr.seg_q[b * pr.q_len + qp.q0 + t];
         qp.pos[r] = pr.pos_q[b * pr.q_len + qp.q0 + t];
       }

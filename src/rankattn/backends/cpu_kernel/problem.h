@@ -29,6 +29,9 @@ struct Problem {
   // The own key of query i from own_k / own_v [B, Sq, Hkv, D] (serving's candidates, whose
   // keys are not in k / v), instead of key i of k / v. Null: from k / v.
   const void *own_k = nullptr, *own_v = nullptr;
+  // Each query's logit multiplier [B, Sq, Hq] (finite: the Python side poisons the query of a
+  // non-finite one), applied after the cap. Null: 1.
+  const float* multiplier = nullptr;
 
   int64_t group() const { return q_heads / kv_heads; }
   // Element offsets of token t of head h in q-like [B, Sq, H, width] and in k / v. A page
@@ -70,9 +73,16 @@ struct Problem {
     return vis;
   }
 
-  // ---- The logits step, s = cap(scale * q . k), and its gradient, in one place: blocks of
-  // logits (`logits`, `logit_grads`), a candidate's own key (`logit`, `logit_grad`), and the
-  // forward's shortcut without a cap (`folds_scale`).
+  // ---- The logits step, s = t cap(scale * q . k) with t the query's logit multiplier (1
+  // without one), and its gradient, in one place: blocks of logits (`logits`, `logit_grads`),
+  // a candidate's own key (`logit`, `logit_grad`), and the forward's shortcut without a cap
+  // (`folds_scale`). Blocks take t as `factor(j)`, the vector of t over entries j.. j + kLanes
+  // (one query's t in the forward's rows, the queries' t in the backward's key-major rows).
+
+  // t of query i of batch row b in head h.
+  float multiplier_of(int64_t b, int64_t h, int64_t i) const {
+    return multiplier ? multiplier[(b * q_len + i) * q_heads + h] : 1.0f;
+  }
 
   float cap(float s) const {
     if (softcap <= 0) return s;
@@ -87,33 +97,32 @@ struct Problem {
     float t = std::tanh(s / softcap);
     return 1 - t * t;
   }
-  // The logit of one dot of unscaled q and k (the own key's).
-  float logit(float dot) const { return cap(dot * scale); }
-  // d logit: ds = p (dp - delta) cap'(scale * dot), from p, dp - delta and the dot.
-  float logit_grad(float dot, float prob, float dp_delta) const {
-    return prob * dp_delta * cap_grad(dot * scale);
+  // The logit of one dot of unscaled q and k (the own key's), of a query with multiplier t.
+  float logit(float dot, float t) const { return t * cap(dot * scale); }
+  // d logit: ds = p (dp - delta) t cap'(scale * dot), from p, dp - delta and the dot.
+  float logit_grad(float dot, float prob, float dp_delta, float t) const {
+    return prob * dp_delta * t * cap_grad(dot * scale);
   }
   // Logits from the dots of unscaled q and k, in place over n (a multiple of kLanes) entries:
-  // times the scale, then the cap. `raw` (when given) receives them before the cap, for cap'.
-  void logits(float* s, int64_t n, float* raw = nullptr) const {
+  // times the scale, then the cap, then t. `raw` (when given) receives them before the cap,
+  // for cap'.
+  template <typename Factor>
+  void logits(float* s, int64_t n, float* raw, Factor factor) const {
     const vf mul = splat(scale), c = splat(softcap);
     const vf inv = splat(softcap > 0 ? 1 / softcap : 0.0f);
     for (int64_t j = 0; j < n; j += kLanes) {
       vf x = load(s + j) * mul;
       if (raw) store(raw + j, x);
-      if (softcap > 0) {
-        if (soft_sign) {
-          x = x / (1 + (x < 0 ? -x : x) * inv);
-        } else {  // tanh(y) = 1 - 2 / (exp(2y) + 1), saturating cleanly at +-1
-          x = c * (1 - 2 / (vexp(2 * x * inv) + 1));
-        }
-      }
+      if (softcap > 0) x = soft_sign ? x / (1 + (x < 0 ? -x : x) * inv) : c * vtanh(x * inv);
+      if (multiplier) x *= factor(j);
       store(s + j, x);
     }
   }
   // d logits over n (a multiple of kLanes) entries, in place over p in `s`, from dp - delta
-  // and the raw logits (`logits`' `raw`): ds = p (dp - delta) cap'(raw).
-  void logit_grads(float* s, const float* dp_delta, const float* raw, int64_t n) const {
+  // and the raw logits (`logits`' `raw`): ds = p (dp - delta) t cap'(raw).
+  template <typename Factor>
+  void logit_grads(float* s, const float* dp_delta, const float* raw, int64_t n,
+                   Factor factor) const {
     const vf inv = splat(softcap > 0 ? 1 / softcap : 0.0f);
     for (int64_t j = 0; j < n; j += kLanes) {
       vf ds = load(s + j) * load(dp_delta + j);
@@ -123,17 +132,19 @@ struct Problem {
           vf d = 1 + (x < 0 ? -x : x) * inv;
           g = 1 / (d * d);
         } else {
-          vf t = 1 - 2 / (vexp(2 * x * inv) + 1);
+          vf t = vtanh(x * inv);
           g = 1 - t * t;
         }
         ds *= g;
       }
+      if (multiplier) ds *= factor(j);
       store(s + j, ds);
     }
   }
-  // Without a cap, and with a positive scale (which commutes with the row max), the forward
-  // takes the scale into its exp, p = exp(scale s - shift): one pass over the logits fewer.
-  bool folds_scale() const { return softcap <= 0 && scale > 0; }
+  // Without a cap or a multiplier, and with a positive scale (which commutes with the row
+  // max), the forward takes the scale into its exp, p = exp(scale s - shift): one pass over
+  // the logits fewer.
+  bool folds_scale() const { return softcap <= 0 && scale > 0 && !multiplier; }
 };
 
 // A visit list of the block plan: the blocks one block visits, the first `full` of them full
