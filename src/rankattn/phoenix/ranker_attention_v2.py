@@ -38,10 +38,10 @@ def mha(q, k, v, temp, segment_ids, sm_scale=1.0, cap=-1.0, cap_method="tanh", c
       window_len: ignored, as Phoenix deletes it (v2:85).
       block_*, backward_pass_impl, num_warps, num_stages, grid, interpret, debug: Phoenix's
         kernel options; accepted and ignored (rankattn picks its own tiles).
-      impl: rankattn's backend choice, as in :func:`rankattn.attention`. With ``causal``
-        the history part runs on a backend taking split query / key ids (cpu, xla or
-        reference); ``"auto"`` picks one that also takes the temp (a temp known to be all
-        ones is dropped, so any of them).
+      impl: rankattn's backend choice, as in :func:`rankattn.attention` (every backend
+        applies the temp in its kernels). With ``causal`` the history part runs on a
+        backend taking split query / key ids (cpu, xla or reference). A temp known to be all
+        ones is dropped (no multiplier to apply).
 
     Returns:
       out [B, S, Hq, D] in q's dtype (only ``out``, as Phoenix).
