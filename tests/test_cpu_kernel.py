@@ -10,6 +10,7 @@ Building, caching and loading it (rankattn.native): tests/test_native_build.py.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import subprocess
@@ -25,7 +26,7 @@ import pytest
 import rankattn
 from conftest import needs_cpu_kernel
 from rankattn import api, blocks, planning
-from rankattn.backends import BlockSizes, Cpu
+from rankattn.backends import BlockSizes, Cpu, cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,17 +111,25 @@ ISA_SCRIPT = textwrap.dedent("""
 """)
 
 
+ZIG = f"{sys.executable} -m ziglang c++"
+
+
 @needs_cpu_kernel
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
-@pytest.mark.parametrize("isa, lanes, bf16_dots, dtype", [
-    ("-mno-avx512f", 8, 0, "float32"),  # AVX2: 8 lanes; bfloat16 inputs run float32 dots
-    ("-mno-avx", 4, 0, "float32"),      # no AVX at all: the portable 4-lane path
-    ("-mno-amx-tile", 16, 1, "bfloat16"),  # bfloat16 dots on VDPBF16PS instead of AMX
+@pytest.mark.parametrize("isa, lanes, bf16_dots, dtype, cxx", [
+    ("-mno-avx512f", 8, 0, "float32", None),  # AVX2: 8 lanes; bfloat16 runs float32 dots
+    ("-mno-avx", 4, 0, "float32", None),      # no AVX at all: the portable 4-lane path
+    ("-mno-amx-tile", 16, 1, "bfloat16", None),  # bfloat16 dots on VDPBF16PS instead of AMX
+    # The host's own paths built by zig's clang (the ziglang package of the test extra, what
+    # users without g++ get), so every CI run builds with clang too. zig reads -march itself
+    # and takes no -mno-* flags.
+    ("", None, None, "float32", ZIG),
 ])
-def test_other_instruction_sets_pass_the_core_cases(isa, lanes, bf16_dots, dtype):
+def test_other_instruction_sets_pass_the_core_cases(isa, lanes, bf16_dots, dtype, cxx):
     """The paths this CPU would not take, built with RANKATTN_CXXFLAGS=<isa>, against the
     float64 oracle. An AVX2 CPU has no bfloat16 dot path at all (its bfloat16 inputs run the
-    float32 dots the AVX2 case checks)."""
+    float32 dots the AVX2 case checks). zig's first build on a machine also builds its libc++
+    (a minute or two, once)."""
     flags = host_flags()
     if isa == "-mno-avx512f" and "avx512f" not in flags:
         pytest.skip("no AVX-512 here: this host's own build is the AVX2 one")
@@ -128,8 +137,13 @@ def test_other_instruction_sets_pass_the_core_cases(isa, lanes, bf16_dots, dtype
         pytest.skip("no AVX-512 BF16 here: no bfloat16 dot path to test")
     if isa == "-mno-avx512f" and "avx" not in flags:
         lanes = 4
-    run = python(ISA_SCRIPT, {"RANKATTN_CXXFLAGS": isa}, str(lanes), str(bf16_dots),
-                 *core_cases(dtype))
+    if cxx == ZIG:
+        if importlib.util.find_spec("ziglang") is None:
+            pytest.skip("the ziglang package is not installed (it is in the test extra)")
+        handle = cpu.library().handle  # the host's build: zig's must take the same paths
+        lanes, bf16_dots = handle.rankattn_test_lanes(), handle.rankattn_test_bf16_dots()
+    env = {"RANKATTN_CXXFLAGS": isa, **({"RANKATTN_CXX": cxx} if cxx else {})}
+    run = python(ISA_SCRIPT, env, str(lanes), str(bf16_dots), *core_cases(dtype))
     assert run.returncode == 0, run.stdout[-10000:] + run.stderr[-5000:]
 
 

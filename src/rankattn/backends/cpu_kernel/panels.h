@@ -101,6 +101,21 @@ bool finite_row(const typename D::T* src, int64_t width, E* dst) {
 // element by element. (An element-by-element loop measured 44% of packing a key block.)
 typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
 
+// Lanes 0-3 of a and b interleaved into *low (a0 b0 a1 b1 ...), lanes 4-7 into *high. GCC
+// before 12 (Ubuntu 22.04's default compiler is GCC 11) has no __builtin_shufflevector; its
+// __builtin_shuffle makes the same permutations from mask vectors. (By reference: a 32-byte
+// vector passed by value changes the ABI of the builds without AVX.)
+inline void interleave(const v8f& a, const v8f& b, v8f* low, v8f* high) {
+#if defined(__clang__) || __GNUC__ >= 12
+  *low = __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11);
+  *high = __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15);
+#else
+  typedef int32_t v8i __attribute__((vector_size(8 * sizeof(int32_t))));
+  *low = __builtin_shuffle(a, b, v8i{0, 8, 1, 9, 2, 10, 3, 11});
+  *high = __builtin_shuffle(a, b, v8i{4, 12, 5, 13, 6, 14, 7, 15});
+#endif
+}
+
 void transpose(const float* src, int64_t ld_src, int64_t n, int64_t width, float* dst,
                int64_t ld_dst) {
   int64_t i0 = 0;
@@ -112,8 +127,7 @@ void transpose(const float* src, int64_t ld_src, int64_t n, int64_t width, float
       for (int round = 0; round < 3; ++round) {
         v8f t[8];
         for (int j = 0; j < 4; ++j) {
-          t[2 * j] = __builtin_shufflevector(r[j], r[j + 4], 0, 8, 1, 9, 2, 10, 3, 11);
-          t[2 * j + 1] = __builtin_shufflevector(r[j], r[j + 4], 4, 12, 5, 13, 6, 14, 7, 15);
+          interleave(r[j], r[j + 4], &t[2 * j], &t[2 * j + 1]);
         }
         std::copy(t, t + 8, r);
       }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 namespace {
@@ -109,7 +110,15 @@ inline vf vtanh(vf y) {
 // the running sum on the stack).
 template <size_t kOffset, typename V, size_t... kLane>
 inline auto lanes(V x, std::index_sequence<kLane...>) {
+#if defined(__clang__) || __GNUC__ >= 12
   return __builtin_shufflevector(x, x, (kOffset + kLane)...);
+#else  // GCC 11 (Ubuntu 22.04's) has no __builtin_shufflevector: the half by memcpy
+  using Element = std::remove_reference_t<decltype(x[0])>;
+  typedef Element Half __attribute__((vector_size(sizeof...(kLane) * sizeof(Element))));
+  Half half;
+  std::memcpy(&half, reinterpret_cast<const char*>(&x) + kOffset * sizeof(Element), sizeof half);
+  return half;
+#endif
 }
 template <int N, typename V, typename Op>
 inline float reduce(V x, Op op) {
