@@ -129,12 +129,12 @@ async def _send_all(load: Load, host: str, port: int, grace: float) -> tuple[lis
             body = await reader.readexactly(int(fields.get("content-length", 0)))
             latency = loop.time() - scheduled
             answer = json.loads(body)
-            what = answer["cache"] if status == 200 else answer.get("error", {}).get("kind")
+            what = answer.get("cache") if status == 200 else answer.get("error", {}).get("kind")
             results[i] = (latency, status, what)
             if fields.get("connection") != "close":
                 idle.append((reader, writer))
                 writer = None
-        except (OSError, asyncio.IncompleteReadError, ValueError) as err:
+        except (OSError, asyncio.IncompleteReadError, ValueError, AttributeError) as err:
             results[i] = (None, 0, f"connection: {type(err).__name__}")
         finally:
             if writer is not None:

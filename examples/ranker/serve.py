@@ -128,13 +128,16 @@ def fill_misses(store: serving.HistoryStore, lease: serving.Lease, graphdef, par
                 sessions: Sessions, anchor: int) -> int:
     """Run the history pass on the lease's rows that miss (rows = sessions) and write their
     K/V; the batch is padded to a power of two (repeating a row, which write reads once).
-    Returns the rows it computed."""
+    Returns the rows it computed, once their K/V are computed: the write is dispatched after
+    the pass has finished, so that it never holds other threads' reads of the cache (their
+    scoring) behind this pass."""
     todo = np.flatnonzero(lease.missing)
     if todo.size:
         rows = padded(todo, 1 << int(todo.size - 1).bit_length(), 0, todo[-1])
         batch, _ = pack(history_only(sessions.take(rows)), 1 + sessions.history_item.shape[1],
                         anchor, one_per_row=True)
-        store.write(lease, *_history_kv(graphdef, params, batch), rows=rows)
+        k, v = jax.block_until_ready(_history_kv(graphdef, params, batch))
+        store.write(lease, k, v, rows=rows)
     return int(todo.size)
 
 
