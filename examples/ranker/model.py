@@ -151,41 +151,21 @@ class Ranker(nnx.Module):
 
         ``cache`` is a stacked rankattn.serving cache, layer l of it holding layer
         l's history K/V, and row b reads the history of cache user ``users[b]``.
-        Each block attends to its layer's view of the cache (:func:`_layer_views`).
-        The blocks run one after another, unrolled: a ``jax.lax.scan`` over them
-        would stack their weights on every call (2.5 of the 4 ms a small-preset
-        request of 8 candidates took).
-        ``budget`` (tokens) turns on Quest page selection in every layer.
+        Each block attends to its layer with ``layer=l``, which reads the stack's
+        pages in place (scanning over the stack would hand each layer a slice of
+        its pages, which XLA copies for the cpu kernel on every call). The blocks
+        run one after another, unrolled: a ``jax.lax.scan`` over them would stack
+        their weights on every call (2.5 of the 4 ms a small-preset request of 8
+        candidates took). ``budget`` (tokens) turns on Quest page selection in
+        every layer.
         """
-        pages, tables, lengths = _layer_views(cache)
         x = self.embed(candidates)
         for layer, block in enumerate(self.blocks):
             q, k, v = block.qkv(x, candidates.positions)
-            view = pages._replace(page_table=tables[layer], lengths=lengths[layer])
-            out = serving.attend(q, view, users, self_kv=(k, v), budget=budget, gqa=gqa,
-                                 softcap=self.config.softcap)
+            out = serving.attend(q, cache, users, self_kv=(k, v), budget=budget, gqa=gqa,
+                                 softcap=self.config.softcap, layer=layer)
             x = block.finish(x, out)
         return self.heads(self.final_norm(x))
-
-
-def _layer_views(cache):
-    """A stacked cache as one layer's cache holding every layer's pages (L * N of them; a
-    reshape, no copy), and per layer its page table into them ([L, U, M]) and lengths.
-
-    Taking layer l of the stacked cache itself (``x[l]``, or scanning over it) slices out
-    that layer's pages, and the cpu kernel (a custom call) reads a slice only once XLA has
-    copied it: every layer's pages, every call, whatever the batch (6.8 ms per call for
-    4096 pages of the tiny preset, 52 ms for 16384; 0.7 ms this way, the same logits).
-    """
-    num_layers, n = cache.k_pages.shape[:2]
-    flat = lambda x: x.reshape(num_layers * n, *x.shape[2:])  # noqa: E731
-    first = (jnp.arange(num_layers, dtype=jnp.int32) * n)[:, None, None]
-    tables = jnp.where(cache.page_table >= 0, cache.page_table + first, -1)
-    pages = cache._replace(k_pages=flat(cache.k_pages), v_pages=flat(cache.v_pages),
-                           k_min=flat(cache.k_min), k_max=flat(cache.k_max),
-                           page_table=tables[0], lengths=cache.lengths[0],
-                           free=flat(cache.free), overflow=cache.overflow[0])
-    return pages, tables, cache.lengths
 
 
 def candidate_loss(logits, batch: Batch):

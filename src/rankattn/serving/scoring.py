@@ -43,7 +43,7 @@ from rankattn.errors import fail
 from rankattn.serving import sharded
 from rankattn.serving.cache import (PagedKVCache, _describe, _positive_int, check_cache,
                                     check_float, check_users, keyword_options, layer_view,
-                                    select_layer)
+                                    read_layer)
 from rankattn.validate import AttentionCall, check_logit_options, check_static_bool
 
 GQA_MODES = ("per_head", "group", "mean")
@@ -491,7 +491,7 @@ def _select_pages(plan: _Plan, qf, cache: PagedKVCache, table, valid):
 
 @partial(jax.jit, static_argnums=0)
 def _select_public(plan: _Plan, q, cache: PagedKVCache, users, layer):
-    cache = select_layer(cache, layer)
+    cache = read_layer(cache, layer)
     table, _, valid = _user_pages(cache, users)
     qf = _head_major(q, cache.kv_heads)
     pages = _select_pages(plan, qf, cache, table, valid)
@@ -502,7 +502,7 @@ def _select_public(plan: _Plan, q, cache: PagedKVCache, users, layer):
 
 @partial(jax.jit, static_argnums=0)
 def _bounds_public(plan: _Plan, q, cache: PagedKVCache, users, layer):
-    cache = select_layer(cache, layer)
+    cache = read_layer(cache, layer)
     table, _, valid = _user_pages(cache, users)
     qs = _head_major(q, cache.kv_heads) * plan.scale
     u, bad = _bounds(plan, qs, cache, table, valid)
@@ -515,7 +515,7 @@ def _bounds_public(plan: _Plan, q, cache: PagedKVCache, users, layer):
 @partial(jax.jit, static_argnums=0)
 def _attend(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self, layer):
     """(out [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq]) of layer ``layer`` (None: one layer)."""
-    out, lse = _attend_partial(plan, q, select_layer(cache, layer), users, k_self, v_self)
+    out, lse = _attend_partial(plan, q, read_layer(cache, layer), users, k_self, v_self)
     return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
 
 
