@@ -45,7 +45,7 @@ from examples.ranker.world import World  # noqa: E402
 COMMAND = ".venv/bin/python benchmarks/bench_store.py  # from the repository root"
 OUT = Path(__file__).with_name("STORE.md")
 SMOKE = dict(users=40, device_users=4, requests=24, rounds=1, history=60, candidates=4)
-FULL = dict(users=1000, device_users=100, requests=600, rounds=15, history=None, candidates=64)
+FULL = dict(users=1000, device_users=100, requests=2000, rounds=15, history=None, candidates=64)
 ZIPF, CHANGED = 1.1, 0.10
 
 
