@@ -26,7 +26,7 @@ import pytest
 import rankattn
 from conftest import needs_cpu_kernel
 from rankattn import api, blocks, planning
-from rankattn.backends import BlockSizes, Cpu, cpu
+from rankattn.backends import Cpu, cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,6 @@ import ctypes
 
 import ml_dtypes
 import numpy as np
-import pytest
 
 from conftest import needs_cpu_kernel
 from rankattn.backends import cpu

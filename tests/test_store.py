@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import rankattn
-from helpers import assert_explained
 from rankattn import serving
 from tolerances import FEW_KEYS_TOL, assert_close_f32
 
