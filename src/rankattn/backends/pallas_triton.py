@@ -37,12 +37,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from rankattn import semantics
+from rankattn.backends import gpu_config
 from rankattn.backends.base import Backend
+from rankattn.backends.gpu_config import (MIN_BLOCK, PORTABLE_TARGET, SHARED_MEMORY_PER_BLOCK,
+                                          GpuTarget, KernelConfig, default_config)
 from rankattn.blocks import BlockPlan, BlockSizes, pad_axis1, segments_and_plan, round_up
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
@@ -57,8 +62,6 @@ except ImportError as error:  # pragma: no cover - depends on the installed JAX
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-# Triton's dot needs every dimension >= 16, and its loads power-of-two shapes.
-MIN_BLOCK = 16
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -70,102 +73,6 @@ def plan_sizes(sizes: BlockSizes, seq_len: int) -> BlockSizes:
     """Blocks no longer than the sequence needs (a power of two >= 16)."""
     longest = max(MIN_BLOCK, _next_power_of_2(seq_len))
     return BlockSizes(min(sizes.block_q, longest), min(sizes.block_k, longest))
-
-
-# --- The kernels' configuration per GPU. ---------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuTarget:
-    """The GPU the kernels are compiled for, as far as their configuration depends on it."""
-
-    compute_capability: tuple[int, int]
-    shared_memory_per_block: int  # bytes one block may opt into
-
-    @classmethod
-    def of(cls, spec) -> "GpuTarget":
-        """A GpuTarget from itself, "sm_90", "9.0" or (9, 0) (shared memory by architecture)."""
-        if isinstance(spec, GpuTarget):
-            return spec
-        if isinstance(spec, str):
-            digits = spec.removeprefix("sm_").rstrip("a")
-            major, minor = digits.split(".") if "." in digits else (digits[:-1], digits[-1])
-            spec = (int(major), int(minor))
-        capability = tuple(spec)
-        known = SHARED_MEMORY_PER_BLOCK.get(capability)
-        if known is None:
-            raise fail("RA116", f"PallasTriton target {spec!r}: compute capability {capability} "
-                                f"is not one of {sorted(SHARED_MEMORY_PER_BLOCK)}; pass "
-                                "GpuTarget(compute_capability, shared_memory_per_block) for "
-                                "another GPU.")
-        return cls(capability, known)
-
-    @property
-    def name(self) -> str:
-        return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
-
-
-# Opt-in shared memory per block (CUDA programming guide, compute capabilities table).
-SHARED_MEMORY_PER_BLOCK = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376,
-                           (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
-# Lowering for CUDA without a GPU and without a named target: settings that compile on every
-# supported GPU (the 99 KB parts' shared memory, no Hopper-only instructions).
-PORTABLE_TARGET = GpuTarget((8, 0), 101376)
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Tiles and launch options of the three kernels for one (target, dtype, head dim)."""
-
-    block_sizes: BlockSizes
-    split_dkv: bool  # dk and dv in two kernels: half the accumulators, p computed twice
-    num_warps: int
-    # The dk / dv kernel's logits as [block_k, block_q] (k q^T), so dk += ds q and dv += p dO
-    # need no transposed operand; query-major keeps q k^T, whose block_q rows let sm_90 use
-    # wgmma (64-row tiles) where block_k is 32.
-    key_major: bool
-
-
-def default_config(target: GpuTarget, dtype, head_dim: int,
-                   precision: str = "highest") -> KernelConfig:
-    """The configuration with no register spills, from benchmarks/GPU_COMPILE.md.
-
-    ``head_dim``: the larger of D and Dv after padding to a power of two. What the
-    deviceless compile showed (ptxas 12.9, bf16, 4/2 heads; regs / spill bytes per thread):
-    - 64 x 64 tiles, one dk / dv kernel: dk / dv at 255 registers, spilling 136-568 bytes on
-      sm_90 and more on sm_80, and dq at 255 with causal + softcap.
-    - 64 x 32 on sm_90 (wgmma): no spills at D <= 128, causal and caps included (dk / dv
-      197-254 registers). On sm_80 / sm_89 (mma.sync) its dk / dv spills 96-136 bytes with a cap.
-    - 32 x 32 on sm_80 / sm_89: no spills at D <= 128 (dk / dv 204). On sm_90 it loses wgmma.
-    - D = 256: every tile with one dk / dv kernel spills 424-1008 bytes; 32 x 32 with dk and dv
-      in two kernels spills none on sm_80 / sm_90 (24 bytes in the sm_89 forward).
-      On the 99 KB parts (sm_89) that config's forward spills 24 bytes; 32 x 16 spills
-      nothing on any target.
-    - float32 ("ieee" dots, no tensor cores): with 64 x 32 tiles ptxas gives dk / dv 32
-      registers and 57-72 KB of spill traffic per thread. 16 x 16 tiles, dk and dv apart and
-      4 warps bring it to 2.1 KB (dk) and 0.5 KB (dv); computing the dk / dv kernels' logits
-      key-major (k q^T, no transposed operand in dk += ds q) to none. Larger float32 tiles
-      spill 0.3-36 KB.
-    - Key-major dk / dv kernels on sm_80 / sm_89 also take 150-190 registers where
-      query-major took 196-204. On sm_90 at D <= 128 query-major stays: with 32-key tiles
-      key-major loses wgmma, and 64 x 64 tiles spill 72-360 bytes (96-120 with dk, dv apart).
-    - float32 on tensor cores (``precision`` "high" / "default"): the 16-bit tiles spill
-      0.4-3 KB in dk / dv; 32 x 32 with dk and dv apart spill nothing with tf32 and 56-104
-      bytes with three bf16 passes (dq 64).
-    """
-    f32 = jnp.dtype(dtype) == jnp.float32
-    if f32 and precision == "highest":
-        return KernelConfig(BlockSizes(16, 16), True, 4, key_major=True)
-    warps = 8 if head_dim > 64 else 4
-    if head_dim > 128:
-        small_smem = target.shared_memory_per_block <= PORTABLE_TARGET.shared_memory_per_block
-        return KernelConfig(BlockSizes(32, 16 if small_smem else 32), True, warps,
-                            key_major=True)
-    if f32:
-        return KernelConfig(BlockSizes(32, 32), True, warps, key_major=True)
-    if target.compute_capability >= (9, 0):
-        return KernelConfig(BlockSizes(64, 32), False, warps, key_major=False)
-    return KernelConfig(BlockSizes(32, 32), False, warps, key_major=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,7 +549,7 @@ def _pad_head_dim(x):
 
 def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
                      softcap_method: str, config: KernelConfig,
-                     block_plan: BlockPlan | None = None, num_stages: int | None = None,
+                     block_plan: BlockPlan | None = None,
                      precision: str = "highest", interpret: bool = False,
                      logit_multiplier=None):
     """Blocked attention on Pallas/Triton; arguments and results as :func:`rankattn.attention`
@@ -673,7 +580,8 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
                  own_key=segment_ids is not None, multiplied=multiplier is not None, block_q=bq, block_k=bk, group=hq // hkv,
                  split_dkv=config.split_dkv, key_major=config.key_major, precision=precision,
                  num_warps=config.num_warps,
-                 num_stages=num_stages or _default_stages(sizes, d_pad, dv_pad, q.dtype.itemsize),
+                 num_stages=(config.num_stages
+                             or _default_stages(sizes, d_pad, dv_pad, q.dtype.itemsize)),
                  interpret=interpret)
     out, lse = _attention(st, q_p, k_p, v_p, seg, block_plan, poison, multiplier)
     return semantics.poison_rows(out[:, :sq, :, :dv], lse[:, :, :sq], q_poison)
@@ -694,9 +602,13 @@ def _default_stages(sizes: BlockSizes, d: int, dv: int, itemsize: int) -> int:
 class PallasTriton(Backend):
     """The Pallas kernels on the Triton lowering, for NVIDIA GPUs of sm80 (Ampere) and newer.
 
-    The tiles, the number of warps and whether dk and dv share a kernel are chosen per GPU,
-    dtype and head dim (:func:`default_config`: the configuration without register spills
-    in the deviceless compile of benchmarks/gpu_compile.py). ``target`` names the GPU: None
+    The tiles, warps, pipeline stages and whether dk and dv share a kernel are chosen per
+    GPU, dtype, head dim and GQA group (:func:`rankattn.backends.gpu_config.default_config`):
+    the tuned table's entry, timed on such a GPU by ``benchmarks/gpu.py --tune``, else the
+    configuration without register spills in the deviceless compile of
+    benchmarks/gpu_compile.py. ``tuned``: None (default) reads the table shipped with
+    rankattn, or the file ``$RANKATTN_GPU_TUNED`` names; a path reads that table; False
+    uses the spill-free rules only. ``target`` names the GPU: None
     (default) reads it from the device on a GPU machine, and uses ``PORTABLE_TARGET``
     (settings that compile on every supported GPU) when lowering for CUDA elsewhere; or
     "sm_80", "sm_89", "sm_90", (9, 0), a :class:`GpuTarget`.
@@ -724,7 +636,7 @@ class PallasTriton(Backend):
     def __init__(self, block_sizes: BlockSizes | None = None, *, num_warps: int | None = None,
                  num_stages: int | None = None, split_dkv: bool | None = None,
                  key_major: bool | None = None, target=None, precision: str = "highest",
-                 interpret: bool = False):
+                 tuned: str | os.PathLike | bool | None = None, interpret: bool = False):
         for field in ("block_q", "block_k"):
             value = None if block_sizes is None else getattr(block_sizes, field)
             if value is not None and (value < MIN_BLOCK or value & (value - 1)):
@@ -745,6 +657,11 @@ class PallasTriton(Backend):
         self.key_major = key_major
         self.precision = precision
         self.target = None if target is None else GpuTarget.of(target)
+        if not (tuned is None or tuned is False or isinstance(tuned, (str, os.PathLike))):
+            raise fail("RA116", f"PallasTriton tuned={tuned!r}; pass None (the shipped table), "
+                                "a path to a table written by benchmarks/gpu.py --tune, or False "
+                                "(the built-in configurations only).")
+        self.tuned = tuned
         self.interpret = bool(interpret)
 
     def gpu_target(self) -> GpuTarget:
@@ -759,14 +676,22 @@ class PallasTriton(Backend):
             return GpuTarget(capability, PORTABLE_TARGET.shared_memory_per_block)
         return PORTABLE_TARGET
 
-    def config(self, dtype, head_dim: int) -> KernelConfig:
-        """The configuration of a call with this dtype and (larger) head dim."""
+    def table(self) -> tuple[gpu_config.TunedEntry, ...]:
+        """The tuned table's entries this instance consults (see ``tuned``)."""
+        if self.tuned is False:
+            return ()
+        return gpu_config.load_table(gpu_config.table_path() if self.tuned is None
+                                     else Path(self.tuned))
+
+    def config(self, dtype, head_dim: int, group: int = 1) -> KernelConfig:
+        """The configuration of a call with this dtype, (larger) head dim and GQA group."""
         chosen = default_config(self.gpu_target(), dtype, _padded_head_dim(head_dim),
-                                self.precision)
+                                self.precision, group, self.table())
         return KernelConfig(self.block_sizes or chosen.block_sizes,
                             chosen.split_dkv if self.split_dkv is None else self.split_dkv,
                             self.num_warps or chosen.num_warps,
-                            chosen.key_major if self.key_major is None else self.key_major)
+                            chosen.key_major if self.key_major is None else self.key_major,
+                            self.num_stages or chosen.num_stages)
 
     def platform_reasons(self) -> list[str]:
         if IMPORT_ERROR is not None:
@@ -790,20 +715,25 @@ class PallasTriton(Backend):
         return []
 
     def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
-        """Every tile pair a call of this length may use, over dtypes and head dims."""
-        return tuple(dict.fromkeys(plan_sizes(self.config(dtype, head_dim).block_sizes, seq_len)
-                                   for dtype in (jnp.bfloat16, jnp.float32)
-                                   for head_dim in (128, 256)))
+        """Every tile pair a call of this length may use: over dtypes and head dims by the
+        built-in rules, and every tuned table entry for this GPU."""
+        capability = self.gpu_target().compute_capability
+        tuned = [e.config.block_sizes for e in self.table() if e.compute_capability == capability]
+        sizes = [self.config(dtype, head_dim).block_sizes for dtype in (jnp.bfloat16, jnp.float32)
+                 for head_dim in (128, 256)]
+        return tuple(dict.fromkeys(plan_sizes(self.block_sizes or s, seq_len)
+                                   for s in sizes + tuned))
 
     def __call__(self, call: AttentionCall):
-        config = self.config(call.q.dtype, max(call.q.shape[-1], call.v.shape[-1]))
+        config = self.config(call.q.dtype, max(call.q.shape[-1], call.v.shape[-1]),
+                             call.q.shape[2] // call.k.shape[2])
         blocks = None
         if call.plan is not None:
             blocks = call.plan.block_plan(plan_sizes(config.block_sizes, call.q.shape[1]))
         return triton_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
                                 scale=call.scale, softcap=call.softcap,
                                 softcap_method=call.softcap_method, config=config,
-                                block_plan=blocks, num_stages=self.num_stages,
+                                block_plan=blocks,
                                 precision=self.precision, interpret=self.interpret,
                                 logit_multiplier=call.logit_multiplier)
 
@@ -821,6 +751,8 @@ class PallasTriton(Backend):
             options.append(f"target={self.target.name}")
         if self.precision != "highest":
             options.append(f"precision={self.precision!r}")
+        if self.tuned is not None:
+            options.append(f"tuned={self.tuned!r}")
         if self.interpret:
             options.append("interpret=True")
         return f"<rankattn backend 'pallas_triton' {' '.join(options)}>"
