@@ -38,7 +38,7 @@ if os.environ.get("RANKATTN_X64_TESTS") != "1":
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from rankattn.backends import BlockSizes, Cpu, PallasTriton, Xla  # noqa: E402
+from rankattn.backends import BlockSizes, Cpu, PallasTpu, PallasTriton, Xla  # noqa: E402
 from rankattn import native  # noqa: E402
 from rankattn.backends.cpu import library  # noqa: E402
 
@@ -80,14 +80,25 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 SMALL_BLOCKS = Xla(BlockSizes(16, 8))
 SMALL_TRITON = PallasTriton(BlockSizes(16, 16), interpret=True)
 SMALL_CPU = Cpu(BlockSizes(16, 8))
+# The Mosaic TPU kernels in Pallas' generic interpreter, which does not enforce TPU's (8, 128)
+# block rule: 16 x 16 blocks make block skipping visible at the named tests' lengths.
+SMALL_TPU = PallasTpu(BlockSizes(16, 16), interpret=True)
 # (Default xla blocks are one block at the named tests' lengths, S <= 40, so "xla" there would
 # repeat what "xla-16x8" checks at more block edges; TestXlaDefaultBlocks* run the defaults.)
 BACKENDS = [
     pytest.param("reference", id="reference"),
     pytest.param(SMALL_BLOCKS, id="xla-16x8"),
     pytest.param(SMALL_TRITON, id="pallas_triton-16x16"),
+    pytest.param(SMALL_TPU, id="pallas_tpu-16x16"),
     pytest.param(SMALL_CPU, id="cpu-16x8", marks=needs_cpu_kernel),
 ]
+
+
+def skip_if_float16_declined(impl, dtype) -> None:
+    """pallas_tpu declines float16 (Mosaic rejects float16 vector loads on v5e, v6e and TPU7x:
+    benchmarks/TPU_COMPILE.md); tests/test_pallas_tpu.py checks its reason instead."""
+    if isinstance(impl, PallasTpu) and str(dtype) == "float16":
+        pytest.skip("pallas_tpu declines float16 (Mosaic cannot load float16 vectors)")
 
 
 @pytest.fixture(params=BACKENDS)

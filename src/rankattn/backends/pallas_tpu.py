@@ -1,0 +1,739 @@
+"""Block-sparse flash attention as Pallas kernels on the Mosaic TPU lowering.
+
+Three kernels, each over a grid (batch, kv head, block, visit) whose first three
+dimensions are "parallel" and whose last, "arbitrary", walks a block plan's list
+(:mod:`rankattn.blocks`), passed as scalar prefetch (SMEM) so that the BlockSpec index
+maps fetch only the listed blocks:
+
+* forward, grid (b, kv head, query block i, visit t): the online softmax over the key
+  blocks of ``kv_index[b, i]``, full blocks first (no mask arithmetic), then partial ones
+  (the mask from segment-id vectors, :func:`rankattn.semantics.sees_history`); at the
+  last visit the candidates' own-key logit joins as one more column and out / lse are
+  written.
+* dq, the same grid and lists, recomputing p from the saved log-sum-exp.
+* dk / dv, grid (b, kv head, key block j, visit t) over the transposed lists
+  ``q_index[b, j]`` (the query blocks that see key block j): each program owns its key
+  block's dk and dv, so there are no atomics and the result is deterministic.
+
+Past a list's count the index maps repeat the last visited entry (:func:`visited_block`):
+the block index does not change between steps, so the pipeline issues no DMA for them,
+and the kernel body does nothing there.
+
+Layout. rankattn's arrays are [B, S, H, D]; a TPU block's last two dimensions must be
+multiples of (8, 128) or the whole axis, so a [bq, G, D] block of the G query heads of
+one kv head is illegal unless G is a multiple of 8. The kernels therefore run head-major:
+q as [B, Hkv, G, S, D], k / v as [B, Hkv, S, D], and a query block holds all G query
+heads of its kv head, ``[G, bq, D]``, flattened in the kernel to ``[G * bq, D]`` rows (a
+free reshape: bq is a multiple of 8) so that one MXU matmul serves the whole group and
+K / V are read once per group (GQA without repeating K / V). The transposes in and out
+are XLA ops outside the kernels (part of any timing). Head dims are zero-padded to a
+multiple of 128 (the lane width; zeros change no dot product): D = 64 runs padded to 128.
+Per-row vectors are [rows, 1] columns and per-key vectors [1, keys] rows (Mosaic's
+vectors are 2-D): segment ids as [B, S, 1] / [B, 1, S], lse as [B, Hkv, G, S, 1].
+
+Numerics: float32 operands are multiplied at ``precision=HIGHEST`` (Mosaic's default for
+float32 is one bf16 MXU pass); bfloat16 operands feed the MXU with float32 accumulation.
+Logits are scaled and capped in float32 and the softmax runs in base 2
+(:mod:`rankattn.backends.flash_math`); p is cast to the value dtype for the PV product
+and ds to the query / key dtype for the dq / dk products. Rows that see no key get out
+0, lse -inf and zero gradients; non-finite inputs poison exactly the rows of
+:mod:`rankattn.semantics`.
+
+Minimum JAX: 0.7 (``pltpu.CompilerParams``, ``pltpu.InterpretParams``); where a name
+this module needs is missing the backend declines with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rankattn import semantics
+from rankattn.backends import flash_math
+from rankattn.backends.base import Backend
+from rankattn.blocks import BlockPlan, BlockSizes, pad_axis1, round_up, segments_and_plan
+from rankattn.errors import fail
+from rankattn.validate import AttentionCall
+
+# Pallas TPU names moved between JAX versions (TPUCompilerParams became CompilerParams in
+# 0.7); the backend declines with the missing names rather than failing at import.
+NEEDED_NAMES = ("PrefetchScalarGridSpec", "CompilerParams", "InterpretParams")
+try:
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    MISSING = [name for name in NEEDED_NAMES if not hasattr(pltpu, name)]
+    IMPORT_ERROR = f"jax.experimental.pallas.tpu lacks {', '.join(MISSING)}" if MISSING else None
+except ImportError as error:  # pragma: no cover - depends on the installed JAX
+    pl = pltpu = None
+    IMPORT_ERROR = str(error)
+
+LANES, SUBLANES = 128, 8  # the last two dims of a TPU block: multiples of (8, 128)
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+# --- The kernels' configuration per TPU generation. ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuTarget:
+    """The TPU generation the kernels are configured for.
+
+    ``block_sizes``: query x key blocks (block_q a multiple of 8, block_k of 128).
+    ``smem_budget``: bytes of scalar prefetch (the plan lists) one kernel call may hold;
+    larger batches are split into calls of fewer rows (:func:`rows_per_call`).
+    ``vmem_limit_bytes``: the scoped VMEM limit asked of Mosaic, or None for its default.
+    """
+
+    name: str
+    block_sizes: BlockSizes
+    smem_budget: int
+    vmem_limit_bytes: int | None = None
+
+
+# Blocks per generation (benchmarks/TPU_COMPILE.md: every entry compiles deviceless with
+# VMEM and SMEM well under the limits). 128 query rows per head; the G heads of a group
+# make G * 128 MXU rows. Keys: 128 on v5e (a 128 x 128 MXU), 256 on v6e and TPU7x (256 x
+# 256 MXUs, so a [rows, 256] logit tile fills the array). The list budget is half of each
+# generation's 1 MiB SMEM (pltpu.get_tpu_info_for_chip), leaving room for Mosaic's own.
+TARGETS = {
+    "v5e": TpuTarget("v5e", BlockSizes(128, 128), smem_budget=512 << 10),
+    "v6e": TpuTarget("v6e", BlockSizes(128, 256), smem_budget=512 << 10),
+    "tpu7x": TpuTarget("tpu7x", BlockSizes(128, 256), smem_budget=512 << 10),
+}
+# Lowering without a TPU and without a named target: the smallest generation's settings.
+PORTABLE_TARGET = TARGETS["v5e"]
+# device_kind spellings -> table entry (other generations take the portable settings).
+DEVICE_KINDS = {"v5 lite": "v5e", "v5e": "v5e", "v6 lite": "v6e", "v6e": "v6e", "7x": "tpu7x"}
+
+
+def target_of(spec) -> TpuTarget:
+    """A TpuTarget from itself or its name ("v5e", "v6e", "tpu7x")."""
+    if isinstance(spec, TpuTarget):
+        return spec
+    if spec not in TARGETS:
+        raise fail("RA116", f"PallasTpu target={spec!r}; pass one of "
+                            f"{', '.join(map(repr, TARGETS))} or a TpuTarget(name, "
+                            "block_sizes, smem_budget) for another generation.")
+    return TARGETS[spec]
+
+
+def plan_sizes(sizes: BlockSizes, seq_len: int) -> BlockSizes:
+    """The blocks of a call of ``seq_len`` tokens: ``sizes``, or for a sequence no longer
+    than a query block one block of ``round_up(seq_len, 8)`` each way (a whole axis is a
+    legal TPU block whatever its length, so short calls compute no padding)."""
+    whole = round_up(seq_len, SUBLANES)
+    if whole <= sizes.block_q:
+        return BlockSizes(whole, whole)
+    return sizes
+
+
+def list_bytes(n_q: int, n_k: int) -> int:
+    """SMEM bytes of one batch row's scalar prefetch: an [nQ, nK] list and two counts
+    (int32 words; the transposed lists of the dk / dv kernel are the same size)."""
+    return 4 * (n_q * n_k + 2 * max(n_q, n_k))
+
+
+def rows_per_call(batch: int, n_q: int, n_k: int, budget: int) -> int:
+    """How many batch rows one kernel call takes so its plan lists fit ``budget`` bytes."""
+    return max(1, min(batch, budget // list_bytes(n_q, n_k)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything that selects the compiled kernels."""
+
+    causal: bool
+    scale: float
+    softcap: float | None
+    softcap_method: str
+    own_key: bool     # self-attention with a mask: candidates add their own key
+    multiplied: bool  # a logit multiplier per query row (one more input)
+    block_q: int
+    block_k: int
+    group: int        # query heads per kv head
+    interpret: Any    # False, True or a pltpu.InterpretParams (hashable)
+    vmem_limit_bytes: int | None
+    count_visits: bool = False  # the forward also outputs visits per query block (tests)
+
+    def launch(self, name: str):
+        semantics_ = ("parallel", "parallel", "parallel", "arbitrary")
+        return dict(interpret=self.interpret, name=name,
+                    compiler_params=pltpu.CompilerParams(
+                        dimension_semantics=semantics_, vmem_limit_bytes=self.vmem_limit_bytes))
+
+
+# --- Pieces shared by the three kernels. --------------------------------------------
+
+
+def _dot(a, b, contract):
+    """2-D dot with float32 accumulation; float32 operands at HIGHEST precision (the MXU's
+    exact float32 passes, not Mosaic's default single bf16 pass). ``contract``: the
+    contracted axes of a and b, (1, 0) for a b, (1, 1) for a b^T, (0, 0) for a^T b."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                               precision=precision, preferred_element_type=jnp.float32)
+
+
+NN, NT, TN = (1, 0), (1, 1), (0, 0)
+
+
+def visited_block(index_ref, count_ref, b, i, t):
+    """The block a list visits at step t: entry t, or past the count the last visited entry
+    (the same block index as the step before, so the pipeline fetches nothing); an empty
+    list stays on entry 0 (its one fetch, never computed on)."""
+    last = jnp.maximum(count_ref[b, i] - 1, 0)
+    return index_ref[b, i, jnp.minimum(t, last)]
+
+
+def _mask(st: _Static, seg_q, seg_k, q_start, k_start):
+    """The history part of the mask (rankattn.semantics) for a block pair, bool [bq, bk],
+    from seg_q [bq, 1] and seg_k [1, bk] and the blocks' first positions."""
+    pos_q = q_start + jax.lax.broadcasted_iota(jnp.int32, (st.block_q, 1), 0)
+    pos_k = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)
+    return semantics.sees_history(seg_q, seg_k, pos_q, pos_k, st.causal)
+
+
+def _masked(st: _Static, s2, mask):
+    """Logits [G * bq, bk] with the pairs outside ``mask`` [bq, bk] (each head alike) -inf."""
+    rows, keys = s2.shape
+    grouped = s2.reshape(st.group, rows // st.group, keys)
+    return jnp.where(mask[None], grouped, -jnp.inf).reshape(rows, keys)
+
+
+def _rows(x):
+    """[G, n, c] -> [G * n, c]: the group's heads as one matrix of rows."""
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+
+
+def _named(names, refs):
+    """The kernel's refs by name (their order is the pallas_call's)."""
+    assert len(names) == len(refs), (names, len(refs))
+    return dict(zip(names, refs))
+
+
+def _visits(st: _Static, full, count, visit):
+    """Run ``visit(masked)`` at this grid step if the list visits a block here: full
+    blocks (no mask arithmetic) before ``full``, partial ones up to ``count``."""
+    t = pl.program_id(3)
+    pl.when(t < full)(lambda: visit(False))
+    pl.when((t >= full) & (t < count))(lambda: visit(True))
+
+
+# Index maps: grid (b, h, n, t) and the scalar-prefetch refs (index, full, count). n is the
+# program's own block (query block for the forward and dq, key block for dk / dv); the
+# "visited" maps follow the list.
+def _at_own(block_axis_rank: int):
+    """Index map of an operand blocked at the program's own block on its sequence axis."""
+    def index_map(b, h, n, t, index_ref, full_ref, count_ref):
+        return _place(block_axis_rank, b, h, n)
+    return index_map
+
+
+def _at_visited(block_axis_rank: int):
+    """Index map of an operand blocked at the visited block (list entry t, repeated past
+    the count) on its sequence axis."""
+    def index_map(b, h, n, t, index_ref, full_ref, count_ref):
+        return _place(block_axis_rank, b, h, visited_block(index_ref, count_ref, b, n, t))
+    return index_map
+
+
+def _place(kind: int, b, h, block):
+    """Block indices of one operand layout (see LAYOUTS) with ``block`` on the sequence."""
+    return {
+        0: (b, block, 0),          # seg column [B, S, 1]
+        1: (b, 0, block),          # seg row [B, 1, S]
+        2: (b, h, 0, block, 0),    # per query head [B, Hkv, G, S, D]
+        3: (b, h, block, 0),       # per kv head [B, Hkv, S, D]
+        4: (b, h, 0, block),       # per kv head row [B, Hkv, 1, S]
+    }[kind]
+
+
+SEG_COL, SEG_ROW, GROUP, KV, KV_ROW = range(5)
+
+
+def _block(kind: int, st: _Static, rows: int, width: int = 1):
+    """BlockSpec shape of one operand layout: ``rows`` on its sequence axis."""
+    return {
+        SEG_COL: (None, rows, 1),
+        SEG_ROW: (None, 1, rows),
+        GROUP: (None, None, st.group, rows, width),
+        KV: (None, None, rows, width),
+        KV_ROW: (None, None, 1, rows),
+    }[kind]
+
+
+def _spec(st: _Static, kind: int, rows: int, width: int = 1, visited: bool = False):
+    index_map = (_at_visited if visited else _at_own)(kind)
+    return pl.BlockSpec(_block(kind, st, rows, width), index_map)
+
+
+def _call(st: _Static, kernel, name: str, plan_lists, grid, in_specs, out_specs, out_shape,
+          scratch, args):
+    """pallas_call with the plan lists as scalar prefetch and ``grid`` (b, kv head, own
+    block, visit)."""
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid,
+                                             in_specs=in_specs, out_specs=out_specs,
+                                             scratch_shapes=scratch)
+    return pl.pallas_call(functools.partial(kernel, st=st), grid_spec=grid_spec,
+                          out_shape=out_shape, **st.launch(name))(*plan_lists, *args)
+
+
+# --- Forward. -----------------------------------------------------------------------
+
+
+def _forward_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
+    names = ["seg_q", "seg_k", "q", "k", "v", "poison"]
+    names += ["k_own", "v_own", "poison_own"] * st.own_key + ["mult"] * st.multiplied
+    names += ["out", "lse"] + ["visits"] * st.count_visits + ["m", "l", "acc"]
+    r = _named(names, refs)
+    b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    mult = _rows(r["mult"][...]) if st.multiplied else None  # [G * bq, 1]
+
+    @pl.when(t == 0)
+    def _():
+        r["m"][...] = jnp.full(r["m"].shape, -jnp.inf, jnp.float32)
+        r["l"][...] = jnp.zeros(r["l"].shape, jnp.float32)
+        r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
+        if st.count_visits:
+            r["visits"][...] = jnp.zeros(r["visits"].shape, jnp.int32)
+
+    def visit(masked: bool):
+        j = kv_index_ref[b, i, t]
+        s2, _ = flash_math.capped_logits(st, _dot(_rows(r["q"][...]), r["k"][...], NT))
+        s2 = flash_math.times(s2, mult) + r["poison"][...]  # NaN for keys with non-finite k / v
+        if masked:
+            s2 = _masked(st, s2, _mask(st, r["seg_q"][...], r["seg_k"][...],
+                                       i * st.block_q, j * st.block_k))
+        r["acc"][...], r["m"][...], r["l"][...] = flash_math.online_softmax_step(
+            s2, r["v"][...], r["m"][...], r["l"][...], r["acc"][...],
+            lambda p, v: _dot(p, v, NN))
+        if st.count_visits:
+            r["visits"][...] += 1
+
+    _visits(st, full_ref[b, i], count_ref[b, i], visit)
+
+    @pl.when(t == pl.num_programs(3) - 1)
+    def _():
+        acc, m, l = r["acc"][...], r["m"][...], r["l"][...]
+        if st.own_key:  # the own-key logit joins the softmax as one more column
+            q = r["q"][...]  # [G, bq, D]
+            s_own, _ = flash_math.own_logits(
+                st, q, r["k_own"][...], r["seg_q"][...], r["poison_own"][...],
+                None if mult is None else r["mult"][...], keepdims=True)  # [G, bq, 1]
+            v_own = jnp.broadcast_to(r["v_own"][...].astype(jnp.float32)[None],
+                                     (st.group,) + r["v_own"].shape)
+            acc, m, l = flash_math.online_softmax_step(_rows(s_own), _rows(v_own), m, l, acc,
+                                                       lambda p, v: p * v)
+        out, lse = flash_math.finish(acc, m, l)
+        r["out"][...] = out.reshape(r["out"].shape).astype(r["out"].dtype)
+        r["lse"][...] = lse.reshape(r["lse"].shape)
+
+
+def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
+    """out [B, Hkv, G, nQ * bq, Dv] (q's dtype) and lse float32 [B, Hkv, G, nQ * bq], on
+    padded head-major inputs (see :func:`tpu_attention`); with ``st.count_visits`` also
+    the key blocks each query block computed, int32 [B, Hkv, nQ, 1, 1]."""
+    b, hkv, g, _, d = q.shape
+    dv = v.shape[-1]
+    n_q, n_k = plan.kv_index.shape[1:]
+    bq, bk = st.block_q, st.block_k
+    seg_col, seg_row = seg
+    poison_row, poison_col = poison
+    in_specs = [_spec(st, SEG_COL, bq), _spec(st, SEG_ROW, bk, visited=True),
+                _spec(st, GROUP, bq, d), _spec(st, KV, bk, d, visited=True),
+                _spec(st, KV, bk, dv, visited=True), _spec(st, KV_ROW, bk, visited=True)]
+    args = [seg_col, seg_row, q, k, v, poison_row]
+    if st.own_key:  # the keys, values and poison at the query block's own positions
+        in_specs += [_spec(st, KV, bq, d), _spec(st, KV, bq, dv), _spec(st, KV, bq)]
+        args += [k, v, poison_col]
+    if st.multiplied:
+        in_specs.append(_spec(st, GROUP, bq))
+        args.append(multiplier)
+    rows = n_q * bq
+    out_specs = [_spec(st, GROUP, bq, dv), _spec(st, GROUP, bq)]
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, g, rows, dv), q.dtype),
+                 jax.ShapeDtypeStruct((b, hkv, g, rows, 1), jnp.float32)]
+    if st.count_visits:
+        out_specs.append(pl.BlockSpec((None, None, None, 1, 1),
+                                      lambda b_, h, i, t, *_: (b_, h, i, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, hkv, n_q, 1, 1), jnp.int32))
+    scratch = [pltpu.VMEM((g * bq, 1), jnp.float32), pltpu.VMEM((g * bq, 1), jnp.float32),
+               pltpu.VMEM((g * bq, dv), jnp.float32)]
+    results = _call(st, _forward_kernel, "rankattn_tpu_forward",
+                    (plan.kv_index, plan.full_count, plan.count), (b, hkv, n_q, n_k),
+                    in_specs, out_specs, out_shape, scratch, args)
+    out, lse = results[0], results[1][..., 0]
+    return (out, lse, results[2]) if st.count_visits else (out, lse)
+
+
+# --- Backward: dq. ------------------------------------------------------------------
+
+
+def _dq_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
+    names = ["seg_q", "seg_k", "q", "k", "v", "do", "lse", "delta"]
+    names += ["k_own", "v_own"] * st.own_key + ["mult"] * st.multiplied + ["dq", "acc"]
+    r = _named(names, refs)
+    b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    mult = _rows(r["mult"][...]) if st.multiplied else None  # [G * bq, 1]
+
+    @pl.when(t == 0)
+    def _():
+        r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
+
+    def visit(masked: bool):
+        j = kv_index_ref[b, i, t]
+        k, v = r["k"][...], r["v"][...]
+        qk = _dot(_rows(r["q"][...]), k, NT)
+        s2, s = flash_math.capped_logits(st, qk)
+        s2 = flash_math.times(s2, mult)
+        if masked:
+            s2 = _masked(st, s2, _mask(st, r["seg_q"][...], r["seg_k"][...],
+                                       i * st.block_q, j * st.block_k))
+        p = jnp.exp2(s2 - flash_math.lse2(_rows(r["lse"][...])))
+        dp = _dot(_rows(r["do"][...]), v, NT)
+        ds = flash_math.logit_grads(st, p, dp, _rows(r["delta"][...]), s, mult)
+        r["acc"][...] += _dot(ds.astype(k.dtype), k, NN)
+
+    _visits(st, full_ref[b, i], count_ref[b, i], visit)
+
+    @pl.when(t == pl.num_programs(3) - 1)
+    def _():
+        dq = r["acc"][...].reshape(r["dq"].shape)
+        if st.own_key:
+            k_own, v_own = (r[n][...].astype(jnp.float32) for n in ("k_own", "v_own"))
+            mult3 = r["mult"][...] if st.multiplied else None  # [G, bq, 1]
+            s2, s = flash_math.own_logits(st, r["q"][...], k_own, r["seg_q"][...],
+                                          multiplier=mult3, keepdims=True)
+            p = jnp.exp2(s2 - flash_math.lse2(r["lse"][...]))
+            dp = (r["do"][...].astype(jnp.float32) * v_own).sum(-1, keepdims=True)
+            dq = dq + flash_math.logit_grads(st, p, dp, r["delta"][...], s, mult3) * k_own
+        r["dq"][...] = dq.astype(r["dq"].dtype)
+
+
+def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
+    """dq [B, Hkv, G, nQ * bq, D]; d_out, lse and delta (lse, delta as [..., S, 1]) padded
+    to the inputs' length."""
+    b, hkv, g, _, d = q.shape
+    dv = v.shape[-1]
+    n_q, n_k = plan.kv_index.shape[1:]
+    bq, bk = st.block_q, st.block_k
+    in_specs = [_spec(st, SEG_COL, bq), _spec(st, SEG_ROW, bk, visited=True),
+                _spec(st, GROUP, bq, d), _spec(st, KV, bk, d, visited=True),
+                _spec(st, KV, bk, dv, visited=True), _spec(st, GROUP, bq, dv),
+                _spec(st, GROUP, bq), _spec(st, GROUP, bq)]
+    args = [seg[0], seg[1], q, k, v, d_out, lse, delta]
+    if st.own_key:
+        in_specs += [_spec(st, KV, bq, d), _spec(st, KV, bq, dv)]
+        args += [k, v]
+    if st.multiplied:
+        in_specs.append(_spec(st, GROUP, bq))
+        args.append(multiplier)
+    return _call(st, _dq_kernel, "rankattn_tpu_dq", (plan.kv_index, plan.full_count, plan.count),
+                 (b, hkv, n_q, n_k), in_specs, _spec(st, GROUP, bq, d),
+                 jax.ShapeDtypeStruct((b, hkv, g, n_q * bq, d), q.dtype),
+                 [pltpu.VMEM((g * bq, d), jnp.float32)], args)
+
+
+# --- Backward: dk and dv. -----------------------------------------------------------
+
+
+def _dkv_kernel(q_index_ref, full_ref, count_ref, *refs, st: _Static):
+    names = ["seg_q", "seg_k", "q", "k", "v", "do", "lse", "delta"] + ["mult"] * st.multiplied
+    if st.own_key:  # the queries at this key block's positions, each on its own key
+        names += ["seg_own", "q_own", "do_own", "lse_own", "delta_own"]
+        names += ["mult_own"] * st.multiplied
+    names += ["dk", "dv", "dk_acc", "dv_acc"]
+    r = _named(names, refs)
+    b, j, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    k, v = r["k"][...], r["v"][...]
+
+    @pl.when(t == 0)
+    def _():
+        r["dk_acc"][...] = jnp.zeros(r["dk_acc"].shape, jnp.float32)
+        r["dv_acc"][...] = jnp.zeros(r["dv_acc"].shape, jnp.float32)
+
+    def visit(masked: bool):
+        i = q_index_ref[b, j, t]
+        q, do = _rows(r["q"][...]), _rows(r["do"][...])
+        mult = _rows(r["mult"][...]) if st.multiplied else None
+        s2, s = flash_math.capped_logits(st, _dot(q, k, NT))  # [G * bq, bk]
+        s2 = flash_math.times(s2, mult)
+        if masked:
+            s2 = _masked(st, s2, _mask(st, r["seg_q"][...], r["seg_k"][...],
+                                       i * st.block_q, j * st.block_k))
+        p = jnp.exp2(s2 - flash_math.lse2(_rows(r["lse"][...])))
+        r["dv_acc"][...] += _dot(p.astype(do.dtype), do, TN)
+        ds = flash_math.logit_grads(st, p, _dot(do, v, NT), _rows(r["delta"][...]), s, mult)
+        r["dk_acc"][...] += _dot(ds.astype(q.dtype), q, TN)
+
+    _visits(st, full_ref[b, j], count_ref[b, j], visit)
+
+    @pl.when(t == pl.num_programs(3) - 1)
+    def _():
+        dk, dv = r["dk_acc"][...], r["dv_acc"][...]
+        if st.own_key:  # [G, bk, ...]: the group's heads at this block's positions
+            q_own = r["q_own"][...].astype(jnp.float32)
+            do_own = r["do_own"][...].astype(jnp.float32)
+            mult3 = r["mult_own"][...] if st.multiplied else None
+            s2, s = flash_math.own_logits(st, q_own, k, r["seg_own"][...], multiplier=mult3,
+                                          keepdims=True)
+            p = jnp.exp2(s2 - flash_math.lse2(r["lse_own"][...]))
+            dv = dv + (p * do_own).sum(0)
+            dp = (do_own * v.astype(jnp.float32)).sum(-1, keepdims=True)
+            ds = flash_math.logit_grads(st, p, dp, r["delta_own"][...], s, mult3)
+            dk = dk + (ds * q_own).sum(0)
+        r["dk"][...] = dk.astype(r["dk"].dtype)
+        r["dv"][...] = dv.astype(r["dv"].dtype)
+
+
+def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
+    """dk [B, Hkv, nK * bk, D] and dv [B, Hkv, nK * bk, Dv]; other arguments as :func:`_dq`."""
+    b, hkv, g, _, d = q.shape
+    dv = v.shape[-1]
+    n_k, n_q = plan.q_index.shape[1:]
+    bq, bk = st.block_q, st.block_k
+    in_specs = [_spec(st, SEG_COL, bq, visited=True), _spec(st, SEG_ROW, bk),
+                _spec(st, GROUP, bq, d, visited=True), _spec(st, KV, bk, d),
+                _spec(st, KV, bk, dv), _spec(st, GROUP, bq, dv, visited=True),
+                _spec(st, GROUP, bq, visited=True), _spec(st, GROUP, bq, visited=True)]
+    args = [seg[0], seg[1], q, k, v, d_out, lse, delta]
+    if st.multiplied:
+        in_specs.append(_spec(st, GROUP, bq, visited=True))
+        args.append(multiplier)
+    if st.own_key:
+        in_specs += [_spec(st, SEG_COL, bk), _spec(st, GROUP, bk, d), _spec(st, GROUP, bk, dv),
+                     _spec(st, GROUP, bk), _spec(st, GROUP, bk)]
+        args += [seg[0], q, d_out, lse, delta]
+        if st.multiplied:
+            in_specs.append(_spec(st, GROUP, bk))
+            args.append(multiplier)
+    rows = n_k * bk
+    return _call(st, _dkv_kernel, "rankattn_tpu_dkv",
+                 (plan.q_index, plan.q_full_count, plan.q_count), (b, hkv, n_k, n_q), in_specs,
+                 [_spec(st, KV, bk, d), _spec(st, KV, bk, dv)],
+                 [jax.ShapeDtypeStruct((b, hkv, rows, d), k.dtype),
+                  jax.ShapeDtypeStruct((b, hkv, rows, dv), v.dtype)],
+                 [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)], args)
+
+
+# --- The differentiable core, on padded head-major inputs. --------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
+    return _forward(st, q, k, v, seg, plan, poison, multiplier)
+
+
+def _attention_fwd(st, q, k, v, seg, plan, poison, multiplier):
+    out, lse = _forward(st, q, k, v, seg, plan, poison, multiplier)
+    return (out, lse), (q, k, v, seg, plan, out, lse, multiplier)
+
+
+def _attention_bwd(st, residuals, cotangents):
+    q, k, v, seg, plan, out, lse, multiplier = residuals
+    d_out, d_lse = cotangents
+    lse, d_out, delta = semantics.backward_rows(out, d_out, lse, d_lse)
+    # The forward wrote nQ * bq rows; the dk / dv kernel reads queries at every key block's
+    # rows (own keys), up to the padded length.
+    length = q.shape[3]
+    d_out = _pad_rows(d_out, length)
+    lse, delta = (_pad_rows(x[..., None], length) for x in (lse, delta))
+    dq = _dq(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
+    dk, dv = _dkv(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
+    return (_pad_rows(dq, length), _pad_rows(dk, length), _pad_rows(dv, length),
+            None, None, None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _pad_rows(x, length: int):
+    """Zero-pad the sequence axis (second to last) to ``length``."""
+    extra = length - x.shape[-2]
+    return x if not extra else jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, 0)])
+
+
+def _pad_last(x, multiple: int):
+    """Zero-pad the last axis to a multiple of ``multiple`` (zeros change no dot product)."""
+    extra = -x.shape[-1] % multiple
+    return x if not extra else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def _group_major(x, hkv: int, length: int):
+    """[B, S, Hq, C] -> [B, Hkv, G, length, C]: query head h * G + g as (h, g)."""
+    b, s, hq, c = x.shape
+    x = pad_axis1(x, length) if length > s else x
+    return x.reshape(b, length, hkv, hq // hkv, c).transpose(0, 2, 3, 1, 4)
+
+
+def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
+                  softcap_method: str, block_sizes: BlockSizes, block_plan: BlockPlan | None = None,
+                  interpret=False, logit_multiplier=None, smem_budget: int = 512 << 10,
+                  vmem_limit_bytes: int | None = None, count_visits: bool = False):
+    """Blocked attention on Pallas Mosaic TPU; arguments and results as
+    :func:`rankattn.attention` (q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv];
+    out [B, Sq, Hq, Dv] in q's dtype, lse float32 [B, Hq, Sq]; ``logit_multiplier``:
+    float32 [B, Sq, Hq], finite, or None).
+
+    ``block_sizes``: as :func:`plan_sizes` gives them for this length. ``block_plan``, if
+    given, is the self-attention plan of these segment ids at those sizes; without one it
+    is made here. Calls are split into batch chunks whose plan lists fit ``smem_budget``
+    bytes of scalar prefetch. ``count_visits`` (tests) returns a third result: the key
+    blocks each query block of the forward computed, int32 [B, Hkv, nQ], without the
+    custom gradient.
+    """
+    b, sq, hq, d = q.shape
+    skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    bq, bk = block_sizes.block_q, block_sizes.block_k
+    seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, block_sizes, causal,
+                                                 block_plan)
+    # One padded length for queries and keys: the own-key term reads keys at query rows
+    # and queries at key rows. Padding has segment id 0, so it is invisible.
+    length = round_up(max(sq, skv), max(bq, bk))
+    seg_q, seg_k = pad_axis1(seg_q, length), pad_axis1(seg_k, length)
+    (q, q_poison), (k, k_poison), (v, v_poison) = map(semantics.split_nonfinite, (q, k, v))
+    poison = _group_major((k_poison + v_poison)[..., None], hkv, length)[:, :, 0]  # [B,Hkv,S,1]
+    q_h = _group_major(_pad_last(q, LANES), hkv, length)
+    k_h, v_h = (_group_major(_pad_last(x, LANES), hkv, length)[:, :, 0] for x in (k, v))
+    multiplier = None
+    if logit_multiplier is not None:
+        multiplier = _group_major(logit_multiplier[..., None], hkv, length)
+    st = _Static(causal=causal, scale=scale, softcap=softcap, softcap_method=softcap_method,
+                 own_key=segment_ids is not None, multiplied=multiplier is not None,
+                 block_q=bq, block_k=bk, group=hq // hkv, interpret=interpret,
+                 vmem_limit_bytes=vmem_limit_bytes, count_visits=count_visits)
+
+    n_q, n_k = block_plan.kv_index.shape[1:]
+    chunk = rows_per_call(b, n_q, n_k, smem_budget)
+    results = []
+    for start in range(0, b, chunk):
+        rows = slice(start, start + chunk)
+        seg = (seg_q[rows, :, None], seg_k[rows, None, :])
+        poison_rows = (poison[rows].transpose(0, 1, 3, 2), poison[rows])
+        mult = None if multiplier is None else multiplier[rows]
+        plan = jax.tree.map(lambda x: x[rows], block_plan)
+        core = _forward if count_visits else _attention
+        results.append(core(st, q_h[rows], k_h[rows], v_h[rows], seg, plan, poison_rows, mult))
+    out, lse, *visits = (jnp.concatenate(parts) for parts in zip(*results))
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, -1, hq, out.shape[-1])[:, :sq, :, :dv]
+    lse = lse.reshape(b, hq, -1)[:, :, :sq]
+    out, lse = semantics.poison_rows(out, lse, q_poison)
+    return (out, lse, visits[0][..., 0, 0]) if count_visits else (out, lse)
+
+
+class PallasTpu(Backend):
+    """The Pallas kernels on the Mosaic TPU lowering (TPU v5e, v6e, TPU7x and others).
+
+    ``target`` names the generation whose settings (:data:`TARGETS`: blocks, the SMEM
+    budget of the plan lists, the VMEM limit) the kernels take: None (default) reads it from
+    the device on a TPU machine and uses ``PORTABLE_TARGET`` (v5e's) elsewhere; or "v5e",
+    "v6e", "tpu7x", a :class:`TpuTarget`. ``block_sizes`` overrides the target's blocks
+    (block_q a multiple of 8, block_k of 8, one dividing the other; on a TPU block_k must
+    be a multiple of 128 unless a call's keys fit one block).
+
+    ``interpret``: False (default) compiles for the TPU; True runs the same kernels in
+    Pallas' generic interpreter on any backend (CPU included; slow, for tests); a
+    ``pltpu.InterpretParams(...)`` runs them in the TPU simulator (memory spaces, DMAs,
+    two cores with ``num_cores_or_threads=2``, a race detector with ``detect_races=True``).
+
+    By name (``impl='pallas_tpu'`` or ``'auto'``, which tries it first) it runs only where
+    JAX's default backend is a TPU; an instance passed as ``impl=`` is not checked, so a
+    CPU-only machine can lower it for TPU (``jax.jit(f).trace(...)
+    .lower(lowering_platforms=('tpu',))``). No TPU has timed it yet.
+    """
+
+    name = "pallas_tpu"
+
+    def __init__(self, block_sizes: BlockSizes | None = None, *, target=None, interpret=False):
+        if block_sizes is not None:
+            bq, bk = block_sizes.block_q, block_sizes.block_k
+            if bq % SUBLANES or bk % SUBLANES or (max(bq, bk) % min(bq, bk)):
+                raise fail("RA116", f"PallasTpu block_sizes=({bq}, {bk}); blocks must be "
+                                    f"multiples of {SUBLANES}, one dividing the other, e.g. "
+                                    "BlockSizes(128, 256) (block_k a multiple of 128 on a TPU).")
+        if not isinstance(interpret, bool) and not (
+                pltpu is not None and hasattr(pltpu, "InterpretParams")
+                and isinstance(interpret, pltpu.InterpretParams)):
+            raise fail("RA116", f"PallasTpu interpret={interpret!r}; pass True, False or a "
+                                "jax.experimental.pallas.tpu.InterpretParams(...).")
+        self.block_sizes = block_sizes
+        self.target = None if target is None else target_of(target)
+        self.interpret = interpret
+
+    def tpu_target(self) -> TpuTarget:
+        """The generation the kernels are configured for (see the class docstring)."""
+        if self.target is not None:
+            return self.target
+        if jax.default_backend() == "tpu" and self.interpret is False:
+            kind = jax.devices()[0].device_kind.lower()
+            for spelling, name in DEVICE_KINDS.items():
+                if spelling in kind:
+                    return TARGETS[name]
+        return PORTABLE_TARGET
+
+    def sizes(self, seq_len: int) -> BlockSizes:
+        """The blocks of a call of ``seq_len`` tokens (queries or keys, the longer)."""
+        return plan_sizes(self.block_sizes or self.tpu_target().block_sizes, seq_len)
+
+    def platform_reasons(self) -> list[str]:
+        if IMPORT_ERROR is not None:
+            return [self._no_lowering()]
+        if self.interpret is False and jax.default_backend() != "tpu":
+            return [f"pallas_tpu needs a TPU, and JAX's default backend here is "
+                    f"{jax.default_backend()!r}; pass "
+                    "impl=rankattn.backends.PallasTpu(interpret=True) to run its kernels in "
+                    "Pallas interpret mode on CPU (slow), or use impl='xla'"]
+        return []
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        if IMPORT_ERROR is not None:
+            return [self._no_lowering()]
+        if not any(call.q.dtype == d for d in SUPPORTED_DTYPES):
+            return [f"pallas_tpu: inputs are {call.q.dtype}; its kernels take float32 or "
+                    "bfloat16 (cast float16 inputs to bfloat16, or use impl='xla')"]
+        if call.shard_mask is not None:
+            return ["pallas_tpu: its kernels read positions from their indices, so they "
+                    "cannot run on one context shard of a sequence yet; shard batch or heads, "
+                    "or use impl='xla' for context shards"]
+        seq = max(call.q.shape[1], call.k.shape[1])
+        sizes = self.sizes(seq)
+        n_q, n_k = -(-seq // sizes.block_q), -(-seq // sizes.block_k)
+        budget = self.tpu_target().smem_budget
+        if list_bytes(n_q, n_k) > budget:
+            return [f"pallas_tpu: one row's block lists of {seq} tokens at blocks "
+                    f"{sizes.block_q} x {sizes.block_k} take {list_bytes(n_q, n_k)} bytes of "
+                    f"SMEM, over the {budget}-byte budget of {self.tpu_target().name}; pass "
+                    "larger block_sizes, or use impl='xla'"]
+        return []
+
+    def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
+        return (self.sizes(seq_len),)
+
+    def __call__(self, call: AttentionCall):
+        sizes = self.sizes(max(call.q.shape[1], call.k.shape[1]))
+        blocks = None if call.plan is None else call.plan.block_plan(sizes)
+        target = self.tpu_target()
+        return tpu_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
+                             scale=call.scale, softcap=call.softcap,
+                             softcap_method=call.softcap_method, block_sizes=sizes,
+                             block_plan=blocks, interpret=self.interpret,
+                             logit_multiplier=call.logit_multiplier,
+                             smem_budget=target.smem_budget,
+                             vmem_limit_bytes=target.vmem_limit_bytes)
+
+    @staticmethod
+    def _no_lowering() -> str:
+        return (f"pallas_tpu: this JAX ({jax.__version__}) lacks a Pallas TPU name the kernels "
+                f"need ({IMPORT_ERROR}); upgrade jax, or use impl='xla'")
+
+    def __repr__(self) -> str:
+        options = [f"{self.block_sizes or 'blocks per TPU generation'}"]
+        if self.target is not None:
+            options.append(f"target={self.target.name}")
+        if self.interpret is not False:
+            options.append(f"interpret={self.interpret!r}")
+        return f"<rankattn backend 'pallas_tpu' {' '.join(options)}>"
