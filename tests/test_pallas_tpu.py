@@ -8,10 +8,21 @@
 
 from __future__ import annotations
 
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import rankattn
 from conftest import SMALL_TPU
-from rankattn.backends import PallasTpu
+from helpers import random_qkv, random_segments
+from rankattn.backends import BlockSizes, PallasTpu
+from rankattn.backends.pallas_tpu import (TARGETS, _spec, pltpu, rows_per_call,
+                                          tpu_attention)
+from rankattn.blocks import segments_and_plan
+from tolerances import assert_close_f32
 from test_backends import CONFIGS, BackendTests, C, ROWS, SEG
 from test_backends import pytest_generate_tests  # noqa: F401  (parametrizes config)
 
@@ -47,3 +58,230 @@ class TestPallasTpuDefaultBlocks(BackendTests):
     impl = PallasTpu(interpret=True)
     configs = TPU_CONFIGS[5::8]
     long_configs = TPU_LONG_CONFIGS
+
+
+# --- Dispatch and options. -----------------------------------------------------------
+
+
+def test_by_name_it_needs_a_tpu(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    q, k, v, _ = random_qkv(0, 1, 8, 2, 1, 8)
+    with pytest.raises(rankattn.RankattnValueError, match="RA115") as err:
+        rankattn.attention(q, k, v, impl="pallas_tpu")
+    assert "needs a TPU" in str(err.value) and "PallasTpu(interpret=True)" in str(err.value)
+    assert "pallas_tpu" not in rankattn.available_impls()
+
+
+def test_on_a_tpu_auto_tries_it_first(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert rankattn.available_impls() == ["pallas_tpu", "xla", "reference"]
+    assert rankattn.api.resolve_impls("auto")[0].name == "pallas_tpu"
+
+
+@pytest.mark.parametrize("kind, name", [("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e"),
+                                        ("TPU7x", "tpu7x"), ("TPU v4", "v5e")])
+def test_on_a_tpu_the_generation_is_read_from_the_device(monkeypatch, kind, name):
+    class Device:
+        device_kind = kind
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(jax, "devices", lambda: [Device()])
+    assert PallasTpu().tpu_target() == TARGETS[name]
+
+
+@pytest.mark.parametrize("dtype, fragment", [(np.float16, "bfloat16"), (np.float64, "float64")])
+def test_float16_and_float64_are_declined_with_the_fix(dtype, fragment):
+    """float16: Mosaic rejects float16 vector loads on v5e, v6e and TPU7x (TPU_COMPILE.md)."""
+    with jax.enable_x64(dtype == np.float64):
+        q, k, v, _ = (x.astype(dtype) for x in random_qkv(2, 1, 8, 2, 1, 8))
+        with pytest.raises(rankattn.RankattnValueError, match="RA115") as err:
+            rankattn.attention(q, k, v, impl=SMALL_TPU)
+    assert fragment in str(err.value) and "impl='xla'" in str(err.value)
+
+
+def test_lists_over_the_smem_budget_are_declined_with_the_fix():
+    """A row of 131072 tokens in 128-token blocks has 1024 x 1024 list entries (4 MiB)."""
+    call = rankattn.validate.AttentionCall(
+        q=jax.ShapeDtypeStruct((1, 131072, 2, 128), jnp.bfloat16),
+        k=jax.ShapeDtypeStruct((1, 131072, 1, 128), jnp.bfloat16),
+        v=jax.ShapeDtypeStruct((1, 131072, 1, 128), jnp.bfloat16), segment_ids=None,
+        causal=False, scale=1.0, softcap=None, softcap_method="tanh")
+    (reason,) = PallasTpu(target="v5e").not_supported_reasons(call)
+    assert "4202496 bytes" in reason and "524288-byte budget" in reason
+    assert "block_sizes" in reason
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(block_sizes=BlockSizes(12, 16)), "(12, 16)"),
+    (dict(block_sizes=BlockSizes(16, 24)), "(16, 24)"),
+    (dict(interpret="yes"), "interpret='yes'"),
+    (dict(target="v4"), "target='v4'"),
+])
+def test_options_are_checked(kwargs, fragment):
+    with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
+        PallasTpu(**kwargs)
+    assert fragment in str(err.value)
+
+
+def test_batches_are_split_to_fit_the_smem_budget():
+    """3 rows whose lists take 4 * (3 * 3 + 6) = 60 bytes each, under a 130-byte budget: calls
+    of 2 rows and 1 row, with the results of one call."""
+    assert rows_per_call(3, 3, 3, 130) == 2
+    q, k, v, _ = random_qkv(3, 3, 40, 2, 1, 8)
+    seg = jnp.asarray(random_segments(4, 3, 40, "packed"))
+    options = dict(causal=True, scale=0.5, softcap=None, softcap_method="tanh",
+                   block_sizes=BlockSizes(16, 16), interpret=True)
+    whole = tpu_attention(q, k, v, seg, **options)
+    split = tpu_attention(q, k, v, seg, smem_budget=130, **options)
+    for a, b in zip(whole, split):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --- Lowering for TPU (no TPU, no libtpu). -------------------------------------------
+
+
+def lower_for_tpu(impl, b, s, hq, hkv, d, dtype, causal=False, softcap=None, masked=True):
+    """jax.jit(value_and_grad) of a loss on out and lse, lowered for TPU."""
+    args = [jax.ShapeDtypeStruct((b, s, hq, d), dtype), jax.ShapeDtypeStruct((b, s, hkv, d), dtype),
+            jax.ShapeDtypeStruct((b, s, hkv, d), dtype), jax.ShapeDtypeStruct((b, s), jnp.int32)]
+
+    def loss(q, k, v, seg):
+        out, lse = rankattn.attention(q, k, v, segment_ids=seg if masked else None, causal=causal,
+                                      softcap=softcap, return_lse=True, impl=impl)
+        return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(*args).lower(
+        lowering_platforms=("tpu",))
+
+
+def mosaic_modules(lowered) -> list[str]:
+    """The Mosaic MLIR of each TPU kernel in a lowered program, as text (the custom calls
+    carry it as base64 bytecode; Mosaic's dialect is registered to print it)."""
+    import base64
+    import json
+
+    from jax._src.interpreters import mlir
+    from jax._src.lib import tpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.passmanager import PassManager
+
+    modules = []
+    for config in re.findall(r'tpu_custom_call.*?backend_config = "(.*?)"', lowered.as_text()):
+        text = re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), config)
+        body = base64.b64decode(json.loads(text)["custom_call_config"]["body"])
+        context = mlir.make_ir_context()
+        tpu.register_dialect(context)
+        with context, ir.Location.unknown():
+            context.allow_unregistered_dialects = True  # the serialized form's stable_mosaic
+            module = ir.Module.parse(body)
+            PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(
+                module.operation)
+            modules.append(str(module))
+    return modules
+
+
+# Every table entry x dtype x head dim, GQA 1 / 5, causal and the cap taking turns, at the
+# production length of 1088 tokens (several blocks, a ragged last one).
+LOWERING_GRID = [(target, dtype, d, (1, 5)[n % 2], n % 3 == 0, (None, 30.0)[n // 2 % 2])
+                 for n, (target, dtype, d) in enumerate(
+                     (t, dt, d) for t in TARGETS for dt in (jnp.float32, jnp.bfloat16)
+                     for d in (64, 128, 256))]
+
+
+@pytest.mark.parametrize("target, dtype, d, group, causal, softcap", LOWERING_GRID,
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_forward_and_backward_lower_for_tpu_at_the_table_blocks(target, dtype, d, group,
+                                                                  causal, softcap):
+    """What interpret mode does not check: every block shape obeys the (8, 128) rule and
+    every op has a Mosaic lowering, at the blocks each generation runs."""
+    lowered = lower_for_tpu(PallasTpu(target=target), 2, 1088, 4 * group, 4, d, dtype,
+                            causal, softcap)
+    assert len(mosaic_modules(lowered)) == 3  # forward, dq, dk / dv
+
+
+def test_float32_dots_ask_for_full_precision_and_16_bit_dots_do_not():
+    """Mosaic's default for float32 dots is one bf16 MXU pass; the kernels ask for fp32."""
+    for dtype, want in ((jnp.float32, {"fp32"}), (jnp.bfloat16, set())):
+        lowered = lower_for_tpu(PallasTpu(), 1, 300, 2, 1, 128, dtype, softcap=5.0)
+        text = "\n".join(mosaic_modules(lowered))
+        # forward 2, dq 3, dk / dv 4, each once for full and once for partial blocks
+        assert text.count("tpu.matmul") == 2 * (2 + 3 + 4)
+        assert set(re.findall(r"contract_precision<(\w+)>", text)) == want, dtype
+
+
+def test_lowering_catches_what_interpret_mode_accepts():
+    """The lowering tests have teeth: 16 x 16 blocks (fine in interpret mode) break the (8,
+    128) rule on keys once a sequence spans several blocks."""
+    with pytest.raises(ValueError, match="divisible by 8 and 128"):
+        lower_for_tpu(PallasTpu(BlockSizes(16, 16)), 1, 64, 2, 1, 128, jnp.bfloat16)
+
+
+# --- Block skipping and the TPU simulator. -------------------------------------------
+
+
+def test_each_query_block_computes_exactly_its_listed_key_blocks():
+    """The forward's debug counter (interpret mode) equals the plan's list length for every
+    (row, kv head, query block): packed sessions and causal history skip blocks, and the
+    grid's steps past a list's count compute nothing."""
+    q, k, v, _ = random_qkv(7, 2, 70, 4, 2, 8)
+    seg = jnp.asarray(random_segments(8, 2, 70, "packed"))
+    sizes = BlockSizes(16, 16)
+    out, lse, visits = tpu_attention(q, k, v, seg, causal=True, scale=0.5, softcap=None,
+                                     softcap_method="tanh", block_sizes=sizes,
+                                     interpret=True, count_visits=True)
+    _, _, plan = segments_and_plan(seg, 2, 70, 70, sizes, True)
+    counts = np.asarray(plan.count)
+    assert counts.min() < counts.max() < 5  # some blocks skipped, the lists uneven
+    np.testing.assert_array_equal(np.asarray(visits), np.repeat(counts[:, None], 2, axis=1))
+    want = rankattn.attention(q, k, v, segment_ids=seg, causal=True, scale=0.5,
+                              impl="reference", return_lse=True)
+    assert_close_f32(out, want[0], "out")
+
+
+def test_past_the_count_the_index_map_repeats_the_last_entry():
+    """So the pipeline sees the same block index on consecutive steps and issues no DMA; an
+    empty list stays on its first entry. Every visited operand's index map goes through
+    visited_block (LAYOUTS)."""
+    index = np.array([[[3, 1, 0, 2], [2, 0, 1, 3]]], np.int32)  # [B=1, nQ=2, nK=4]
+    count = np.array([[2, 0]], np.int32)
+    full = np.zeros_like(count)
+    spec = _spec(None, "kv", 16, 8, visited=True)  # the kv layout has no group axis
+    blocks = [[int(spec.index_map(0, 1, n, t, index, full, count)[2]) for t in range(4)]
+              for n in range(2)]
+    assert blocks == [[3, 1, 1, 1], [2, 2, 2, 2]]
+
+
+def test_the_simulated_tpu_finds_no_race(monkeypatch):
+    """InterpretParams with the race detector on two simulated cores, which split the
+    parallel grid dimensions between them, for the forward, dq and dk / dv kernels (each
+    kernel gets its own detector, all three are kept): no two programs write one block, and
+    dq and dk / dv (accumulated in VMEM scratch over the "arbitrary" visit dimension) need no
+    atomics. Uninitialised memory reads as NaN, so a read of an unwritten block would show
+    in the finite gradients."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as simulator
+
+    detectors = []
+
+    class Kept(simulator.RaceDetectionState):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            detectors.append(self)
+
+    monkeypatch.setattr(simulator, "RaceDetectionState", Kept)
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+    q, k, v, d_out = random_qkv(9, 2, 40, 4, 2, 8)
+    seg = jnp.asarray(random_segments(10, 2, 40, "packed"))
+    mult = jnp.asarray(np.random.default_rng(11).uniform(0.5, 2, (2, 40, 4)), jnp.float32)
+    impl = PallasTpu(BlockSizes(16, 16), interpret=params)
+
+    def f(q, k, v):
+        return rankattn.attention(q, k, v, segment_ids=seg, causal=True, softcap=2.0,
+                                  logit_multiplier=mult, impl=impl, return_lse=True)
+
+    try:
+        out, pullback = jax.vjp(f, q, k, v)
+        grads = pullback((jnp.asarray(d_out), jnp.ones_like(out[1])))
+        jax.block_until_ready(grads)
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    assert len(detectors) == 3 and not any(d.races_found for d in detectors)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)

@@ -215,7 +215,7 @@ def _named(names, refs):
     return dict(zip(names, refs))
 
 
-def _visits(st: _Static, full, count, visit):
+def _visits(full, count, visit):
     """Run ``visit(masked)`` at this grid step if the list visits a block here: full
     blocks (no mask arithmetic) before ``full``, partial ones up to ``count``."""
     t = pl.program_id(3)
@@ -223,52 +223,35 @@ def _visits(st: _Static, full, count, visit):
     pl.when((t >= full) & (t < count))(lambda: visit(True))
 
 
-# Index maps: grid (b, h, n, t) and the scalar-prefetch refs (index, full, count). n is the
-# program's own block (query block for the forward and dq, key block for dk / dv); the
-# "visited" maps follow the list.
-def _at_own(block_axis_rank: int):
-    """Index map of an operand blocked at the program's own block on its sequence axis."""
-    def index_map(b, h, n, t, index_ref, full_ref, count_ref):
-        return _place(block_axis_rank, b, h, n)
-    return index_map
+# The operands' layouts (module docstring): name -> (the block shape holding ``rows``
+# sequence positions of ``width`` features, the block indices of batch row b, kv head h and
+# sequence block n).
+LAYOUTS = {
+    "seg_col": (lambda st, rows, width: (None, rows, 1),      # [B, S, 1]
+                lambda b, h, n: (b, n, 0)),
+    "seg_row": (lambda st, rows, width: (None, 1, rows),      # [B, 1, S]
+                lambda b, h, n: (b, 0, n)),
+    "group": (lambda st, rows, width: (None, None, st.group, rows, width),  # [B, Hkv, G, S, C]
+              lambda b, h, n: (b, h, 0, n, 0)),
+    "kv": (lambda st, rows, width: (None, None, rows, width),  # [B, Hkv, S, C]
+           lambda b, h, n: (b, h, n, 0)),
+    "kv_row": (lambda st, rows, width: (None, None, 1, rows),  # [B, Hkv, 1, S]
+               lambda b, h, n: (b, h, 0, n)),
+}
 
 
-def _at_visited(block_axis_rank: int):
-    """Index map of an operand blocked at the visited block (list entry t, repeated past
-    the count) on its sequence axis."""
-    def index_map(b, h, n, t, index_ref, full_ref, count_ref):
-        return _place(block_axis_rank, b, h, visited_block(index_ref, count_ref, b, n, t))
-    return index_map
-
-
-def _place(kind: int, b, h, block):
-    """Block indices of one operand layout (see LAYOUTS) with ``block`` on the sequence."""
-    return {
-        0: (b, block, 0),          # seg column [B, S, 1]
-        1: (b, 0, block),          # seg row [B, 1, S]
-        2: (b, h, 0, block, 0),    # per query head [B, Hkv, G, S, D]
-        3: (b, h, block, 0),       # per kv head [B, Hkv, S, D]
-        4: (b, h, 0, block),       # per kv head row [B, Hkv, 1, S]
-    }[kind]
-
-
-SEG_COL, SEG_ROW, GROUP, KV, KV_ROW = range(5)
-
-
-def _block(kind: int, st: _Static, rows: int, width: int = 1):
-    """BlockSpec shape of one operand layout: ``rows`` on its sequence axis."""
-    return {
-        SEG_COL: (None, rows, 1),
-        SEG_ROW: (None, 1, rows),
-        GROUP: (None, None, st.group, rows, width),
-        KV: (None, None, rows, width),
-        KV_ROW: (None, None, 1, rows),
-    }[kind]
-
-
-def _spec(st: _Static, kind: int, rows: int, width: int = 1, visited: bool = False):
-    index_map = (_at_visited if visited else _at_own)(kind)
-    return pl.BlockSpec(_block(kind, st, rows, width), index_map)
+def _spec(st: _Static, layout: str, rows: int, width: int = 1, visited: bool = False):
+    """The BlockSpec of an operand in ``layout`` for a grid (b, kv head, own block n, visit t)
+    with the plan lists (index, full, count) as scalar prefetch: blocked at the program's
+    own block n, or with ``visited`` at the block the list visits at step t."""
+    shape, place = LAYOUTS[layout]
+    if visited:
+        def index_map(b, h, n, t, index_ref, full_ref, count_ref):
+            return place(b, h, visited_block(index_ref, count_ref, b, n, t))
+    else:
+        def index_map(b, h, n, t, index_ref, full_ref, count_ref):
+            return place(b, h, n)
+    return pl.BlockSpec(shape(st, rows, width), index_map)
 
 
 def _call(st: _Static, kernel, name: str, plan_lists, grid, in_specs, out_specs, out_shape,
@@ -314,7 +297,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
         if st.count_visits:
             r["visits"][...] += 1
 
-    _visits(st, full_ref[b, i], count_ref[b, i], visit)
+    _visits(full_ref[b, i], count_ref[b, i], visit)
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _():
@@ -343,18 +326,18 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
     bq, bk = st.block_q, st.block_k
     seg_col, seg_row = seg
     poison_row, poison_col = poison
-    in_specs = [_spec(st, SEG_COL, bq), _spec(st, SEG_ROW, bk, visited=True),
-                _spec(st, GROUP, bq, d), _spec(st, KV, bk, d, visited=True),
-                _spec(st, KV, bk, dv, visited=True), _spec(st, KV_ROW, bk, visited=True)]
+    in_specs = [_spec(st, "seg_col", bq), _spec(st, "seg_row", bk, visited=True),
+                _spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
+                _spec(st, "kv", bk, dv, visited=True), _spec(st, "kv_row", bk, visited=True)]
     args = [seg_col, seg_row, q, k, v, poison_row]
     if st.own_key:  # the keys, values and poison at the query block's own positions
-        in_specs += [_spec(st, KV, bq, d), _spec(st, KV, bq, dv), _spec(st, KV, bq)]
+        in_specs += [_spec(st, "kv", bq, d), _spec(st, "kv", bq, dv), _spec(st, "kv", bq)]
         args += [k, v, poison_col]
     if st.multiplied:
-        in_specs.append(_spec(st, GROUP, bq))
+        in_specs.append(_spec(st, "group", bq))
         args.append(multiplier)
     rows = n_q * bq
-    out_specs = [_spec(st, GROUP, bq, dv), _spec(st, GROUP, bq)]
+    out_specs = [_spec(st, "group", bq, dv), _spec(st, "group", bq)]
     out_shape = [jax.ShapeDtypeStruct((b, hkv, g, rows, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, hkv, g, rows, 1), jnp.float32)]
     if st.count_visits:
@@ -398,7 +381,7 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
         ds = flash_math.logit_grads(st, p, dp, _rows(r["delta"][...]), s, mult)
         r["acc"][...] += _dot(ds.astype(k.dtype), k, NN)
 
-    _visits(st, full_ref[b, i], count_ref[b, i], visit)
+    _visits(full_ref[b, i], count_ref[b, i], visit)
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _():
@@ -421,19 +404,19 @@ def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplie
     dv = v.shape[-1]
     n_q, n_k = plan.kv_index.shape[1:]
     bq, bk = st.block_q, st.block_k
-    in_specs = [_spec(st, SEG_COL, bq), _spec(st, SEG_ROW, bk, visited=True),
-                _spec(st, GROUP, bq, d), _spec(st, KV, bk, d, visited=True),
-                _spec(st, KV, bk, dv, visited=True), _spec(st, GROUP, bq, dv),
-                _spec(st, GROUP, bq), _spec(st, GROUP, bq)]
+    in_specs = [_spec(st, "seg_col", bq), _spec(st, "seg_row", bk, visited=True),
+                _spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
+                _spec(st, "kv", bk, dv, visited=True), _spec(st, "group", bq, dv),
+                _spec(st, "group", bq), _spec(st, "group", bq)]
     args = [seg[0], seg[1], q, k, v, d_out, lse, delta]
     if st.own_key:
-        in_specs += [_spec(st, KV, bq, d), _spec(st, KV, bq, dv)]
+        in_specs += [_spec(st, "kv", bq, d), _spec(st, "kv", bq, dv)]
         args += [k, v]
     if st.multiplied:
-        in_specs.append(_spec(st, GROUP, bq))
+        in_specs.append(_spec(st, "group", bq))
         args.append(multiplier)
     return _call(st, _dq_kernel, "rankattn_tpu_dq", (plan.kv_index, plan.full_count, plan.count),
-                 (b, hkv, n_q, n_k), in_specs, _spec(st, GROUP, bq, d),
+                 (b, hkv, n_q, n_k), in_specs, _spec(st, "group", bq, d),
                  jax.ShapeDtypeStruct((b, hkv, g, n_q * bq, d), q.dtype),
                  [pltpu.VMEM((g * bq, d), jnp.float32)], args)
 
@@ -470,7 +453,7 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, *refs, st: _Static):
         ds = flash_math.logit_grads(st, p, _dot(do, v, NT), _rows(r["delta"][...]), s, mult)
         r["dk_acc"][...] += _dot(ds.astype(q.dtype), q, TN)
 
-    _visits(st, full_ref[b, j], count_ref[b, j], visit)
+    _visits(full_ref[b, j], count_ref[b, j], visit)
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _():
@@ -496,25 +479,25 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multipli
     dv = v.shape[-1]
     n_k, n_q = plan.q_index.shape[1:]
     bq, bk = st.block_q, st.block_k
-    in_specs = [_spec(st, SEG_COL, bq, visited=True), _spec(st, SEG_ROW, bk),
-                _spec(st, GROUP, bq, d, visited=True), _spec(st, KV, bk, d),
-                _spec(st, KV, bk, dv), _spec(st, GROUP, bq, dv, visited=True),
-                _spec(st, GROUP, bq, visited=True), _spec(st, GROUP, bq, visited=True)]
+    in_specs = [_spec(st, "seg_col", bq, visited=True), _spec(st, "seg_row", bk),
+                _spec(st, "group", bq, d, visited=True), _spec(st, "kv", bk, d),
+                _spec(st, "kv", bk, dv), _spec(st, "group", bq, dv, visited=True),
+                _spec(st, "group", bq, visited=True), _spec(st, "group", bq, visited=True)]
     args = [seg[0], seg[1], q, k, v, d_out, lse, delta]
     if st.multiplied:
-        in_specs.append(_spec(st, GROUP, bq, visited=True))
+        in_specs.append(_spec(st, "group", bq, visited=True))
         args.append(multiplier)
     if st.own_key:
-        in_specs += [_spec(st, SEG_COL, bk), _spec(st, GROUP, bk, d), _spec(st, GROUP, bk, dv),
-                     _spec(st, GROUP, bk), _spec(st, GROUP, bk)]
+        in_specs += [_spec(st, "seg_col", bk), _spec(st, "group", bk, d), _spec(st, "group", bk, dv),
+                     _spec(st, "group", bk), _spec(st, "group", bk)]
         args += [seg[0], q, d_out, lse, delta]
         if st.multiplied:
-            in_specs.append(_spec(st, GROUP, bk))
+            in_specs.append(_spec(st, "group", bk))
             args.append(multiplier)
     rows = n_k * bk
     return _call(st, _dkv_kernel, "rankattn_tpu_dkv",
                  (plan.q_index, plan.q_full_count, plan.q_count), (b, hkv, n_k, n_q), in_specs,
-                 [_spec(st, KV, bk, d), _spec(st, KV, bk, dv)],
+                 [_spec(st, "kv", bk, d), _spec(st, "kv", bk, dv)],
                  [jax.ShapeDtypeStruct((b, hkv, rows, d), k.dtype),
                   jax.ShapeDtypeStruct((b, hkv, rows, dv), v.dtype)],
                  [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)], args)
