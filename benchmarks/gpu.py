@@ -7,22 +7,39 @@ On a CUDA machine with jax (CUDA plugin), torch and triton installed; no network
 (a) checks pallas_triton and xla against the reference on the GPU: out, lse and the
     gradients of a loss with an lse term, float32 / bfloat16 / float16, odd shapes, packed
     rows with padding;
+(t) tunes pallas_triton (--tune, on by default on a GPU; within --tune-budget seconds):
+    candidate configurations per dtype, head dim and GQA, each checked against the
+    reference, then timed forward + backward beside the built-in default
+    (benchmarks/gpu_tune.py); every result is appended to tune.jsonl under --out as it
+    comes, and the winners become src/rankattn/backends/gpu_tuned.json (and a copy under
+    --out), the table pallas_triton reads; then ptxas -v registers and spills of the
+    default and tuned configurations for sm_90, compiled by this machine's own CUDA plugin;
 (b) times bf16 forward and forward+backward of the nano, production-heads, packed and
     long-history workloads for every rankattn backend and, interleaved in the same process,
     jax.nn.dot_product_attention with the dense mask (cuDNN where it takes the mask, else
     XLA), torch SDPA with a boolean mask and compiled FlexAttention with the same mask_mod
     (skipped with a note when torch is missing).
 
+    pallas_triton runs with the tuned table and, where that changes its configuration,
+    again with the built-in default beside it.
+
 It prints TFLOP/s on visible pairs, peer / pallas_triton ratios and the fraction of the bf16
 matmul rate measured in the same run, progress as it goes, and writes benchmarks/GPU.md
 (and a copy under --out). A step that fails is reported, not fatal; past --budget seconds
-the remaining workloads are skipped and listed.
+(counted from after the imports) the remaining workloads are skipped and listed.
+
+    .venv/bin/python benchmarks/gpu.py --dry-run [--md benchmarks/GPU.md]
+
+prints what a GPU run would do and its estimated device time (gpu_tune.dry_run), from the
+deviceless compile times of results/gpu_candidates.json; with --md it writes that plan as
+the pending GPU.md.
 
     .venv/bin/python benchmarks/gpu.py --smoke
 
 runs the whole script on CPU with tiny shapes (bench.smoke_version) and the kernels in Pallas
 interpret mode, timing SMOKE_WORKLOADS only, to check it before spending GPU time (it writes
-no GPU.md unless --md is given).
+no GPU.md unless --md is given); --smoke --tune also runs the tune phase on one class and
+two candidates, writing its table under --out only.
 """
 
 from __future__ import annotations
@@ -30,6 +47,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import os
 import sys
 import time
@@ -43,9 +61,12 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402  (the workloads and the torch peers)
+import gpu_compile  # noqa: E402
+import gpu_tune  # noqa: E402
 import rankattn  # noqa: E402
 from bench import NANO, PACKED, Workload, smoke_version  # noqa: E402
 from rankattn import peers  # noqa: E402
+from gpu_tune import relative_errors  # noqa: E402
 from rankattn.backends import PallasTriton, Xla, pallas_triton  # noqa: E402
 
 START = time.perf_counter()
@@ -137,14 +158,7 @@ def check(case, impls: dict) -> list[dict]:
             row.update(ok=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
             rows.append(row)
             continue
-        errors = {}
-        for field, a, e in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-            finite = np.isfinite(e)
-            same_inf = np.array_equal(np.isfinite(a), finite) and np.array_equal(a[~finite],
-                                                                                   e[~finite])
-            err = np.abs(a[finite] - e[finite]).max(initial=0) / max(1.0, np.abs(e[finite]).max(
-                initial=0))
-            errors[field] = err if same_inf and not np.isnan(a).any() else float("inf")
+        errors = relative_errors(got, want)
         blind_ok = bool(np.all(got[0][blind] == 0))
         tolerance = max(TOLERANCE[dtype],
                         PRECISION_TOLERANCE.get(getattr(impl, "precision", None), 0.0))
@@ -247,8 +261,8 @@ def targets(rows: list[dict]) -> list[str]:
 # --- Report. ------------------------------------------------------------------------
 
 
-def markdown(header: list[str], checks: list[dict], rows: list[dict], goals: list[str],
-             failures: list[str]) -> str:
+def markdown(header: list[str], checks: list[dict], tuned: list[str], rows: list[dict],
+             goals: list[str], failures: list[str]) -> str:
     out = ["# rankattn on a GPU", "", *header, "", "## (a) Correctness against the reference",
            "", "Max error / max(1, max |reference|) over out, lse, dq, dk, dv; blind = rows "
            "that see nothing give exactly 0. Tolerance: " +
@@ -263,11 +277,12 @@ def markdown(header: list[str], checks: list[dict], rows: list[dict], goals: lis
         out.append(f"| {c['case']} | {c['impl']} | " + " | ".join(
             f"{e[f]:.1e}" for f in ("out", "lse", "dq", "dk", "dv")) +
             f" | {'ok' if c['blind_ok'] else 'NOT ZERO'} | {'pass' if c['ok'] else 'FAIL'} |")
-    out += ["", "## (b) bf16 timings, interleaved medians", "",
+    out += ["", *tuned, "## (b) bf16 timings, interleaved medians", "",
             "TFLOP/s count visible query-key pairs only (forward 4 * D flops per pair and "
             "head, forward + backward 3.5x that); % mm is the share of the bf16 matmul rate "
             "measured in this run; ratio = time / pallas_triton's time (> 1: slower than "
-            "pallas_triton).", "",
+            "pallas_triton). pallas_triton reads the tuned table; \"pallas_triton (built-in "
+            "default)\" is the configuration before tuning, run where the two differ.", "",
             "| workload | impl | median ms | TFLOP/s | % mm | ratio |",
             "|---|---|---:|---:|---:|---:|"]
     out += [f"| {r['workload']} | {r['impl']} | {r['ms']:.2f} | {r['tflops']:.1f} | "
@@ -278,49 +293,144 @@ def markdown(header: list[str], checks: list[dict], rows: list[dict], goals: lis
     return "\n".join(out) + "\n"
 
 
+def tune_section(summaries: list[dict], table: dict | None, paths: list[str],
+                 registers: list[str]) -> list[str]:
+    """GPU.md's tune phase: every candidate's result, the table written, the registers."""
+    out = ["## (t) Tune phase", "",
+           "Forward + backward of the nano layout (1024 history + 128 candidates per row, "
+           f"B={gpu_tune.TUNE_BATCH}) per class; each candidate checked against the reference "
+           "first, then timed as an interleaved pair with the built-in default. ratio = "
+           "candidate / default (< 1: faster). Candidates: benchmarks/gpu_compile.py "
+           f"tune_candidates, less those spilling over {gpu_tune.SPILL_LIMIT} bytes per thread "
+           "in the deviceless compile.", "",
+           "| class | configuration | compile s | max error | ms | default ms | ratio | status |",
+           "|---|---|---:|---:|---:|---:|---:|---|"]
+    for summary in summaries:
+        for r in summary["rows"]:
+            name = gpu_tune.describe(r["options"]) + (" (default)" if r["default"] else "")
+            cells = [f"{r[k]:.3g}" if isinstance(r.get(k), float) else "" for k in
+                     ("compile_s", "max_error", "ms", "default_ms", "ratio")]
+            status = r["status"] if len(r["status"]) < 80 else r["status"][:77] + "..."
+            out.append(f"| {r['tune_class']} | {name} | " + " | ".join(cells) + f" | {status} |")
+        if summary.get("skipped"):
+            out.append(f"| {summary['cls'].name} | | | | | | | skipped: past the tune budget |")
+    out += ["", f"Tuned table written ({', '.join(paths) or 'nowhere'}):", ""]
+    if table and table["entries"]:
+        out += ["| compute capability | dtype | head dim | group | configuration | ms | "
+                "default ms |", "|---|---|---|---|---|---:|---:|"]
+        for e in table["entries"]:
+            c, m = e["config"], e.get("measured", {})
+            opts = gpu_compile.option(c["block_q"], c["block_k"], c["num_warps"],
+                                      c["num_stages"], c["split_dkv"], c["key_major"])
+            out.append(f"| {e['compute_capability']} | {e['dtype']} | {e['head_dim']} | "
+                       f"{e['group']} | {gpu_tune.describe(opts)} | {m.get('ms', '')} | "
+                       f"{m.get('default_ms', '')} |")
+    else:
+        out.append("- no entry: no candidate beat the built-in default by "
+                   f"{gpu_tune.MIN_GAIN:.0%} (or none was timed)")
+    return out + ["", *registers, ""]
+
+
+def registers_section(summaries: list[dict], capability, smoke: bool) -> list[str]:
+    """ptxas -v of the default and tuned configurations for sm_90, compiled in a child by
+    this machine's own CUDA plugin (nothing installed)."""
+    out = ["### Registers and spills (ptxas -v, sm_90, this machine's CUDA plugin)", ""]
+    if smoke:
+        return out + ["- not measured in --smoke (no CUDA plugin)"]
+    variants = {}  # one compile per dtype, head dim and configuration (GQA changes no kernel's
+    for summary in summaries:  # resources: GPU_COMPILE.md's gqa rows)
+        cls = summary["cls"]
+        chosen = [("default", gpu_tune.default_options(cls, capability))]
+        if "best" in summary:
+            chosen.append(("tuned", summary["best"]["options"]))
+        for label, o in chosen:
+            variants.setdefault((cls.dtype, cls.head_dim, json.dumps(o)), (
+                gpu_compile.Config(label, dtype=cls.dtype, head_dim=cls.head_dim,
+                                   q_heads=cls.q_heads, kv_heads=cls.kv_heads), o))
+    cfgs, options = [c for c, _ in variants.values()], [o for _, o in variants.values()]
+    try:
+        results = gpu_compile.compile_in_child("sm_90", cfgs, None, options)
+    except RuntimeError as e:
+        return out + [f"- not measured: {str(e).splitlines()[0]}"]
+    out += ["| class | variant | configuration | kernel | regs | spill | smem KB | MMA |",
+            "|---|---|---|---|---:|---:|---:|---|"]
+    for cfg, o, r in zip(cfgs, options, results):
+        name = f"{cfg.dtype} D={cfg.head_dim} {cfg.q_heads}/{cfg.kv_heads}"
+        if r["error"]:
+            out.append(f"| {name} | {cfg.axis} | {gpu_tune.describe(o)} | compile failed: "
+                       f"{r['error'][:100]} | | | | |")
+        for kernel, k in r["kernels"].items():
+            spill = k.get("spill_stores", 0) + k.get("spill_loads", 0)
+            out.append(f"| {name} | {cfg.axis} | {gpu_tune.describe(o)} | "
+                       f"{kernel.removeprefix('rankattn_')} | {k.get('registers', '?')} | "
+                       f"{spill if 'registers' in k else '?'} | {k.get('shared', 0) / 1024:.1f} | "
+                       f"{k.get('mma', '?')} |")
+    ptxas = next((r["ptxas"] for r in results if r["ptxas"]), None)
+    return out + ["", f"ptxas {ptxas or 'version not logged'}; '?' where this XLA did not "
+                      "log ptxas' report."]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU, kernels in interpret mode")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--budget", type=float, default=330.0,
-                        help="seconds after which the remaining workloads are skipped")
+    parser.add_argument("--budget", type=float, default=480.0,
+                        help="seconds after which the remaining steps are skipped")
+    parser.add_argument("--tune", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the tune phase (default: on a GPU)")
+    parser.add_argument("--tune-budget", type=float, default=200.0,
+                        help="seconds the tune phase may take, within --budget")
+    parser.add_argument("--table", help="where the tune phase writes its table (default "
+                                        "src/rankattn/backends/gpu_tuned.json; with --smoke "
+                                        "only under --out)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan and its estimated device time; run nothing")
     parser.add_argument("--md", help="where to write the report (default benchmarks/GPU.md, "
                                      "none with --smoke)")
-    parser.add_argument("--out", help="also copy the report into this folder")
+    parser.add_argument("--out", help="also copy the report into this folder; tune.jsonl "
+                                      "and gpu_tuned.json go there too")
     args = parser.parse_args()
-    md_path = args.md or (None if args.smoke else "benchmarks/GPU.md")
+    md_path = args.md or (None if args.smoke or args.dry_run else "benchmarks/GPU.md")
+    if args.dry_run:
+        return dry_run(args, md_path)
 
     platform = jax.default_backend()
     device = "cuda" if platform == "gpu" else "cpu"
+    tune = args.tune if args.tune is not None else platform == "gpu"
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
     torch_version = bench.torch.__version__ if bench.torch is not None else "not installed"
+    command = (f"PYTHONPATH=src python benchmarks/gpu.py{' --smoke' if args.smoke else ''}"
+               f"{' --tune' if tune and args.smoke else ''}")
     header = [f"Measured {datetime.date.today()} on {jax.devices()[0].device_kind} "
               f"({platform}) with jax {jax.__version__}, torch {torch_version}, triton "
-              f"{triton_version}; command: `PYTHONPATH=src python benchmarks/gpu.py"
-              f"{' --smoke' if args.smoke else ''}`."]
+              f"{triton_version}; command: `{command}`."]
     failures: list[str] = []
-    impls = {"pallas_triton": PallasTriton(interpret=args.smoke), "xla": Xla()}
+    smoke = args.smoke
+    capability = PallasTriton().gpu_target().compute_capability
+    log(header[0])
+    log(f"rankattn.available_impls() = {rankattn.available_impls()}")
+    if platform != "gpu" and not smoke:
+        log("no GPU here: run with --smoke to check the script on CPU")
+
+    # (a) correctness, with the configurations used before this run's tuning.
+    impls = {"pallas_triton": PallasTriton(interpret=smoke), "xla": Xla()}
     # float32 on tensor cores: "high" three bf16 passes, "default" one tf32 pass.
-    precisions = {f"pallas_triton precision={p}": PallasTriton(precision=p, interpret=args.smoke)
+    precisions = {f"pallas_triton precision={p}": PallasTriton(precision=p, interpret=smoke)
                   for p in ("high", "default")}
     if pallas_triton.IMPORT_ERROR is not None:
         del impls["pallas_triton"]
         precisions = {}
+        tune = False
         failures.append(f"pallas_triton not measured: this JAX has no Pallas Triton lowering "
                         f"({pallas_triton.IMPORT_ERROR})")
-    log(header[0])
-    log(f"rankattn.available_impls() = {rankattn.available_impls()}")
-    if platform != "gpu" and not args.smoke:
-        log("no GPU here: run with --smoke to check the script on CPU")
-
     checks = []
-    for case in CHECKS[-2:] if args.smoke else CHECKS:
-        if args.smoke:  # short and narrow enough for interpret mode
+    for case in CHECKS[-2:] if smoke else CHECKS:
+        if smoke:  # short and narrow enough for interpret mode
             case = (case[0], min(case[1], 40), *case[2:])
         case_impls = {**impls, **(precisions if case[6] == "float32" else {})}
         checks += check(case, case_impls)
@@ -328,13 +438,41 @@ def main():
             verdict = "pass" if c["ok"] else f"FAIL {c.get('errors') or c.get('error')}"
             log(f"check {c['case']} {c['impl']}: {verdict}")
 
-    rate = bf16_matmul_rate(256 if args.smoke else 8192, args.repeats)
-    header.append(f"bf16 matmul rate in this run ({256 if args.smoke else 8192}^3, XLA): "
+    # (t) the tune phase, its table, the registers of what it chose.
+    tuned_section, table_path = [], None
+    if tune:
+        budget = min(args.tune_budget, max(0.0, args.budget - (time.perf_counter() - START)))
+        jsonl = os.path.join(args.out or "benchmarks/out", "tune.jsonl")
+        log(f"tune phase: within {budget:.0f} s; results appended to {jsonl}")
+        summaries = gpu_tune.run(capability, budget=budget, smoke=smoke, repeats=args.repeats,
+                                 tolerances=TOLERANCE, jsonl=jsonl, log=log)
+        entries = gpu_tune.table_entries(summaries, capability, gpu_tune.classes(smoke))
+        paths = [args.table or (None if smoke else str(gpu_config_path()))]
+        paths.append(args.out and os.path.join(args.out, "gpu_tuned.json"))
+        if smoke and not any(paths):
+            paths = [os.path.join("benchmarks", "out", "gpu_tuned.json")]
+        table, paths = None, list(filter(None, paths))
+        for path in paths:
+            table = gpu_tune.write_table(path, entries, capability,
+                                         gpu_tune.provenance(jax.devices()[0].device_kind,
+                                                             command))
+            table_path = table_path or path
+            log(f"wrote {path} ({len(entries)} entries for compute capability "
+                f"{'.'.join(map(str, capability))})")
+        tuned_section = tune_section(summaries, table, paths,
+                                     registers_section(summaries, capability, smoke))
+    impls = {"pallas_triton": PallasTriton(tuned=table_path, interpret=smoke)}
+    if tune:
+        impls["pallas_triton (built-in default)"] = PallasTriton(tuned=False, interpret=smoke)
+    impls["xla"] = Xla()
+
+    rate = bf16_matmul_rate(256 if smoke else 8192, args.repeats)
+    header.append(f"bf16 matmul rate in this run ({256 if smoke else 8192}^3, XLA): "
                   f"{rate / 1e12:.1f} TFLOP/s.")
     log(header[-1])
     rows = []
     for w in WORKLOADS:
-        if args.smoke:
+        if smoke:
             if w.name not in SMOKE_WORKLOADS:
                 continue
             w = smoke_version(w)
@@ -342,22 +480,71 @@ def main():
             failures.append(f"{w.name}: skipped, past the {args.budget:.0f} s budget")
             log(failures[-1])
             continue
-        rows += time_workload(w, impls, device, args.repeats, rate, failures)
+        rows += time_workload(w, same_configuration_dropped(impls, w), device, args.repeats,
+                              rate, failures)
         for r in rows:
             if r["workload"] == w.name:
                 log(f"{w.name} {r['impl']}: {r['ms']:.2f} ms, {r['tflops']:.1f} TFLOP/s, "
                     f"{r['mm']:.0%} mm, ratio {r['ratio']:.2f}")
     goals = targets(rows)
-    report = markdown(header, checks, rows, goals, failures)
+    report = markdown(header, checks, tuned_section, rows, goals, failures)
+    write_report(report, md_path, args.out)
+    if not all(c["ok"] for c in checks):
+        sys.exit(1)
+
+
+def gpu_config_path():
+    from rankattn.backends import gpu_config
+    return gpu_config.TUNED_TABLE
+
+
+def same_configuration_dropped(impls: dict, w: Workload) -> dict:
+    """The built-in default only where the tuned table changes the workload's configuration."""
+    name = "pallas_triton (built-in default)"
+    if name not in impls:
+        return impls
+    args = (w.dtype, w.head_dim, w.q_heads // w.kv_heads)
+    if impls["pallas_triton"].config(*args) == impls[name].config(*args):
+        return {k: v for k, v in impls.items() if k != name}
+    return impls
+
+
+def write_report(report: str, md_path: str | None, out: str | None) -> None:
     print("\n" + report, flush=True)
-    for path in filter(None, [md_path, args.out and os.path.join(args.out, "GPU.md")]):
+    for path in filter(None, [md_path, out and os.path.join(out, "GPU.md")]):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             f.write(report)
         log(f"wrote {path}")
-    if not all(c["ok"] for c in checks):
-        sys.exit(1)
 
+
+def dry_run(args, md_path: str | None) -> None:
+    """What a GPU run would do, and its estimated device time, without running it."""
+    # Per case: pallas_triton (and its two float32 precisions), the xla backend, the reference.
+    pallas = [case[6] for case in CHECKS for _ in range(1 + 2 * (case[6] == "float32"))]
+    plan = gpu_tune.dry_run((9, 0), args.budget, args.tune_budget, pallas, 2 * len(CHECKS))
+    report = "\n".join([
+        "# rankattn on a GPU", "",
+        "**Pending: no GPU has run this check yet.** Every figure awaits one run of", "",
+        "```", "PYTHONPATH=src python benchmarks/gpu.py --out \"$OUT\"", "```", "",
+        "on a CUDA machine with jax (CUDA plugin), torch and triton installed; it needs no "
+        "network and no install step. That run replaces this file with its measured report: "
+        "(a) correctness of pallas_triton and xla against the reference on the GPU, (t) the "
+        "tune phase's candidates, checked and timed against the built-in default, the tuned "
+        "table it writes (src/rankattn/backends/gpu_tuned.json) and ptxas' registers for "
+        "sm_90, (b) bf16 timings beside jax.nn.dot_product_attention with the dense mask "
+        "(cuDNN, else XLA), torch SDPA and compiled FlexAttention, and the targets, each MET "
+        "or MISSED.", "",
+        f"## The plan of that run on an H100 / H200 (sm_90), estimated", "",
+        f"Generated by `.venv/bin/python benchmarks/gpu.py --dry-run` on "
+        f"{datetime.date.today()} from the deviceless compile times in "
+        "benchmarks/results/gpu_candidates.json (`benchmarks/gpu_compile.py --candidates`, "
+        "this CPU-only machine).", "", *plan, "",
+        "Checked without a GPU: the kernels give the reference's results in Pallas interpret "
+        "mode (the test suite), compile for sm_80 / sm_89 / sm_90 (GPU_COMPILE.md), and this "
+        "script, tune phase included, runs end to end on CPU: "
+        "`.venv/bin/python benchmarks/gpu.py --smoke --tune`.", ""])
+    write_report(report, md_path, args.out)
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/gpu_compile.py            # every target and axis -> GPU_COMPILE.md
     .venv/bin/python benchmarks/gpu_compile.py --targets sm_90 --axes default causal --print
     .venv/bin/python benchmarks/gpu_compile.py --smoke --out DIR  # sm_90, default config -> DIR
+    .venv/bin/python benchmarks/gpu_compile.py --candidates   # gpu.py's tune candidates, sm_90
 
 Lowering a Pallas kernel stops at Triton IR, which cannot show registers or shared
 memory. XLA's GPU compiler can finish the compile on a CPU-only machine, given
@@ -40,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS_DIR = os.path.join(HERE, "gpu_targets")
@@ -94,6 +96,61 @@ def configs(axes: list[str] | None = None) -> list[Config]:
     return [c for c in out if axes is None or c.axis in axes]
 
 
+# --- The candidates of benchmarks/gpu.py's tune phase. -----------------------------
+
+# (dtype, head dim, query heads, kv heads): the calls gpu.py --tune times candidates for.
+TUNE_CLASSES = (("bfloat16", 128, 4, 2), ("bfloat16", 128, 20, 4), ("bfloat16", 64, 4, 2),
+                ("bfloat16", 64, 20, 4), ("float32", 128, 4, 2))
+CANDIDATES_JSON = os.path.join(HERE, "results", "gpu_candidates.json")
+
+
+def option(block_q: int, block_k: int, warps: int, stages: int | None = None,
+           split_dkv: bool = False, key_major: bool = False) -> dict:
+    """PallasTriton's keyword arguments for one candidate, as JSON (block_sizes a list)."""
+    return dict(block_sizes=[block_q, block_k], num_warps=warps, num_stages=stages,
+                split_dkv=split_dkv, key_major=key_major)
+
+
+def tune_candidates(dtype: str) -> list[dict]:
+    """The configurations the tune phase may time for ``dtype`` at D <= 128.
+
+    16-bit: around the spill-free sm_90 default (64 x 32, 8 warps, one dk / dv kernel),
+    larger query tiles (FlashAttention-2's kernels take 128 query rows at D = 128, JAX's
+    Pallas attention defaults to 128 x 128), tiles that spill a little (64 x 64 in one dk / dv
+    kernel), 4 warps, three stages, dk and dv apart, key-major dk / dv (sm_80's default).
+    Exact float32 (no tensor cores; registers bound it): 16-32 row / key tiles, 2 or 4 warps.
+    Which of them compile, and their registers and spills, are in CANDIDATES_JSON
+    (``--candidates``).
+    """
+    if dtype == "float32":
+        return [option(16, 16, 4, None, True, True), option(32, 16, 4, None, True, True),
+                option(16, 32, 4, None, True, True), option(32, 32, 4, None, True, True),
+                option(16, 16, 2, None, True, True), option(16, 16, 4, 3, True, True)]
+    return [option(64, 32, 8), option(64, 32, 8, 3), option(64, 32, 4),
+            option(64, 64, 8), option(64, 64, 8, None, True),
+            option(128, 32, 8), option(128, 64, 8), option(128, 64, 8, None, True),
+            option(128, 128, 8, None, True), option(32, 32, 4, None, False, True),
+            option(64, 32, 8, None, False, True)]
+
+
+def compile_candidates(target: str, packages: str | None) -> dict:
+    """Every tune candidate compiled for ``target`` (at 4 / 2 heads: the group changes no
+    kernel's resources, GPU_COMPILE.md's gqa rows), with compile seconds, as one report."""
+    shapes = dict.fromkeys((dtype, head_dim) for dtype, head_dim, _, _ in TUNE_CLASSES)
+    cfgs, options = [], []
+    for dtype, head_dim in shapes:
+        for candidate in tune_candidates(dtype):
+            cfgs.append(Config("tune", dtype=dtype, head_dim=head_dim))
+            options.append(candidate)
+    print(f"{target}: compiling {len(cfgs)} tune candidates ...", file=sys.stderr, flush=True)
+    results = compile_in_child(target, cfgs, packages, options)
+    import jax
+    return dict(target=target, jax=jax.__version__,
+                ptxas=next((r["ptxas"] for r in results if r["ptxas"]), None),
+                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+                candidates=[dict(r, options=o) for r, o in zip(results, options)])
+
+
 # --- The compiler packages. --------------------------------------------------------
 
 
@@ -141,10 +198,10 @@ def compiler_dir() -> str:
     return path
 
 
-def child_env(packages: str) -> dict:
+def child_env(packages: str | None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [packages, os.path.join(os.path.dirname(HERE), "src")]
+        [p for p in (packages, os.path.join(os.path.dirname(HERE), "src")) if p]
         + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",  # no CUDA runtime: nothing to check
                TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="subprocess_compilation=3")
@@ -165,10 +222,15 @@ def target_limits(target: str) -> dict:
                 max_warps=TARGETS[target][2])
 
 
-def compile_in_child(target: str, cfgs: list[Config], packages: str,
-                     options: dict | None = None) -> list[dict]:
+def compile_in_child(target: str, cfgs: list[Config], packages: str | None,
+                     options: dict | list[dict] | None = None) -> list[dict]:
     """Compile ``cfgs`` for ``target`` in a child process; one result dict per config.
-    ``options``: PallasTriton's keyword arguments (block_sizes as [block_q, block_k])."""
+
+    ``options``: PallasTriton's keyword arguments (block_sizes as [block_q, block_k]), for
+    every config, or a list with one dict per config. ``packages``: the folder of
+    :func:`compiler_dir`, or None for the CUDA plugin this Python already has (a GPU
+    machine's own; nothing is installed).
+    """
     result = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", target,
          json.dumps([dataclasses.asdict(c) for c in cfgs]), json.dumps(options or {})],
@@ -190,21 +252,23 @@ def child(target: str, cfgs_json: str, options_json: str):
     import rankattn
     from rankattn.backends import BlockSizes, PallasTriton
 
+    cfgs = json.loads(cfgs_json)
     options = json.loads(options_json)
-    if "block_sizes" in options:
-        options["block_sizes"] = BlockSizes(*options["block_sizes"])
+    per_config = options if isinstance(options, list) else [options] * len(cfgs)
 
     text = open(os.path.join(TARGETS_DIR, TARGETS[target][0])).read()
     topology = topologies.get_topology_desc(platform="cuda", target_config=text,
                                             topology="1x1x1")
     sharding = SingleDeviceSharding(topology.devices[0])
-    for fields in json.loads(cfgs_json):
+    for fields, options in zip(cfgs, per_config):
         cfg = Config(**fields)
+        if "block_sizes" in options:
+            options = dict(options, block_sizes=BlockSizes(*options["block_sizes"]))
         dtype = jnp.dtype(cfg.dtype)
         spec = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
         b, s, d = 1, cfg.seq_len, cfg.head_dim
 
-        def loss(q, k, v, seg, cfg=cfg):
+        def loss(q, k, v, seg, cfg=cfg, options=options):
             out, lse = rankattn.attention(
                 q, k, v, segment_ids=seg, causal=cfg.causal,
                 softcap=None if cfg.softcap_method is None else 20.0,
@@ -216,6 +280,7 @@ def child(target: str, cfgs_json: str, options_json: str):
         log = os.path.join(dump, "stderr.txt")
         saved = os.dup(2)
         error = None
+        start = time.perf_counter()
         with open(log, "w") as sink:
             os.dup2(sink.fileno(), 2)
             try:
@@ -228,15 +293,41 @@ def child(target: str, cfgs_json: str, options_json: str):
             finally:
                 os.dup2(saved, 2)
                 os.close(saved)
-        print(json.dumps(dict(config=fields, error=error, kernels=read_kernels(dump, log),
-                              ptxas=ptxas_version(log))), flush=True)
+        text = open(log).read()
+        if "Function properties for" not in text:  # an XLA that runs ptxas in-process
+            text += ptxas_on_dump(dump)
+        print(json.dumps(dict(config=fields, error=error, kernels=read_kernels(dump, text),
+                              ptxas=ptxas_version(text),
+                              seconds=round(time.perf_counter() - start, 2))), flush=True)
         shutil.rmtree(dump, ignore_errors=True)
 
 
-def read_kernels(dump: str, log: str) -> dict:
-    """Per kernel: ptxas' registers / spills / stack, XLA's launch and the PTX's MMA family."""
+def ptxas_on_dump(dump: str) -> str:
+    """``ptxas -v`` of the dumped PTX, for an XLA that compiles PTX in-process and so logs no
+    report (a GPU machine's own plugin may): the ptxas on PATH or of an installed
+    nvidia-cuda-nvcc package; "" when there is none."""
+    ptxas = shutil.which("ptxas") or next(
+        (p for entry in sys.path if os.path.isdir(entry)
+         for p in glob.glob(os.path.join(entry, "nvidia", "**", "bin", "ptxas"), recursive=True)),
+        None)
+    if ptxas is None:
+        return ""
+    reports = [subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout]
+    for path in glob.glob(os.path.join(dump, "*.ptx")):
+        arch = re.search(r"^\.target (sm_\w+)", open(path).read(), re.M)
+        if arch:
+            result = subprocess.run([ptxas, f"-arch={arch[1]}", "-v", path, "-o", os.devnull],
+                                    capture_output=True, text=True)
+            reports.append(result.stdout + result.stderr)
+    # The format XLA logs: "ptxas with version X", then ptxas -v's own lines.
+    version = re.search(r"release [\d.]+, V([\d.]+)", reports[0])
+    return (f"ptxas with version {version[1]}\n" if version else "") + "\n".join(reports[1:])
+
+
+def read_kernels(dump: str, text: str) -> dict:
+    """Per kernel: ptxas' registers / spills / stack (from ``text``, its report), XLA's launch
+    and the PTX's MMA family."""
     kernels = {}
-    text = open(log).read()
     for name in KERNELS:
         m = re.search(rf"Function properties for {name}\n\s*(\d+) bytes stack frame, (\d+) bytes "
                       rf"spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers", text)
@@ -256,8 +347,8 @@ def read_kernels(dump: str, log: str) -> dict:
     return kernels
 
 
-def ptxas_version(log: str) -> str | None:
-    m = re.search(r"ptxas with version ([\d.]+)", open(log).read())
+def ptxas_version(text: str) -> str | None:
+    m = re.search(r"ptxas with version ([\d.]+)", text)
     return m[1] if m else None
 
 
@@ -356,7 +447,8 @@ def markdown(report: dict) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--targets", nargs="*", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--targets", nargs="*", choices=list(TARGETS),
+                        help="default: every target; sm_90 with --candidates")
     parser.add_argument("--axes", nargs="*", help="only these axes (default: all)")
     parser.add_argument("--print", action="store_true", help="print the table; write nothing")
     parser.add_argument("--report", action="store_true",
@@ -368,10 +460,23 @@ def main():
                              "into --out (default: a new temporary folder)")
     parser.add_argument("--out", help="write GPU_COMPILE.md and results/gpu_compile.json here, "
                                       "not into benchmarks/")
+    parser.add_argument("--candidates", action="store_true",
+                        help="compile gpu.py's tune candidates instead (registers, spills, "
+                             "compile seconds) -> results/gpu_candidates.json")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
+    if args.candidates:
+        [target] = args.targets or ["sm_90"]
+        report = compile_candidates(target, compiler_dir())
+        path = os.path.join(args.out, "gpu_candidates.json") if args.out else CANDIDATES_JSON
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {path}")
+        return
+    args.targets = args.targets or list(TARGETS)
     if args.smoke:
         args.targets, args.axes = ["sm_90"], ["default"]
         args.out = args.out or tempfile.mkdtemp(prefix="gpu-compile-smoke-")

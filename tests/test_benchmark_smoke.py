@@ -42,7 +42,8 @@ SMOKES = {
     "bench.py --sweep": ["benchmarks/bench.py", "--smoke", "--sweep", "--out", "{out}/bench"],
     "compare_revision.py": ["benchmarks/compare_revision.py", "HEAD", "--smoke"],
     "precision.py": ["benchmarks/precision.py", "--smoke", "--out", "{out}/precision"],
-    "gpu.py": ["benchmarks/gpu.py", "--smoke", "--repeats", "1", "--md", "{out}/gpu/GPU.md"],
+    "gpu.py": ["benchmarks/gpu.py", "--smoke", "--tune", "--repeats", "1", "--out", "{out}/gpu"],
+    "gpu.py --dry-run": ["benchmarks/gpu.py", "--dry-run", "--md", "{out}/gpu-plan/GPU.md"],
     "bench_distributed.py": ["benchmarks/bench_distributed.py", "--smoke", "--out",
                              "{out}/distributed"],
     "bench_serving.py": ["benchmarks/bench_serving.py", "--smoke", "--out", "{out}/serving"],
@@ -54,7 +55,7 @@ SMOKES = {
 # fixes when it starts, so its process has them. The ranker's flax / orbax imports go last.
 GROUPS = {
     "one device": ["bench.py", "bench.py --sweep", "compare_revision.py", "precision.py",
-                   "gpu.py", "compare_serving_revision.py"],
+                   "gpu.py", "gpu.py --dry-run", "compare_serving_revision.py"],
     "eight devices": ["bench_distributed.py", "bench_serving.py", "ranker bench",
                       "bench_store.py"],
 }
@@ -173,6 +174,29 @@ def check_gpu(out: str, printed: str):
         assert {"pallas_triton", "xla", "jax.nn.dpa (xla, dense mask)",
                 *(["torch sdpa (dense mask)"] if TORCH else [])} <= impls, impls
     assert "## Targets" in text
+    # The tune phase: the default and both candidates checked and timed, one JSONL line each
+    # as they came; the winner entered (whatever its gain, in a smoke run) into the table
+    # under --out, which pallas_triton then reads, with the built-in default beside it.
+    lines = [json.loads(line) for line in open(os.path.join(out, "gpu", "tune.jsonl"))]
+    assert [(r["default"], r["status"]) for r in lines] == [(True, "ok"), (False, "ok"),
+                                                            (False, "ok")], lines
+    assert all(r["max_error"] <= 2e-2 and r["ratio"] > 0 for r in lines[1:])
+    from rankattn.backends import gpu_config
+    with open(os.path.join(out, "gpu", "gpu_tuned.json")) as f:
+        [entry] = gpu_config.parse_table(json.load(f))
+    assert entry.dtype == "bfloat16" and entry.head_dim == (65, 128)
+    assert "## (t) Tune phase" in text and "not measured in --smoke" in text
+    impls = {row.split("|")[2].strip() for row in table_rows(text, "nano-fwd")}
+    assert "pallas_triton (built-in default)" in impls, impls
+
+
+def check_gpu_plan(out: str, printed: str):
+    """The dry run's plan: every tune class, and an estimate within the 10 minutes a GPU
+    run may take, start-up included."""
+    text = read(os.path.join(out, "gpu-plan", "GPU.md"))
+    assert text.count("| tune ") == len(gpu_compile.TUNE_CLASSES) and "| tune, total |" in text
+    seconds = int(re.search(r"Estimated device time: at most (\d+) s", text)[1])
+    assert seconds <= 600, seconds
 
 
 def check_distributed(out: str, printed: str):
@@ -210,7 +234,7 @@ def check_store(out: str, printed: str):
 
 CHECKS = {"bench.py": check_bench, "bench.py --sweep": check_sweep,
           "compare_revision.py": check_compare_revision, "precision.py": check_precision,
-          "gpu.py": check_gpu, "bench_distributed.py": check_distributed,
+          "gpu.py": check_gpu, "gpu.py --dry-run": check_gpu_plan, "bench_distributed.py": check_distributed,
           "bench_serving.py": check_serving,
           "compare_serving_revision.py": check_compare_serving, "ranker bench": check_ranker,
           "bench_store.py": check_store}
@@ -218,9 +242,9 @@ CHECKS = {"bench.py": check_bench, "bench.py --sweep": check_sweep,
 
 def committed_reports() -> dict[str, bytes]:
     """What the benchmarks write outside a smoke run: benchmarks/*.md, *.png and results/,
-    examples/ranker/results/ and the README's results block."""
+    examples/ranker/results/, the tuned GPU table and the README's results block."""
     paths = [p for pattern in ("benchmarks/*.md", "benchmarks/*.png", "benchmarks/results/**",
-                               "examples/ranker/results/**")
+                               "examples/ranker/results/**", "src/rankattn/backends/*.json")
              for p in glob.glob(os.path.join(ROOT, pattern), recursive=True) if os.path.isfile(p)]
     found = {p: open(p, "rb").read() for p in paths}
     readme = read(os.path.join(ROOT, "README.md"))

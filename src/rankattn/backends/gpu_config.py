@@ -132,6 +132,15 @@ def spill_free_config(target: GpuTarget, dtype, head_dim: int,
     return KernelConfig(BlockSizes(32, 32), False, warps, key_major=True)
 
 
+def next_power_of_2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def padded_head_dim(size: int) -> int:
+    """A head dim as the kernels see it: a power of two >= 16 (zeros pad the rest)."""
+    return max(MIN_BLOCK, next_power_of_2(size))
+
+
 def _is_tile(value) -> bool:
     return (isinstance(value, int) and not isinstance(value, bool) and value >= MIN_BLOCK
             and not value & (value - 1))

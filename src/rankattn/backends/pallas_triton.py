@@ -47,7 +47,8 @@ from rankattn import semantics
 from rankattn.backends import gpu_config
 from rankattn.backends.base import Backend
 from rankattn.backends.gpu_config import (MIN_BLOCK, PORTABLE_TARGET, SHARED_MEMORY_PER_BLOCK,
-                                          GpuTarget, KernelConfig, default_config)
+                                          GpuTarget, KernelConfig, default_config,
+                                          next_power_of_2, padded_head_dim)
 from rankattn.blocks import BlockPlan, BlockSizes, pad_axis1, segments_and_plan, round_up
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
@@ -65,13 +66,9 @@ LN2 = math.log(2.0)
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _next_power_of_2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
 def plan_sizes(sizes: BlockSizes, seq_len: int) -> BlockSizes:
     """Blocks no longer than the sequence needs (a power of two >= 16)."""
-    longest = max(MIN_BLOCK, _next_power_of_2(seq_len))
+    longest = max(MIN_BLOCK, next_power_of_2(seq_len))
     return BlockSizes(min(sizes.block_q, longest), min(sizes.block_k, longest))
 
 
@@ -537,14 +534,9 @@ def _pad_last(x, length: int):
     return x if not extra else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def _padded_head_dim(size: int) -> int:
-    """A head dim as the kernels see it: a power of two >= 16."""
-    return max(MIN_BLOCK, _next_power_of_2(size))
-
-
 def _pad_head_dim(x):
     """Zero-pad the last axis to a power of two >= 16 (zeros change no dot product)."""
-    return _pad_last(x, _padded_head_dim(x.shape[-1]))
+    return _pad_last(x, padded_head_dim(x.shape[-1]))
 
 
 def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
@@ -685,7 +677,7 @@ class PallasTriton(Backend):
 
     def config(self, dtype, head_dim: int, group: int = 1) -> KernelConfig:
         """The configuration of a call with this dtype, (larger) head dim and GQA group."""
-        chosen = default_config(self.gpu_target(), dtype, _padded_head_dim(head_dim),
+        chosen = default_config(self.gpu_target(), dtype, padded_head_dim(head_dim),
                                 self.precision, group, self.table())
         return KernelConfig(self.block_sizes or chosen.block_sizes,
                             chosen.split_dkv if self.split_dkv is None else self.split_dkv,
