@@ -461,6 +461,8 @@ def main():
                 f"{'.'.join(map(str, capability))})")
         tuned_section = tune_section(summaries, table, paths,
                                      registers_section(summaries, capability, smoke))
+        write_report(markdown(header, checks, tuned_section, [], [], failures), md_path,
+                     args.out, final=False)
     impls = {"pallas_triton": PallasTriton(tuned=table_path, interpret=smoke)}
     if tune:
         impls["pallas_triton (built-in default)"] = PallasTriton(tuned=False, interpret=smoke)
@@ -486,8 +488,10 @@ def main():
             if r["workload"] == w.name:
                 log(f"{w.name} {r['impl']}: {r['ms']:.2f} ms, {r['tflops']:.1f} TFLOP/s, "
                     f"{r['mm']:.0%} mm, ratio {r['ratio']:.2f}")
-    goals = targets(rows)
-    report = markdown(header, checks, tuned_section, rows, goals, failures)
+        # The report so far after each workload: a run cut off keeps what it measured.
+        write_report(markdown(header, checks, tuned_section, rows, targets(rows), failures),
+                     md_path, args.out, final=False)
+    report = markdown(header, checks, tuned_section, rows, targets(rows), failures)
     write_report(report, md_path, args.out)
     if not all(c["ok"] for c in checks):
         sys.exit(1)
@@ -509,13 +513,16 @@ def same_configuration_dropped(impls: dict, w: Workload) -> dict:
     return impls
 
 
-def write_report(report: str, md_path: str | None, out: str | None) -> None:
-    print("\n" + report, flush=True)
+def write_report(report: str, md_path: str | None, out: str | None, final: bool = True) -> None:
+    """Write the report to ``md_path`` and ``out``; the final one is printed too."""
+    if final:
+        print("\n" + report, flush=True)
     for path in filter(None, [md_path, out and os.path.join(out, "GPU.md")]):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             f.write(report)
-        log(f"wrote {path}")
+        if final:
+            log(f"wrote {path}")
 
 
 def dry_run(args, md_path: str | None) -> None:
