@@ -38,7 +38,7 @@ from rankattn import peers
 from rankattn.backends import BlockSizes, PallasTriton, gpu_config
 
 TUNE_BATCH = 32        # rows of the nano layout (1024 history + 128 candidates) a class is timed on
-SPILL_LIMIT = 600      # bytes per thread any kernel of a candidate may spill in the deviceless compile
+SPILL_LIMIT = 600      # bytes per thread a candidate's kernels may spill (deviceless compile)
 MIN_GAIN = 0.03        # an entry only where the best candidate is 3% faster than the default
 # --smoke: CPU, interpret mode, one class (gpu.py's smoke workloads' shape) and two
 # candidates; the faster candidate is entered whatever its gain, so the table path runs.

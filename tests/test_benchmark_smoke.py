@@ -234,7 +234,8 @@ def check_store(out: str, printed: str):
 
 CHECKS = {"bench.py": check_bench, "bench.py --sweep": check_sweep,
           "compare_revision.py": check_compare_revision, "precision.py": check_precision,
-          "gpu.py": check_gpu, "gpu.py --dry-run": check_gpu_plan, "bench_distributed.py": check_distributed,
+          "gpu.py": check_gpu, "gpu.py --dry-run": check_gpu_plan,
+          "bench_distributed.py": check_distributed,
           "bench_serving.py": check_serving,
           "compare_serving_revision.py": check_compare_serving, "ranker bench": check_ranker,
           "bench_store.py": check_store}

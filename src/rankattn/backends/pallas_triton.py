@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 from pathlib import Path
 
@@ -44,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from rankattn import semantics
-from rankattn.backends import gpu_config
+from rankattn.backends import flash_math, gpu_config
 from rankattn.backends.base import Backend
 from rankattn.backends.gpu_config import (MIN_BLOCK, PORTABLE_TARGET, SHARED_MEMORY_PER_BLOCK,
                                           GpuTarget, KernelConfig, default_config,
@@ -61,8 +60,6 @@ except ImportError as error:  # pragma: no cover - depends on the installed JAX
     pl = plgpu = None
     IMPORT_ERROR = error
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -145,48 +142,13 @@ def _bf16_split(x):
 
 def _logits(st: _Static, q, k):
     """(base-2 logits after scale and cap, scaled logits before the cap or None), [bq, bk]."""
-    s = _dot(st, q, k)
-    if st.softcap is None:
-        return s * (st.scale * LOG2E), None
-    s = s * st.scale
-    return semantics.softcap(s, st.softcap, st.softcap_method) * LOG2E, s
-
-
-def _times(x, multiplier):
-    """x times the rows' logit multiplier (shaped to broadcast against x), or x (None)."""
-    return x if multiplier is None else x * multiplier
-
-
-def _own_logits(st: _Static, q, k_own, seg_q, poison=0.0, multiplier=None):
-    """Each candidate's logit on its own key: (base-2 logits, times the row's multiplier, plus
-    the key's poison, masked to -inf off candidates; scaled logits before the cap), per row."""
-    s = (q.astype(jnp.float32) * k_own.astype(jnp.float32)).sum(1) * st.scale
-    s2 = _times(semantics.softcap(s, st.softcap, st.softcap_method) * LOG2E, multiplier) + poison
-    return jnp.where(seg_q < 0, s2, -jnp.inf), s
-
-
-def _ds(st: _Static, p, dp, delta, s, multiplier=None):
-    """d loss / d (q . k) from p, dp = dO . v and delta, with the cap's derivative, the rows'
-    logit multiplier and the scale."""
-    ds = p * (dp - delta)
-    if st.softcap is not None:
-        ds = ds * semantics.softcap_grad(s, st.softcap, st.softcap_method)
-    return _times(ds, multiplier) * st.scale
+    return flash_math.capped_logits(st, _dot(st, q, k))
 
 
 def _multiplier_ref(st: _Static, refs):
     """(the logit multiplier's ref or None, the other refs): the kernels take it as one more
     input after their own, when ``st.multiplied``."""
     return (refs[0], refs[1:]) if st.multiplied else (None, refs)
-
-
-def _lse2(lse):
-    """The saved lse in base 2, for recomputing p = exp2(s2 - lse2) in the backward kernels.
-
-    Rows that saw nothing (-inf) have every logit masked to -inf: 0 keeps p at 0.
-    Poisoned rows arrive as +inf (semantics.backward_rows): every p is 0.
-    """
-    return jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
 
 
 def _mask(st: _Static, seg_q, seg_k, q_start, k_start, key_major: bool = False):
@@ -237,7 +199,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_r
     def block(j, masked, carry):
         keys = _rows(j * st.block_k, st.block_k)
         s, _ = _logits(st, q, k_ref[keys, :])
-        s = _times(s, None if mult is None else mult[:, None])
+        s = flash_math.times(s, None if mult is None else mult[:, None])
         s = s + poison_ref[keys][None, :]  # NaN for keys whose k or v is non-finite
         if masked:
             s = jnp.where(_mask(st, seg_q, seg_k_ref[keys], q_start, j * st.block_k), s, -jnp.inf)
@@ -250,7 +212,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_r
 
     if st.own_key:  # the own-key logit joins the softmax as one more column
         own = _rows(q_start, st.block_q)
-        s_own, _ = _own_logits(st, q, k_ref[own, :], seg_q, poison_ref[own], mult)
+        s_own, _ = flash_math.own_logits(st, q, k_ref[own, :], seg_q, poison_ref[own], mult)
         m_new = jnp.maximum(m, s_own)
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p_own = jnp.exp2(s_own - shift)
@@ -262,7 +224,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_r
     seen = l != 0  # NaN (a poisoned row) counts as seen
     safe_l = jnp.where(seen, l, 1.0)
     out_ref[...] = (acc / safe_l[:, None]).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(seen, (m + jnp.log2(safe_l)) * LN2, -jnp.inf)
+    lse_ref[...] = jnp.where(seen, (m + jnp.log2(safe_l)) * flash_math.LN2, -jnp.inf)
 
 
 def _query_block_specs(st: _Static, q, v, plan: BlockPlan):
@@ -343,7 +305,7 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
     q, do = q_ref[...], do_ref[...]
     seg_q = seg_q_ref[_rows(q_start, st.block_q)]
     lse = lse_ref[...]
-    lse2 = _lse2(lse)
+    lse2 = flash_math.lse2(lse)
     delta = delta_ref[...]
 
     def block(j, masked, dq):
@@ -351,12 +313,12 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
         k, v = k_ref[keys, :], v_ref[keys, :]
         s2, s = _logits(st, q, k)
         row_mult = None if mult is None else mult[:, None]
-        s2 = _times(s2, row_mult)
+        s2 = flash_math.times(s2, row_mult)
         if masked:
             mask = _mask(st, seg_q, seg_k_ref[keys], q_start, j * st.block_k)
             s2 = jnp.where(mask, s2, -jnp.inf)
         p = jnp.exp2(s2 - lse2[:, None])
-        ds = _ds(st, p, _dot(st, do, v), delta[:, None], s, row_mult)
+        ds = flash_math.logit_grads(st, p, _dot(st, do, v), delta[:, None], s, row_mult)
         return dq + _dot(st, ds.astype(k.dtype), k, (1, 0))
 
     dq = _two_loops(kv_index_ref, full_ref[...], count_ref[...], block,
@@ -364,9 +326,10 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
     if st.own_key:
         own = _rows(q_start, st.block_q)
         k_own, v_own = k_ref[own, :].astype(jnp.float32), v_ref[own, :].astype(jnp.float32)
-        s2, s = _own_logits(st, q, k_own, seg_q, multiplier=mult)
+        s2, s = flash_math.own_logits(st, q, k_own, seg_q, multiplier=mult)
         p = jnp.exp2(s2 - lse2)
-        ds = _ds(st, p, (do.astype(jnp.float32) * v_own).sum(1), delta, s, mult)
+        ds = flash_math.logit_grads(st, p, (do.astype(jnp.float32) * v_own).sum(1), delta, s,
+                                    mult)
         dq = dq + ds[:, None] * k_own
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
@@ -414,18 +377,19 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
             q, do = q_ref[queries, g, :], do_ref[queries, g, :]
             s2, s = _logits(st, *((k, q) if st.key_major else (q, k)))
             row_mult = None if mult_ref is None else per_query(mult_ref[g, queries])
-            s2 = _times(s2, row_mult)
+            s2 = flash_math.times(s2, row_mult)
             if masked:
                 mask = _mask(st, seg_q_ref[queries], seg_k, i * st.block_q, k_start,
                              st.key_major)
                 s2 = jnp.where(mask, s2, -jnp.inf)
-            p = jnp.exp2(s2 - per_query(_lse2(lse_ref[g, queries])))
+            p = jnp.exp2(s2 - per_query(flash_math.lse2(lse_ref[g, queries])))
             acc = dict(acc)
             if "dv" in acc:
                 acc["dv"] = acc["dv"] + _dot(st, p.astype(do.dtype), do, (query_axis, 0))
             if "dk" in acc:
                 dp = _dot(st, v, do) if st.key_major else _dot(st, do, v)
-                ds = _ds(st, p, dp, per_query(delta_ref[g, queries]), s, row_mult)
+                ds = flash_math.logit_grads(st, p, dp, per_query(delta_ref[g, queries]), s,
+                                            row_mult)
                 acc["dk"] = acc["dk"] + _dot(st, ds.astype(q.dtype), q, (query_axis, 0))
             return acc
 
@@ -435,13 +399,13 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, seg_q_ref, seg_k_ref, q_ref, k
             do = do_ref[keys, g, :].astype(jnp.float32)
             lse = lse_ref[g, keys]
             own_mult = None if mult_ref is None else mult_ref[g, keys]
-            s2, s = _own_logits(st, q, k, seg_q_ref[keys], multiplier=own_mult)
-            p = jnp.exp2(s2 - _lse2(lse))
+            s2, s = flash_math.own_logits(st, q, k, seg_q_ref[keys], multiplier=own_mult)
+            p = jnp.exp2(s2 - flash_math.lse2(lse))
             if "dv" in acc:
                 acc["dv"] = acc["dv"] + p[:, None] * do
             if "dk" in acc:
-                ds = _ds(st, p, (do * v.astype(jnp.float32)).sum(1), delta_ref[g, keys], s,
-                         own_mult)
+                ds = flash_math.logit_grads(st, p, (do * v.astype(jnp.float32)).sum(1),
+                                            delta_ref[g, keys], s, own_mult)
                 acc["dk"] = acc["dk"] + ds[:, None] * q
         return acc
 
@@ -569,7 +533,8 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
     if logit_multiplier is not None:  # [B, Hq, S_pad], rows as lse's
         multiplier = pad_axis1(logit_multiplier, s_pad).transpose(0, 2, 1)
     st = _Static(causal=causal, scale=scale, softcap=softcap, softcap_method=softcap_method,
-                 own_key=segment_ids is not None, multiplied=multiplier is not None, block_q=bq, block_k=bk, group=hq // hkv,
+                 own_key=segment_ids is not None, multiplied=multiplier is not None,
+                 block_q=bq, block_k=bk, group=hq // hkv,
                  split_dkv=config.split_dkv, key_major=config.key_major, precision=precision,
                  num_warps=config.num_warps,
                  num_stages=(config.num_stages
