@@ -103,3 +103,13 @@ def test_an_entry_the_library_would_ignore_is_never_written(tmp_path):
     with pytest.raises(ValueError, match="block_q"):
         gpu_tune.write_table(str(tmp_path / "t.json"), [entry], SM90, {})
     assert not (tmp_path / "t.json").exists()
+
+
+def test_past_its_budget_the_phase_skips_and_says_so(tmp_path):
+    logged = []
+    summaries = gpu_tune.run((8, 0), budget=0.0, smoke=True, repeats=1,
+                             tolerances={"bfloat16": 2e-2}, jsonl=str(tmp_path / "t.jsonl"),
+                             log=logged.append)
+    assert [s.get("skipped") for s in summaries] == [True]
+    assert "past the 0 s tune budget" in logged[0]
+    assert gpu_tune.table_entries(summaries, (8, 0), gpu_tune.classes(smoke=True)) == []
