@@ -26,12 +26,14 @@ from tolerances import assert_close_f32
 from test_backends import CONFIGS, BackendTests, C, ROWS, SEG
 from test_backends import pytest_generate_tests  # noqa: F401  (parametrizes config)
 
-# CONFIGS plus GQA 5 in bf16 with a cap at 31 tokens, cross-attention with a longer key
-# sequence, and float32 packed rows with a multiplier one past two blocks.
-TPU_CONFIGS = CONFIGS + [
+# CONFIGS but four whose axes others cover (interpret mode compiles each configuration for
+# about 1.7 s): cross-attention 3 x 40 (1 x 70 and 17 x 9 stay), broadcast bounds at 70 tokens
+# (at 8 stays; 70 tokens stay with segment ids), unmasked soft_sign at 70 (soft_sign stays with
+# a mask), bf16 unmasked causal GQA 8 (bf16 causal stays); plus GQA 5 in bf16 with a cap at 31
+# tokens and float32 bounds with a per-head multiplier one past two blocks.
+TPU_CONFIGS = [c for n, c in enumerate(CONFIGS) if n not in (11, 15, 16, 20)] + [
     C(batch=2, seq=31, heads_q=5, heads_kv=1, dim=80, dtype="bfloat16", mask=SEG, causal=True,
       softcap=2.0),
-    C(batch=1, seq=9, kv_seq=40, heads_q=4, heads_kv=2, dim=48, dim_v=8),
     C(batch=2, seq=33, heads_q=4, heads_kv=2, dim=96, mask=ROWS, causal=True,
       multiplier="heads"),
 ]
@@ -56,7 +58,7 @@ class TestPallasTpuDefaultBlocks(BackendTests):
     short calls, several for the long one (9 x 9 blocks, a ragged last one)."""
 
     impl = PallasTpu(interpret=True)
-    configs = TPU_CONFIGS[5::8]
+    configs = TPU_CONFIGS[5::12]
     long_configs = TPU_LONG_CONFIGS
 
 

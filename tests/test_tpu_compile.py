@@ -1,0 +1,34 @@
+"""The pallas_tpu kernels compiled by libtpu for real TPU generations, on this CPU-only machine.
+
+benchmarks/tpu_compile.py compiles in a child process with libtpu on its path (installed
+once into ~/.cache/rankattn by that script, never into the project's environment), so this
+process stays CPU-only. Optional: where libtpu is not installed the test skips and says
+how to install it (CI does not download its 213 MB wheel). Checked per generation (v5e,
+v6e, TPU7x): forward, dq and dk / dv of bf16, D = 128, GQA 5, causal with a soft cap at
+1088 tokens compile, and the planned VMEM and SMEM stay within the chip's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+import tpu_compile  # noqa: E402
+import user_cache  # noqa: E402
+
+LIBTPU = tpu_compile.libtpu_dir(install=False)
+
+
+@pytest.mark.skipif(LIBTPU is None, reason=(
+    f"libtpu is not installed in {user_cache.folder(tpu_compile.libtpu_folder())}; "
+    "python benchmarks/tpu_compile.py installs it there (about 680 MB)"))
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "tpu7x"])
+def test_forward_and_backward_compile_for_the_generation(generation):
+    (row,) = tpu_compile.compile_generation(generation, tpu_compile.configs(quick=True), LIBTPU)
+    assert row["compiles"], row["error"]
+    assert row["kernels"] == ["rankattn_tpu_dkv", "rankattn_tpu_dq", "rankattn_tpu_forward"]
+    assert row["vmem"] < row["vmem_capacity"] / 4 and row["smem"] < row["smem_capacity"] / 8
