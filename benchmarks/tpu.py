@@ -212,9 +212,10 @@ def main():
     info = pltpu.get_tpu_info() if on_tpu else pltpu.get_tpu_info_for_chip(
         pltpu.ChipVersion.TPU_V5E, 1)
     device = jax.devices()[0].device_kind
+    smoke_note = " (--smoke: CPU, interpret mode, tiny shapes; timings mean nothing)"
     header = [f"{datetime.date.today().isoformat()}, jax {jax.__version__}, {device}"
-              f"{' (--smoke: CPU, interpret mode, tiny shapes; timings mean nothing)' if args.smoke else ''}; "
-              f"bf16 peak {info.bf16_ops_per_second / 1e12:.0f} TFLOP/s"
+              f"{smoke_note if args.smoke else ''}; bf16 peak "
+              f"{info.bf16_ops_per_second / 1e12:.0f} TFLOP/s"
               f"{' (v5e, for the smoke)' if not on_tpu else ''}; pallas_tpu blocks "
               f"{impls['pallas_tpu'].tpu_target().name}'s."]
 

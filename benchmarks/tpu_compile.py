@@ -250,8 +250,8 @@ def markdown(report: dict) -> str:
         "under its default scoped VMEM limit (no `vmem_limit_bytes` in the backend's table). "
         "No TPU has run these kernels: nothing here measures speed.",
         "",
-        "| generation | dtype | D | G | mask | cap | blocks (q x k) | compiles | VMEM (of capacity) "
-        "| SMEM (of capacity) | HBM temp |",
+        "| generation | dtype | D | G | mask | cap | blocks (q x k) | compiles "
+        "| VMEM (of capacity) | SMEM (of capacity) | HBM temp |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:

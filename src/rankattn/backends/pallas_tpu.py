@@ -39,8 +39,16 @@ and ds to the query / key dtype for the dq / dk products. Rows that see no key g
 0, lse -inf and zero gradients; non-finite inputs poison exactly the rows of
 :mod:`rankattn.semantics`.
 
-Minimum JAX: 0.7 (``pltpu.CompilerParams``, ``pltpu.InterpretParams``); where a name
-this module needs is missing the backend declines with the reason.
+The candidates' own key is one extra logit per row, never a visited block. Under
+``rankattn.Sharding`` the kernels run per batch / heads shard, and as the per-shard kernel
+of context sharding (``takes_shard_mask``: a :class:`rankattn.semantics.ShardMask` brings
+the keys' segment ids and every token's position, read as [B, S, 1] / [B, 1, S] vectors in
+place of the indices); Phoenix's causal drop-ins go through that path.
+
+JAX: built and tested with 0.10.2. It needs ``pltpu.PrefetchScalarGridSpec``,
+``pltpu.CompilerParams`` and ``pltpu.InterpretParams`` (older JAX spelled the last two
+``TPUCompilerParams`` / ``TPUInterpretParams``); where one is missing the backend declines
+with the reason instead of failing at import.
 """
 
 from __future__ import annotations
@@ -59,8 +67,8 @@ from rankattn.blocks import BlockPlan, BlockSizes, pad_axis1, round_up, segments
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
-# Pallas TPU names moved between JAX versions (TPUCompilerParams became CompilerParams in
-# 0.7); the backend declines with the missing names rather than failing at import.
+# Pallas TPU names moved between JAX versions (TPUCompilerParams became CompilerParams); the
+# backend declines with the missing names rather than failing at import.
 NEEDED_NAMES = ("PrefetchScalarGridSpec", "CompilerParams", "InterpretParams")
 try:
     from jax.experimental import pallas as pl
@@ -154,6 +162,7 @@ class _Static:
     softcap: float | None
     softcap_method: str
     own_key: bool     # self-attention with a mask: candidates add their own key
+    positions: bool   # a ShardMask's positions (two more inputs), not the tokens' indices
     multiplied: bool  # a logit multiplier per query row (one more input)
     block_q: int
     block_k: int
@@ -192,12 +201,30 @@ def visited_block(index_ref, count_ref, b, i, t):
     return index_ref[b, i, jnp.minimum(t, last)]
 
 
-def _mask(st: _Static, seg_q, seg_k, q_start, k_start):
+def _mask(st: _Static, r: dict, q_start, k_start):
     """The history part of the mask (rankattn.semantics) for a block pair, bool [bq, bk],
-    from seg_q [bq, 1] and seg_k [1, bk] and the blocks' first positions."""
-    pos_q = q_start + jax.lax.broadcasted_iota(jnp.int32, (st.block_q, 1), 0)
-    pos_k = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)
-    return semantics.sees_history(seg_q, seg_k, pos_q, pos_k, st.causal)
+    from the kernel's segment-id refs seg_q [bq, 1] and seg_k [1, bk] and either the
+    position refs pos_q / pos_k (a ShardMask's) or the blocks' first indices."""
+    if st.positions:
+        pos_q, pos_k = r["pos_q"][...], r["pos_k"][...]
+    else:
+        pos_q = q_start + jax.lax.broadcasted_iota(jnp.int32, (st.block_q, 1), 0)
+        pos_k = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)
+    return semantics.sees_history(r["seg_q"][...], r["seg_k"][...], pos_q, pos_k, st.causal)
+
+
+def _segment_names(st: _Static) -> list[str]:
+    """The kernels' first refs: segment ids, then a ShardMask's positions."""
+    return ["seg_q", "seg_k"] + ["pos_q", "pos_k"] * st.positions
+
+
+def _segment_specs(st: _Static, seg, queries_visited: bool):
+    """(BlockSpecs, arrays) of ``seg`` (seg_q [B, S, 1], seg_k [B, 1, S] and, with
+    st.positions, pos_q / pos_k alike): the query side at the program's own block and the
+    key side at the visited one, or the other way round (dk / dv)."""
+    q_side = _spec(st, "seg_col", st.block_q, visited=queries_visited)
+    k_side = _spec(st, "seg_row", st.block_k, visited=not queries_visited)
+    return [q_side, k_side] * (len(seg) // 2), list(seg)
 
 
 def _masked(st: _Static, s2, mask):
@@ -272,7 +299,7 @@ def _call(st: _Static, kernel, name: str, plan_lists, grid, in_specs, out_specs,
 
 
 def _forward_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
-    names = ["seg_q", "seg_k", "q", "k", "v", "poison"]
+    names = _segment_names(st) + ["q", "k", "v", "poison"]
     names += ["k_own", "v_own", "poison_own"] * st.own_key + ["mult"] * st.multiplied
     names += ["out", "lse"] + ["visits"] * st.count_visits + ["m", "l", "acc"]
     r = _named(names, refs)
@@ -292,8 +319,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
         s2, _ = flash_math.capped_logits(st, _dot(_rows(r["q"][...]), r["k"][...], NT))
         s2 = flash_math.times(s2, mult) + r["poison"][...]  # NaN for keys with non-finite k / v
         if masked:
-            s2 = _masked(st, s2, _mask(st, r["seg_q"][...], r["seg_k"][...],
-                                       i * st.block_q, j * st.block_k))
+            s2 = _masked(st, s2, _mask(st, r, i * st.block_q, j * st.block_k))
         r["acc"][...], r["m"][...], r["l"][...] = flash_math.online_softmax_step(
             s2, r["v"][...], r["m"][...], r["l"][...], r["acc"][...],
             lambda p, v: _dot(p, v, NN))
@@ -327,12 +353,11 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
     dv = v.shape[-1]
     n_q, n_k = plan.kv_index.shape[1:]
     bq, bk = st.block_q, st.block_k
-    seg_col, seg_row = seg
     poison_row, poison_col = poison
-    in_specs = [_spec(st, "seg_col", bq), _spec(st, "seg_row", bk, visited=True),
-                _spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
-                _spec(st, "kv", bk, dv, visited=True), _spec(st, "kv_row", bk, visited=True)]
-    args = [seg_col, seg_row, q, k, v, poison_row]
+    in_specs, args = _segment_specs(st, seg, queries_visited=False)
+    in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
+                 _spec(st, "kv", bk, dv, visited=True), _spec(st, "kv_row", bk, visited=True)]
+    args += [q, k, v, poison_row]
     if st.own_key:  # the keys, values and poison at the query block's own positions
         in_specs += [_spec(st, "kv", bq, d), _spec(st, "kv", bq, dv), _spec(st, "kv", bq)]
         args += [k, v, poison_col]
@@ -360,7 +385,7 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
 
 
 def _dq_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
-    names = ["seg_q", "seg_k", "q", "k", "v", "do", "lse", "delta"]
+    names = _segment_names(st) + ["q", "k", "v", "do", "lse", "delta"]
     names += ["k_own", "v_own"] * st.own_key + ["mult"] * st.multiplied + ["dq", "acc"]
     r = _named(names, refs)
     b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -377,8 +402,7 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
         s2, s = flash_math.capped_logits(st, qk)
         s2 = flash_math.times(s2, mult)
         if masked:
-            s2 = _masked(st, s2, _mask(st, r["seg_q"][...], r["seg_k"][...],
-                                       i * st.block_q, j * st.block_k))
+            s2 = _masked(st, s2, _mask(st, r, i * st.block_q, j * st.block_k))
         p = jnp.exp2(s2 - flash_math.lse2(_rows(r["lse"][...])))
         dp = _dot(_rows(r["do"][...]), v, NT)
         ds = flash_math.logit_grads(st, p, dp, _rows(r["delta"][...]), s, mult)
@@ -407,11 +431,11 @@ def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplie
     dv = v.shape[-1]
     n_q, n_k = plan.kv_index.shape[1:]
     bq, bk = st.block_q, st.block_k
-    in_specs = [_spec(st, "seg_col", bq), _spec(st, "seg_row", bk, visited=True),
-                _spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
-                _spec(st, "kv", bk, dv, visited=True), _spec(st, "group", bq, dv),
-                _spec(st, "group", bq), _spec(st, "group", bq)]
-    args = [seg[0], seg[1], q, k, v, d_out, lse, delta]
+    in_specs, args = _segment_specs(st, seg, queries_visited=False)
+    in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
+                 _spec(st, "kv", bk, dv, visited=True), _spec(st, "group", bq, dv),
+                 _spec(st, "group", bq), _spec(st, "group", bq)]
+    args += [q, k, v, d_out, lse, delta]
     if st.own_key:
         in_specs += [_spec(st, "kv", bq, d), _spec(st, "kv", bq, dv)]
         args += [k, v]
@@ -428,7 +452,8 @@ def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplie
 
 
 def _dkv_kernel(q_index_ref, full_ref, count_ref, *refs, st: _Static):
-    names = ["seg_q", "seg_k", "q", "k", "v", "do", "lse", "delta"] + ["mult"] * st.multiplied
+    names = _segment_names(st) + ["q", "k", "v", "do", "lse", "delta"]
+    names += ["mult"] * st.multiplied
     if st.own_key:  # the queries at this key block's positions, each on its own key
         names += ["seg_own", "q_own", "do_own", "lse_own", "delta_own"]
         names += ["mult_own"] * st.multiplied
@@ -449,8 +474,7 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, *refs, st: _Static):
         s2, s = flash_math.capped_logits(st, _dot(q, k, NT))  # [G * bq, bk]
         s2 = flash_math.times(s2, mult)
         if masked:
-            s2 = _masked(st, s2, _mask(st, r["seg_q"][...], r["seg_k"][...],
-                                       i * st.block_q, j * st.block_k))
+            s2 = _masked(st, s2, _mask(st, r, i * st.block_q, j * st.block_k))
         p = jnp.exp2(s2 - flash_math.lse2(_rows(r["lse"][...])))
         r["dv_acc"][...] += _dot(p.astype(do.dtype), do, TN)
         ds = flash_math.logit_grads(st, p, _dot(do, v, NT), _rows(r["delta"][...]), s, mult)
@@ -482,17 +506,17 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multipli
     dv = v.shape[-1]
     n_k, n_q = plan.q_index.shape[1:]
     bq, bk = st.block_q, st.block_k
-    in_specs = [_spec(st, "seg_col", bq, visited=True), _spec(st, "seg_row", bk),
-                _spec(st, "group", bq, d, visited=True), _spec(st, "kv", bk, d),
-                _spec(st, "kv", bk, dv), _spec(st, "group", bq, dv, visited=True),
-                _spec(st, "group", bq, visited=True), _spec(st, "group", bq, visited=True)]
-    args = [seg[0], seg[1], q, k, v, d_out, lse, delta]
+    in_specs, args = _segment_specs(st, seg, queries_visited=True)
+    in_specs += [_spec(st, "group", bq, d, visited=True), _spec(st, "kv", bk, d),
+                 _spec(st, "kv", bk, dv), _spec(st, "group", bq, dv, visited=True),
+                 _spec(st, "group", bq, visited=True), _spec(st, "group", bq, visited=True)]
+    args += [q, k, v, d_out, lse, delta]
     if st.multiplied:
         in_specs.append(_spec(st, "group", bq, visited=True))
         args.append(multiplier)
     if st.own_key:
-        in_specs += [_spec(st, "seg_col", bk), _spec(st, "group", bk, d), _spec(st, "group", bk, dv),
-                     _spec(st, "group", bk), _spec(st, "group", bk)]
+        in_specs += [_spec(st, "seg_col", bk), _spec(st, "group", bk, d),
+                     _spec(st, "group", bk, dv), _spec(st, "group", bk), _spec(st, "group", bk)]
         args += [seg[0], q, d_out, lse, delta]
         if st.multiplied:
             in_specs.append(_spec(st, "group", bk))
@@ -558,12 +582,15 @@ def _group_major(x, hkv: int, length: int):
 
 def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
                   softcap_method: str, block_sizes: BlockSizes, block_plan: BlockPlan | None = None,
-                  interpret=False, logit_multiplier=None, smem_budget: int = 512 << 10,
-                  vmem_limit_bytes: int | None = None, count_visits: bool = False):
+                  interpret=False, logit_multiplier=None, shard_mask=None,
+                  smem_budget: int = 512 << 10, vmem_limit_bytes: int | None = None,
+                  count_visits: bool = False):
     """Blocked attention on Pallas Mosaic TPU; arguments and results as
     :func:`rankattn.attention` (q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv];
     out [B, Sq, Hq, Dv] in q's dtype, lse float32 [B, Hq, Sq]; ``logit_multiplier``:
-    float32 [B, Sq, Hq], finite, or None).
+    float32 [B, Sq, Hq], finite, or None; ``shard_mask``: a
+    :class:`rankattn.semantics.ShardMask`, the per-shard call of context sharding, whose
+    keys bring their own segment ids and every token its position: the history part only).
 
     ``block_sizes``: as :func:`plan_sizes` gives them for this length. ``block_plan``, if
     given, is the self-attention plan of these segment ids at those sizes; without one it
@@ -576,11 +603,16 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
     skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     bq, bk = block_sizes.block_q, block_sizes.block_k
     seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, block_sizes, causal,
-                                                 block_plan)
+                                                 block_plan, shard_mask)
     # One padded length for queries and keys: the own-key term reads keys at query rows
     # and queries at key rows. Padding has segment id 0, so it is invisible.
     length = round_up(max(sq, skv), max(bq, bk))
     seg_q, seg_k = pad_axis1(seg_q, length), pad_axis1(seg_k, length)
+    positions = ()
+    if shard_mask is not None:  # padding repeats the last position (blocks.pad_positions)
+        positions = tuple(jnp.pad(jnp.asarray(p, jnp.int32), [(0, 0), (0, length - p.shape[1])],
+                                  mode="edge")
+                          for p in (shard_mask.q_positions, shard_mask.kv_positions))
     (q, q_poison), (k, k_poison), (v, v_poison) = map(semantics.split_nonfinite, (q, k, v))
     poison = _group_major((k_poison + v_poison)[..., None], hkv, length)[:, :, 0]  # [B,Hkv,S,1]
     q_h = _group_major(_pad_last(q, LANES), hkv, length)
@@ -589,7 +621,8 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
     if logit_multiplier is not None:
         multiplier = _group_major(logit_multiplier[..., None], hkv, length)
     st = _Static(causal=causal, scale=scale, softcap=softcap, softcap_method=softcap_method,
-                 own_key=segment_ids is not None, multiplied=multiplier is not None,
+                 own_key=segment_ids is not None and shard_mask is None,
+                 positions=shard_mask is not None, multiplied=multiplier is not None,
                  block_q=bq, block_k=bk, group=hq // hkv, interpret=interpret,
                  vmem_limit_bytes=vmem_limit_bytes, count_visits=count_visits)
 
@@ -599,6 +632,8 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
     for start in range(0, b, chunk):
         rows = slice(start, start + chunk)
         seg = (seg_q[rows, :, None], seg_k[rows, None, :])
+        if positions:
+            seg += (positions[0][rows, :, None], positions[1][rows, None, :])
         poison_rows = (poison[rows].transpose(0, 1, 3, 2), poison[rows])
         mult = None if multiplier is None else multiplier[rows]
         plan = jax.tree.map(lambda x: x[rows], block_plan)
@@ -633,6 +668,7 @@ class PallasTpu(Backend):
     """
 
     name = "pallas_tpu"
+    takes_shard_mask = True
 
     def __init__(self, block_sizes: BlockSizes | None = None, *, target=None, interpret=False):
         if block_sizes is not None:
@@ -681,10 +717,6 @@ class PallasTpu(Backend):
         if not any(call.q.dtype == d for d in SUPPORTED_DTYPES):
             return [f"pallas_tpu: inputs are {call.q.dtype}; its kernels take float32 or "
                     "bfloat16 (cast float16 inputs to bfloat16, or use impl='xla')"]
-        if call.shard_mask is not None:
-            return ["pallas_tpu: its kernels read positions from their indices, so they "
-                    "cannot run on one context shard of a sequence yet; shard batch or heads, "
-                    "or use impl='xla' for context shards"]
         seq = max(call.q.shape[1], call.k.shape[1])
         sizes = self.sizes(seq)
         n_q, n_k = -(-seq // sizes.block_q), -(-seq // sizes.block_k)
@@ -708,7 +740,7 @@ class PallasTpu(Backend):
                              softcap_method=call.softcap_method, block_sizes=sizes,
                              block_plan=blocks, interpret=self.interpret,
                              logit_multiplier=call.logit_multiplier,
-                             smem_budget=target.smem_budget,
+                             shard_mask=call.shard_mask, smem_budget=target.smem_budget,
                              vmem_limit_bytes=target.vmem_limit_bytes)
 
     @staticmethod
