@@ -206,6 +206,24 @@ def test_forward_and_backward_lower_for_tpu_at_the_table_blocks(target, dtype, d
     assert len(mosaic_modules(lowered)) == 3  # forward, dq, dk / dv
 
 
+def test_the_per_shard_kernel_lowers_for_tpu():
+    """Phoenix v2's causal rule runs pallas_tpu with a ShardMask (positions as two more
+    inputs per kernel): forward, dq and dk / dv lower at v6e's blocks, production heads.
+    (It also compiles for v5e, v6e and TPU7x with libtpu.)"""
+    from rankattn.phoenix import ranker_attention_v2 as v2
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((2, 1088, 20, 128), jnp.bfloat16), ((2, 1088, 4, 128), jnp.bfloat16),
+        ((2, 1088, 4, 128), jnp.bfloat16), ((2, 1088), jnp.float32), ((2, 1088), jnp.int32))]
+
+    def loss(q, k, v, temp, seg):
+        out = v2.mha(q, k, v, temp, seg, causal=True, cap=30.0, impl=PallasTpu(target="v6e"))
+        return out.astype(jnp.float32).sum()
+
+    lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(*args).lower(lowering_platforms=("tpu",))
+    assert len(mosaic_modules(lowered)) == 3
+
+
 def test_float32_dots_ask_for_full_precision_and_16_bit_dots_do_not():
     """Mosaic's default for float32 dots is one bf16 MXU pass; the kernels ask for fp32."""
     for dtype, want in ((jnp.float32, {"fp32"}), (jnp.bfloat16, set())):
