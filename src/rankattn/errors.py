@@ -130,10 +130,12 @@ _KINDS = [
     ErrorKind(
         "RA116", "a static option has the wrong type",
         "causal and return_lse are Python bools; block sizes are positive ints (for "
-        "pallas_triton, powers of two >= 16) and Triton launch options positive ints or None; "
-        "a PallasTriton target is a GPU whose compute capability rankattn knows (sm_80, sm_86, "
-        "sm_87, sm_89, sm_90, sm_100, sm_120). They select the compiled program, so they cannot "
-        "be traced arrays.",
+        "pallas_triton, powers of two >= 16; for pallas_tpu, multiples of 8, one dividing the "
+        "other) and Triton launch options positive ints or None; a PallasTriton target is a GPU "
+        "whose compute capability rankattn knows (sm_80, sm_86, sm_87, sm_89, sm_90, sm_100, "
+        "sm_120), a PallasTpu target a TPU generation ('v5e', 'v6e', 'tpu7x') and its "
+        "interpret a bool or a pltpu.InterpretParams. They select the compiled program, so they "
+        "cannot be traced arrays.",
         "Pass Python values (True/False, ints), not jax arrays; for PallasTriton tiles, "
         "e.g. BlockSizes(32, 32); for another GPU, GpuTarget((major, minor), "
         "shared_memory_per_block).",
@@ -178,8 +180,8 @@ _KINDS = [
         "RA122", "the impl cannot run as the per-shard kernel",
         "Under context sharding each device attends its queries to keys from other positions "
         "of the sequence, so the kernel must take global positions and the keys' own segment "
-        "ids (rankattn.semantics.ShardMask). 'cpu', 'xla' and 'reference' do; 'pallas_triton' "
-        "does not yet.",
+        "ids (rankattn.semantics.ShardMask). 'cpu', 'xla', 'pallas_tpu' and 'reference' do; "
+        "'pallas_triton' does not yet.",
         "Use impl='cpu' or 'xla' (or 'auto') with context sharding; batch and head sharding run any "
         "impl."),
     ErrorKind(
