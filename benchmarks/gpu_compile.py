@@ -43,6 +43,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import user_cache  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS_DIR = os.path.join(HERE, "gpu_targets")
 COMMAND = ".venv/bin/python benchmarks/gpu_compile.py"
@@ -160,42 +163,21 @@ def compiler_packages() -> list[str]:
             "nvidia-cuda-nvcc-cu12"]
 
 
-def compiler_marker() -> str:
-    """The file that marks compiler_dir's folder complete (present once it is installed)."""
+def compiler_folder() -> str:
+    """The user-cache folder name of the CUDA plugin and ptxas for the installed jax."""
     import jax
-    return os.path.join(os.path.expanduser("~"), ".cache", "rankattn",
-                        f"cuda-compiler-{jax.__version__}", ".complete")
+    return f"cuda-compiler-{jax.__version__}"
+
+
+def compiler_installed() -> bool:
+    return user_cache.installed(compiler_folder()) is not None
 
 
 def compiler_dir() -> str:
-    """The folder holding the CUDA plugin and ptxas, installed there on first use.
-
-    Raises RuntimeError with pip's last lines when the packages cannot be had.
-    """
-    marker = compiler_marker()
-    path = os.path.dirname(marker)
-    if os.path.exists(marker):
-        return path
-    # Staged beside the final folder (same file system, so the rename is atomic): a
-    # concurrent install (two test workers) either wins the rename or finds it done.
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix="cuda-compiler-staging-", dir=os.path.dirname(path))
-    try:
-        result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                                 "--target", staging, *compiler_packages()],
-                                capture_output=True, text=True)
-        if result.returncode:
-            tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-5:])
-            raise RuntimeError(f"pip could not install {' '.join(compiler_packages())}:\n{tail}")
-        open(os.path.join(staging, ".complete"), "w").close()
-        try:
-            os.rename(staging, path)
-        except OSError:
-            if not os.path.exists(marker):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone after a rename; else a loser's copy
-    return path
+    """The folder holding the CUDA plugin and ptxas, installed there on first use
+    (benchmarks/user_cache.py). Raises RuntimeError with pip's last lines when the packages
+    cannot be had."""
+    return user_cache.install_once(compiler_folder(), compiler_packages())
 
 
 def child_env(packages: str | None) -> dict:

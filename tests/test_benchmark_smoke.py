@@ -291,7 +291,7 @@ def test_every_benchmark_smoke_mode_runs_and_writes_its_report(tmp_path):
 
 
 def test_gpu_compile_smoke_mode(tmp_path):
-    if not os.path.exists(gpu_compile.compiler_marker()):
+    if not gpu_compile.compiler_installed():
         pytest.skip("the CUDA compiler packages are not installed (tests/test_gpu_compile.py "
                     "installs them), so gpu_compile.py cannot compile")
     subprocess.run([sys.executable, "benchmarks/gpu_compile.py", "--smoke", "--out",
