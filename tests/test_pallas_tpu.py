@@ -22,7 +22,7 @@ from conftest import SMALL_TPU
 from helpers import random_qkv, random_segments
 from rankattn import semantics
 from rankattn.backends import BACKENDS, BlockSizes, PallasTpu
-from rankattn.backends.pallas_tpu import (TARGETS, _spec, pltpu, rows_per_call,
+from rankattn.backends.pallas_tpu import (TARGETS, _spec, list_dtype, pltpu, rows_per_call,
                                           tpu_attention)
 from rankattn.blocks import segments_and_plan
 from rankattn.validate import AttentionCall
@@ -107,14 +107,15 @@ def test_float16_and_float64_are_declined_with_the_fix(dtype, fragment):
 
 
 def test_lists_over_the_smem_budget_are_declined_with_the_fix():
-    """A row of 131072 tokens in 128-token blocks has 1024 x 1024 list entries (4 MiB)."""
+    """A row of 131072 tokens in 128-token blocks has 1024 x 1024 list entries (2 MiB in
+    int16)."""
     call = AttentionCall(
         q=jax.ShapeDtypeStruct((1, 131072, 2, 128), jnp.bfloat16),
         k=jax.ShapeDtypeStruct((1, 131072, 1, 128), jnp.bfloat16),
         v=jax.ShapeDtypeStruct((1, 131072, 1, 128), jnp.bfloat16), segment_ids=None,
         causal=False, scale=1.0, softcap=None, softcap_method="tanh")
     (reason,) = PallasTpu(target="v5e").not_supported_reasons(call)
-    assert "4202496 bytes" in reason and "524288-byte budget" in reason
+    assert "2101248 bytes" in reason and "524288-byte budget" in reason
     assert "block_sizes" in reason
 
 
@@ -131,15 +132,16 @@ def test_options_are_checked(kwargs, fragment):
 
 
 def test_batches_are_split_to_fit_the_smem_budget():
-    """3 rows whose lists take 4 * (3 * 3 + 6) = 60 bytes each, under a 130-byte budget: calls
-    of 2 rows and 1 row, with the results of one call."""
-    assert rows_per_call(3, 3, 3, 130) == 2
+    """3 rows whose int16 lists take 2 * (3 * 3 + 6) = 30 bytes each, under a 70-byte budget:
+    calls of 2 rows and 1 row, with the results of one call."""
+    assert list_dtype(3, 3) == jnp.int16 and list_dtype(40000, 3) == jnp.int32
+    assert rows_per_call(3, 3, 3, 70) == 2
     q, k, v, _ = random_qkv(3, 3, 40, 2, 1, 8)
     seg = jnp.asarray(random_segments(4, 3, 40, "packed"))
     options = dict(causal=True, scale=0.5, softcap=None, softcap_method="tanh",
                    block_sizes=BlockSizes(16, 16), interpret=True)
     whole = jax.jit(functools.partial(tpu_attention, **options))(q, k, v, seg)
-    split = jax.jit(functools.partial(tpu_attention, smem_budget=130, **options))(q, k, v, seg)
+    split = jax.jit(functools.partial(tpu_attention, smem_budget=70, **options))(q, k, v, seg)
     for a, b in zip(whole, split):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

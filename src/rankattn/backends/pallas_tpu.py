@@ -2,8 +2,9 @@
 
 Three kernels, each over a grid (batch, kv head, block, visit) whose first three
 dimensions are "parallel" and whose last, "arbitrary", walks a block plan's list
-(:mod:`rankattn.blocks`), passed as scalar prefetch (SMEM) so that the BlockSpec index
-maps fetch only the listed blocks:
+(:mod:`rankattn.blocks`), passed as scalar prefetch (SMEM; int16 while the indices fit,
+:func:`list_dtype`) so that the BlockSpec index maps fetch only the listed blocks; batches
+whose lists exceed the generation's SMEM budget run as several calls of fewer rows:
 
 * forward, grid (b, kv head, query block i, visit t): the online softmax over the key
   blocks of ``kv_index[b, i]``, full blocks first (no mask arithmetic), then partial ones
@@ -142,10 +143,18 @@ def plan_sizes(sizes: BlockSizes, seq_len: int) -> BlockSizes:
     return sizes
 
 
+def list_dtype(n_q: int, n_k: int):
+    """The plan lists' dtype in SMEM: int16 while block indices and counts fit (below 32768
+    blocks a side; splash attention shrinks its lists alike), else int32. Kernels and index
+    maps read them as int32 (index maps must return int32)."""
+    return jnp.int16 if max(n_q, n_k) <= jnp.iinfo(jnp.int16).max else jnp.int32
+
+
 def list_bytes(n_q: int, n_k: int) -> int:
-    """SMEM bytes of one batch row's scalar prefetch: an [nQ, nK] list and two counts
-    (int32 words; the transposed lists of the dk / dv kernel are the same size)."""
-    return 4 * (n_q * n_k + 2 * max(n_q, n_k))
+    """SMEM bytes of one batch row's scalar prefetch: an [nQ, nK] list and two counts (the
+    transposed lists of the dk / dv kernel are the same size)."""
+    itemsize = jnp.dtype(list_dtype(n_q, n_k)).itemsize
+    return itemsize * (n_q * n_k + 2 * max(n_q, n_k))
 
 
 def rows_per_call(batch: int, n_q: int, n_k: int, budget: int) -> int:
@@ -197,8 +206,8 @@ def visited_block(index_ref, count_ref, b, i, t):
     """The block a list visits at step t: entry t, or past the count the last visited entry
     (the same block index as the step before, so the pipeline fetches nothing); an empty
     list stays on entry 0 (its one fetch, never computed on)."""
-    last = jnp.maximum(count_ref[b, i] - 1, 0)
-    return index_ref[b, i, jnp.minimum(t, last)]
+    last = jnp.maximum(count_ref[b, i].astype(jnp.int32) - 1, 0)
+    return index_ref[b, i, jnp.minimum(t, last)].astype(jnp.int32)
 
 
 def _mask(st: _Static, r: dict, q_start, k_start):
@@ -315,7 +324,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
             r["visits"][...] = jnp.zeros(r["visits"].shape, jnp.int32)
 
     def visit(masked: bool):
-        j = kv_index_ref[b, i, t]
+        j = kv_index_ref[b, i, t].astype(jnp.int32)
         s2, _ = flash_math.capped_logits(st, _dot(_rows(r["q"][...]), r["k"][...], NT))
         s2 = flash_math.times(s2, mult) + r["poison"][...]  # NaN for keys with non-finite k / v
         if masked:
@@ -326,7 +335,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
         if st.count_visits:
             r["visits"][...] += 1
 
-    _visits(full_ref[b, i], count_ref[b, i], visit)
+    _visits(full_ref[b, i].astype(jnp.int32), count_ref[b, i].astype(jnp.int32), visit)
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _():
@@ -396,7 +405,7 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
         r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
 
     def visit(masked: bool):
-        j = kv_index_ref[b, i, t]
+        j = kv_index_ref[b, i, t].astype(jnp.int32)
         k, v = r["k"][...], r["v"][...]
         qk = _dot(_rows(r["q"][...]), k, NT)
         s2, s = flash_math.capped_logits(st, qk)
@@ -408,7 +417,7 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
         ds = flash_math.logit_grads(st, p, dp, _rows(r["delta"][...]), s, mult)
         r["acc"][...] += _dot(ds.astype(k.dtype), k, NN)
 
-    _visits(full_ref[b, i], count_ref[b, i], visit)
+    _visits(full_ref[b, i].astype(jnp.int32), count_ref[b, i].astype(jnp.int32), visit)
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _():
@@ -468,7 +477,7 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, *refs, st: _Static):
         r["dv_acc"][...] = jnp.zeros(r["dv_acc"].shape, jnp.float32)
 
     def visit(masked: bool):
-        i = q_index_ref[b, j, t]
+        i = q_index_ref[b, j, t].astype(jnp.int32)
         q, do = _rows(r["q"][...]), _rows(r["do"][...])
         mult = _rows(r["mult"][...]) if st.multiplied else None
         s2, s = flash_math.capped_logits(st, _dot(q, k, NT))  # [G * bq, bk]
@@ -480,7 +489,7 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, *refs, st: _Static):
         ds = flash_math.logit_grads(st, p, _dot(do, v, NT), _rows(r["delta"][...]), s, mult)
         r["dk_acc"][...] += _dot(ds.astype(q.dtype), q, TN)
 
-    _visits(full_ref[b, j], count_ref[b, j], visit)
+    _visits(full_ref[b, j].astype(jnp.int32), count_ref[b, j].astype(jnp.int32), visit)
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _():
@@ -627,6 +636,7 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
                  vmem_limit_bytes=vmem_limit_bytes, count_visits=count_visits)
 
     n_q, n_k = block_plan.kv_index.shape[1:]
+    block_plan = jax.tree.map(lambda x: x.astype(list_dtype(n_q, n_k)), block_plan)
     chunk = rows_per_call(b, n_q, n_k, smem_budget)
     results = []
     for start in range(0, b, chunk):
