@@ -150,16 +150,18 @@ def list_dtype(n_q: int, n_k: int):
     return jnp.int16 if max(n_q, n_k) <= jnp.iinfo(jnp.int16).max else jnp.int32
 
 
-def list_bytes(n_q: int, n_k: int) -> int:
-    """SMEM bytes of one batch row's scalar prefetch: an [nQ, nK] list and two counts (the
-    transposed lists of the dk / dv kernel are the same size)."""
-    itemsize = jnp.dtype(list_dtype(n_q, n_k)).itemsize
-    return itemsize * (n_q * n_k + 2 * max(n_q, n_k))
+def list_bytes(n_own: int, n_visits: int, dtype) -> int:
+    """SMEM bytes of one batch row's lists for ``n_own`` blocks: a list of ``n_visits``
+    entries and two counts each, in ``dtype`` (:func:`list_dtype`)."""
+    return jnp.dtype(dtype).itemsize * n_own * (n_visits + 2)
 
 
 def rows_per_call(batch: int, n_q: int, n_k: int, budget: int) -> int:
-    """How many batch rows one kernel call takes so its plan lists fit ``budget`` bytes."""
-    return max(1, min(batch, budget // list_bytes(n_q, n_k)))
+    """How many batch rows one kernel call takes so its plan lists fit ``budget`` bytes (at
+    least one: :func:`_call` splits a row's blocks further)."""
+    dtype = list_dtype(n_q, n_k)
+    per_row = max(list_bytes(n_q, n_k, dtype), list_bytes(n_k, n_q, dtype))
+    return max(1, min(batch, budget // per_row))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +180,7 @@ class _Static:
     group: int        # query heads per kv head
     interpret: Any    # False, True or a pltpu.InterpretParams (hashable)
     vmem_limit_bytes: int | None
+    smem_budget: int  # bytes of plan lists per kernel call (see _call)
     count_visits: bool = False  # the forward also outputs visits per query block (tests)
 
     def launch(self, name: str):
@@ -279,35 +282,54 @@ LAYOUTS = {
 }
 
 
-def _spec(st: _Static, layout: str, rows: int, width: int = 1, visited: bool = False):
+def _spec(st: _Static, layout: str, rows: int, width: int = 1, visited: bool = False,
+          output: bool = False):
     """The BlockSpec of an operand in ``layout`` for a grid (b, kv head, own block n, visit t)
-    with the plan lists (index, full, count) as scalar prefetch: blocked at the program's
-    own block n, or with ``visited`` at the block the list visits at step t."""
+    with the scalar prefetch of :func:`_call` (index, full and count lists, the first own
+    block's offset): an input blocked at its own block (offset + n), or with ``visited`` at
+    the block the list visits at step t; an ``output`` at n (each call writes its own)."""
     shape, place = LAYOUTS[layout]
     if visited:
-        def index_map(b, h, n, t, index_ref, full_ref, count_ref):
+        def index_map(b, h, n, t, index_ref, full_ref, count_ref, offset_ref):
             return place(b, h, visited_block(index_ref, count_ref, b, n, t))
-    else:
-        def index_map(b, h, n, t, index_ref, full_ref, count_ref):
+    elif output:
+        def index_map(b, h, n, t, index_ref, full_ref, count_ref, offset_ref):
             return place(b, h, n)
+    else:
+        def index_map(b, h, n, t, index_ref, full_ref, count_ref, offset_ref):
+            return place(b, h, offset_ref[0] + n)
     return pl.BlockSpec(shape(st, rows, width), index_map)
 
 
 def _call(st: _Static, kernel, name: str, plan_lists, grid, in_specs, out_specs, out_shape,
           scratch, args):
-    """pallas_call with the plan lists as scalar prefetch and ``grid`` (b, kv head, own
-    block, visit)."""
-    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid,
-                                             in_specs=in_specs, out_specs=out_specs,
-                                             scratch_shapes=scratch)
-    return pl.pallas_call(functools.partial(kernel, st=st), grid_spec=grid_spec,
-                          out_shape=out_shape, **st.launch(name))(*plan_lists, *args)
+    """pallas_call over ``grid`` (b, kv head, own block, visit) with the plan lists and the
+    first own block's index as scalar prefetch. The lists of all own blocks may exceed
+    ``st.smem_budget``: then it runs one call per range of own blocks whose lists fit, each
+    writing its rows, and concatenates the outputs (their rows on the second-to-last axis,
+    ``out_shape`` sized for every own block)."""
+    batch, n_own, n_visits = plan_lists[0].shape
+    per_block = batch * list_bytes(1, n_visits, plan_lists[0].dtype)
+    per_call = max(1, min(n_own, st.smem_budget // per_block))
+    parts = []
+    for start in range(0, n_own, per_call):
+        count = min(per_call, n_own - start)
+        shapes = [jax.ShapeDtypeStruct(x.shape[:-2] + (x.shape[-2] // n_own * count, x.shape[-1]),
+                                       x.dtype) for x in out_shape]
+        lists = [x[:, start:start + count] for x in plan_lists]
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4, grid=grid[:2] + (count, grid[3]), in_specs=in_specs,
+            out_specs=out_specs, scratch_shapes=scratch)
+        parts.append(pl.pallas_call(functools.partial(kernel, st=st), grid_spec=grid_spec,
+                                    out_shape=shapes, **st.launch(name))(
+            *lists, jnp.array([start], jnp.int32), *args))
+    return [jnp.concatenate(outs, axis=-2) for outs in zip(*parts)]
 
 
 # --- Forward. -----------------------------------------------------------------------
 
 
-def _forward_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
+def _forward_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static):
     names = _segment_names(st) + ["q", "k", "v", "poison"]
     names += ["k_own", "v_own", "poison_own"] * st.own_key + ["mult"] * st.multiplied
     names += ["out", "lse"] + ["visits"] * st.count_visits + ["m", "l", "acc"]
@@ -328,7 +350,8 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
         s2, _ = flash_math.capped_logits(st, _dot(_rows(r["q"][...]), r["k"][...], NT))
         s2 = flash_math.times(s2, mult) + r["poison"][...]  # NaN for keys with non-finite k / v
         if masked:
-            s2 = _masked(st, s2, _mask(st, r, i * st.block_q, j * st.block_k))
+            s2 = _masked(st, s2, _mask(st, r, (offset_ref[0] + i) * st.block_q,
+                                       j * st.block_k))
         r["acc"][...], r["m"][...], r["l"][...] = flash_math.online_softmax_step(
             s2, r["v"][...], r["m"][...], r["l"][...], r["acc"][...],
             lambda p, v: _dot(p, v, NN))
@@ -357,7 +380,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
 def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
     """out [B, Hkv, G, nQ * bq, Dv] (q's dtype) and lse float32 [B, Hkv, G, nQ * bq], on
     padded head-major inputs (see :func:`tpu_attention`); with ``st.count_visits`` also
-    the key blocks each query block computed, int32 [B, Hkv, nQ, 1, 1]."""
+    the key blocks each query block computed, int32 [B, Hkv, nQ, 1]."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
     n_q, n_k = plan.kv_index.shape[1:]
@@ -374,13 +397,12 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
         in_specs.append(_spec(st, "group", bq))
         args.append(multiplier)
     rows = n_q * bq
-    out_specs = [_spec(st, "group", bq, dv), _spec(st, "group", bq)]
+    out_specs = [_spec(st, "group", bq, dv, output=True), _spec(st, "group", bq, output=True)]
     out_shape = [jax.ShapeDtypeStruct((b, hkv, g, rows, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, hkv, g, rows, 1), jnp.float32)]
     if st.count_visits:
-        out_specs.append(pl.BlockSpec((None, None, None, 1, 1),
-                                      lambda b_, h, i, t, *_: (b_, h, i, 0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((b, hkv, n_q, 1, 1), jnp.int32))
+        out_specs.append(pl.BlockSpec((None, None, 1, 1), lambda b_, h, i, t, *_: (b_, h, i, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, hkv, n_q, 1), jnp.int32))
     scratch = [pltpu.VMEM((g * bq, 1), jnp.float32), pltpu.VMEM((g * bq, 1), jnp.float32),
                pltpu.VMEM((g * bq, dv), jnp.float32)]
     results = _call(st, _forward_kernel, "rankattn_tpu_forward",
@@ -393,7 +415,7 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
 # --- Backward: dq. ------------------------------------------------------------------
 
 
-def _dq_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
+def _dq_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static):
     names = _segment_names(st) + ["q", "k", "v", "do", "lse", "delta"]
     names += ["k_own", "v_own"] * st.own_key + ["mult"] * st.multiplied + ["dq", "acc"]
     r = _named(names, refs)
@@ -411,7 +433,8 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, *refs, st: _Static):
         s2, s = flash_math.capped_logits(st, qk)
         s2 = flash_math.times(s2, mult)
         if masked:
-            s2 = _masked(st, s2, _mask(st, r, i * st.block_q, j * st.block_k))
+            s2 = _masked(st, s2, _mask(st, r, (offset_ref[0] + i) * st.block_q,
+                                       j * st.block_k))
         p = jnp.exp2(s2 - flash_math.lse2(_rows(r["lse"][...])))
         dp = _dot(_rows(r["do"][...]), v, NT)
         ds = flash_math.logit_grads(st, p, dp, _rows(r["delta"][...]), s, mult)
@@ -452,15 +475,15 @@ def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplie
         in_specs.append(_spec(st, "group", bq))
         args.append(multiplier)
     return _call(st, _dq_kernel, "rankattn_tpu_dq", (plan.kv_index, plan.full_count, plan.count),
-                 (b, hkv, n_q, n_k), in_specs, _spec(st, "group", bq, d),
-                 jax.ShapeDtypeStruct((b, hkv, g, n_q * bq, d), q.dtype),
-                 [pltpu.VMEM((g * bq, d), jnp.float32)], args)
+                 (b, hkv, n_q, n_k), in_specs, [_spec(st, "group", bq, d, output=True)],
+                 [jax.ShapeDtypeStruct((b, hkv, g, n_q * bq, d), q.dtype)],
+                 [pltpu.VMEM((g * bq, d), jnp.float32)], args)[0]
 
 
 # --- Backward: dk and dv. -----------------------------------------------------------
 
 
-def _dkv_kernel(q_index_ref, full_ref, count_ref, *refs, st: _Static):
+def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static):
     names = _segment_names(st) + ["q", "k", "v", "do", "lse", "delta"]
     names += ["mult"] * st.multiplied
     if st.own_key:  # the queries at this key block's positions, each on its own key
@@ -483,7 +506,8 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, *refs, st: _Static):
         s2, s = flash_math.capped_logits(st, _dot(q, k, NT))  # [G * bq, bk]
         s2 = flash_math.times(s2, mult)
         if masked:
-            s2 = _masked(st, s2, _mask(st, r, i * st.block_q, j * st.block_k))
+            s2 = _masked(st, s2, _mask(st, r, i * st.block_q,
+                                       (offset_ref[0] + j) * st.block_k))
         p = jnp.exp2(s2 - flash_math.lse2(_rows(r["lse"][...])))
         r["dv_acc"][...] += _dot(p.astype(do.dtype), do, TN)
         ds = flash_math.logit_grads(st, p, _dot(do, v, NT), _rows(r["delta"][...]), s, mult)
@@ -533,7 +557,7 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multipli
     rows = n_k * bk
     return _call(st, _dkv_kernel, "rankattn_tpu_dkv",
                  (plan.q_index, plan.q_full_count, plan.q_count), (b, hkv, n_k, n_q), in_specs,
-                 [_spec(st, "kv", bk, d), _spec(st, "kv", bk, dv)],
+                 [_spec(st, "kv", bk, d, output=True), _spec(st, "kv", bk, dv, output=True)],
                  [jax.ShapeDtypeStruct((b, hkv, rows, d), k.dtype),
                   jax.ShapeDtypeStruct((b, hkv, rows, dv), v.dtype)],
                  [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)], args)
@@ -603,8 +627,10 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
 
     ``block_sizes``: as :func:`plan_sizes` gives them for this length. ``block_plan``, if
     given, is the self-attention plan of these segment ids at those sizes; without one it
-    is made here. Calls are split into batch chunks whose plan lists fit ``smem_budget``
-    bytes of scalar prefetch. ``count_visits`` (tests) returns a third result: the key
+    is made here. The kernels' plan lists (scalar prefetch) stay within ``smem_budget``
+    bytes per call: calls take chunks of batch rows (:func:`rows_per_call`), and a row whose
+    lists alone exceed it runs as calls over ranges of query blocks (forward, dq) and key
+    blocks (dk / dv) (:func:`_call`). ``count_visits`` (tests) returns a third result: the key
     blocks each query block of the forward computed, int32 [B, Hkv, nQ], without the
     custom gradient.
     """
@@ -633,7 +659,8 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
                  own_key=segment_ids is not None and shard_mask is None,
                  positions=shard_mask is not None, multiplied=multiplier is not None,
                  block_q=bq, block_k=bk, group=hq // hkv, interpret=interpret,
-                 vmem_limit_bytes=vmem_limit_bytes, count_visits=count_visits)
+                 vmem_limit_bytes=vmem_limit_bytes, smem_budget=smem_budget,
+                 count_visits=count_visits)
 
     n_q, n_k = block_plan.kv_index.shape[1:]
     block_plan = jax.tree.map(lambda x: x.astype(list_dtype(n_q, n_k)), block_plan)
@@ -653,7 +680,7 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, -1, hq, out.shape[-1])[:, :sq, :, :dv]
     lse = lse.reshape(b, hq, -1)[:, :, :sq]
     out, lse = semantics.poison_rows(out, lse, q_poison)
-    return (out, lse, visits[0][..., 0, 0]) if count_visits else (out, lse)
+    return (out, lse, visits[0][..., 0]) if count_visits else (out, lse)
 
 
 class PallasTpu(Backend):
@@ -730,12 +757,13 @@ class PallasTpu(Backend):
         seq = max(call.q.shape[1], call.k.shape[1])
         sizes = self.sizes(seq)
         n_q, n_k = -(-seq // sizes.block_q), -(-seq // sizes.block_k)
+        one_block = list_bytes(1, max(n_q, n_k), list_dtype(n_q, n_k))
         budget = self.tpu_target().smem_budget
-        if list_bytes(n_q, n_k) > budget:
-            return [f"pallas_tpu: one row's block lists of {seq} tokens at blocks "
-                    f"{sizes.block_q} x {sizes.block_k} take {list_bytes(n_q, n_k)} bytes of "
-                    f"SMEM, over the {budget}-byte budget of {self.tpu_target().name}; pass "
-                    "larger block_sizes, or use impl='xla'"]
+        if one_block > budget:
+            return [f"pallas_tpu: one block's list of {seq} tokens at blocks {sizes.block_q} x "
+                    f"{sizes.block_k} takes {one_block} bytes of SMEM, over the {budget}-byte "
+                    f"budget of {self.tpu_target().name}; pass larger block_sizes, or use "
+                    "impl='xla'"]
         return []
 
     def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
