@@ -1,9 +1,23 @@
 """The pallas_tpu backend: the shared property suite in interpret mode, and what it adds.
 
-* TestPallasTpu: tests/test_backends.py's comparisons with the float64 oracle, on the
-  kernels in Pallas' generic interpreter (``interpret=True``) with 16 x 16 blocks, so
-  the suite's short sequences span several blocks with ragged ends and skipped blocks
-  (interpret mode does not enforce TPU's (8, 128) block rule).
+* TestPallasTpu / TestPallasTpuDefaultBlocks: tests/test_backends.py's comparisons with the
+  float64 oracle, on the kernels in Pallas' generic interpreter (``interpret=True``) with
+  16 x 16 blocks (the suite's short sequences span several blocks with ragged ends and
+  skipped blocks; interpret mode does not enforce TPU's (8, 128) block rule) and with the
+  table's blocks. conftest.BACKENDS adds it to every per-backend named test too.
+* Dispatch and options: by name it needs a TPU, first under impl='auto' on one; the
+  generation from the device; float16 / float64 and an over-budget block list declined
+  with the fix; RA116 for bad options.
+* SMEM: calls split over batch rows and block ranges give the same bits.
+* Lowering for TPU without a TPU, at the table's blocks, every generation x dtype x head
+  dim (and the per-shard kernels); the float32 dots ask Mosaic for fp32 precision; the
+  lowering rejects what interpret mode accepts.
+* Block skipping: the forward's visit counter equals the plan's counts; past the count the
+  index map repeats the last entry. The TPU simulator's race detector on two cores finds
+  nothing in the forward, dq and dk / dv kernels.
+* The per-shard kernel of context sharding and Phoenix's causal drop-in against the
+  reference backend.
+tests/test_tpu_compile.py compiles for real generations where libtpu is installed.
 """
 
 from __future__ import annotations

@@ -93,7 +93,8 @@ class TpuTarget:
 
     ``block_sizes``: query x key blocks (block_q a multiple of 8, block_k of 128).
     ``smem_budget``: bytes of scalar prefetch (the plan lists) one kernel call may hold;
-    larger batches are split into calls of fewer rows (:func:`rows_per_call`).
+    larger batches are split into calls of fewer rows (:func:`rows_per_call`), longer rows
+    into calls over ranges of blocks (:func:`_call`).
     ``vmem_limit_bytes``: the scoped VMEM limit asked of Mosaic, or None for its default.
     """
 
