@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import Mesh
 
 import rankattn
+from rankattn.backends import BlockSizes, PallasTpu
 from tolerances import SHARDED_TOL, assert_close_f32
 
 S, HQ, HKV, D = 64, 4, 2, 8  # with 8 context shards a shard holds 8 tokens, 4 per causal chunk
@@ -257,3 +258,14 @@ def test_non_finite_inputs_poison_the_same_rows(strategy):
         finite = np.isfinite(w) & np.isfinite(g)
         bound = 1e-5 if name in ("out", "lse") else 1e-4 * np.abs(w[finite]).max()
         assert np.abs(w[finite] - g[finite]).max() <= bound, name
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_pallas_tpu_kernels_on_shards(strategy):
+    """pallas_tpu (interpret mode, 16 x 16 blocks) as the per-shard kernel: context shards run
+    its ShardMask path (positions and the keys' own segment ids), batch and heads shards its
+    plain one; results and gradients as on one device."""
+    impl = PallasTpu(BlockSizes(16, 16), interpret=True)
+    check_against_one_device(rankattn.Sharding(mesh(data=2, heads=2, ctx=2), batch="data",
+                                               heads="heads", context="ctx", strategy=strategy),
+                             batch=2, causal=True, softcap=2.0, impl=impl)
