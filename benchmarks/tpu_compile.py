@@ -264,8 +264,10 @@ def markdown(report: dict) -> str:
             f"{r['blocks'][0]} x {r['blocks'][1]} | {verdict} | {mib(r['vmem'])} "
             f"({100 * r['vmem'] / r['vmem_capacity']:.1f}%) | {r['smem'] / 1024:.1f} KiB "
             f"({100 * r['smem'] / r['smem_capacity']:.1f}%) | {temp} |")
-    lines += ["", "float16 is declined by the backend: Mosaic fails to compile its kernels on "
-              "every generation here (`Invalid vector type for load`).", ""]
+    lines += ["", "Head dims run unpadded (a block spans the whole head dim; Mosaic pads lanes in "
+              "VMEM only, which the VMEM column counts). float16 is declined by the backend: "
+              "Mosaic fails to compile its kernels on every generation here (`Invalid vector "
+              "type for load`).", ""]
     return "\n".join(lines)
 
 

@@ -27,8 +27,10 @@ q as [B, Hkv, G, S, D], k / v as [B, Hkv, S, D], and a query block holds all G q
 heads of its kv head, ``[G, bq, D]``, flattened in the kernel to ``[G * bq, D]`` rows (a
 free reshape: bq is a multiple of 8) so that one MXU matmul serves the whole group and
 K / V are read once per group (GQA without repeating K / V). The transposes in and out
-are XLA ops outside the kernels (part of any timing). Head dims are zero-padded to a
-multiple of 128 (the lane width; zeros change no dot product): D = 64 runs padded to 128.
+are XLA ops outside the kernels (part of any timing). Head dims are never padded: a block
+spans the whole head dim, legal whatever its size, and Mosaic pads the lanes in VMEM only,
+so D = 64 moves and multiplies 64 columns, not 128 (deviceless compiles for v5e, v6e and
+TPU7x pass at D = 8, 48, 64, 80, 96, 128, 200 and 256).
 Per-row vectors are [rows, 1] columns and per-key vectors [1, keys] rows (Mosaic's
 vectors are 2-D): segment ids as [B, S, 1] / [B, 1, S], lse as [B, Hkv, G, S, 1].
 
@@ -80,7 +82,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed JAX
     pl = pltpu = None
     IMPORT_ERROR = str(error)
 
-LANES, SUBLANES = 128, 8  # the last two dims of a TPU block: multiples of (8, 128)
+SUBLANES = 8  # a TPU block's second-to-last dim: a multiple of 8 (or the whole axis)
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -601,12 +603,6 @@ def _pad_rows(x, length: int):
     return x if not extra else jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, 0)])
 
 
-def _pad_last(x, multiple: int):
-    """Zero-pad the last axis to a multiple of ``multiple`` (zeros change no dot product)."""
-    extra = -x.shape[-1] % multiple
-    return x if not extra else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
-
-
 def _group_major(x, hkv: int, length: int):
     """[B, S, Hq, C] -> [B, Hkv, G, length, C]: query head h * G + g as (h, g)."""
     b, s, hq, c = x.shape
@@ -651,8 +647,8 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
                           for p in (shard_mask.q_positions, shard_mask.kv_positions))
     (q, q_poison), (k, k_poison), (v, v_poison) = map(semantics.split_nonfinite, (q, k, v))
     poison = _group_major((k_poison + v_poison)[..., None], hkv, length)[:, :, 0]  # [B,Hkv,S,1]
-    q_h = _group_major(_pad_last(q, LANES), hkv, length)
-    k_h, v_h = (_group_major(_pad_last(x, LANES), hkv, length)[:, :, 0] for x in (k, v))
+    q_h = _group_major(q, hkv, length)
+    k_h, v_h = (_group_major(x, hkv, length)[:, :, 0] for x in (k, v))
     multiplier = None
     if logit_multiplier is not None:
         multiplier = _group_major(logit_multiplier[..., None], hkv, length)
