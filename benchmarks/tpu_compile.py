@@ -101,7 +101,9 @@ def child_env(libtpu: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(
         [libtpu, os.path.join(ROOT, "src")]
         + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+    # libtpu holds /tmp/libtpu_lockfile for the life of a process that loads it: without
+    # ALLOW_MULTIPLE_LIBTPU_LOAD a second child (a test worker, another user's run) aborts.
+    env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     env.pop("XLA_FLAGS", None)
     return env
 
