@@ -57,16 +57,15 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402  (the workloads and the torch peers)
+import device_checks  # noqa: E402
 import gpu_compile  # noqa: E402
 import gpu_tune  # noqa: E402
 import rankattn  # noqa: E402
 from bench import NANO, PACKED, Workload, smoke_version  # noqa: E402
 from rankattn import peers  # noqa: E402
-from gpu_tune import relative_errors  # noqa: E402
 from rankattn.backends import PallasTriton, Xla, pallas_triton  # noqa: E402
 
 START = time.perf_counter()
@@ -108,64 +107,6 @@ def log(message: str) -> None:
 
 
 # --- (a) correctness. --------------------------------------------------------------
-
-
-def packed_segments(rng, batch: int, seq: int) -> np.ndarray:
-    """Rows of consecutive sessions (history, then candidates) with padding between and after."""
-    rows = []
-    for _ in range(batch):
-        row, session = [], 1
-        while len(row) < seq:
-            history, candidates, gap = rng.integers(1, 200), rng.integers(0, 40), rng.integers(0, 3)
-            row += [session] * history + [-session] * candidates + [0] * gap
-            session += 1
-        rows.append(row[:seq])
-    return np.array(rows, np.int32)
-
-
-def check(case, impls: dict) -> list[dict]:
-    b, s, hq, hkv, d, dv, dtype, causal, softcap, method = case
-    rng = np.random.default_rng(s)
-    q = rng.normal(0, 1.5, (b, s, hq, d))
-    k, v = rng.normal(0, 1, (b, s, hkv, d)), rng.normal(0, 1, (b, s, hkv, dv))
-    w = jnp.asarray(rng.normal(0, 1, (b, s, hq, dv)), jnp.float32)
-    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
-    seg = jnp.asarray(packed_segments(rng, b, s))
-
-    @functools.partial(jax.jit, static_argnums=3)
-    def outputs_and_grads(q, k, v, impl):
-        def loss(q, k, v):
-            out, lse = rankattn.attention(q, k, v, segment_ids=seg, causal=causal,
-                                          softcap=softcap, softcap_method=method,
-                                          return_lse=True, impl=impl)
-            finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
-            return jnp.sum(out.astype(jnp.float32) * w) + 0.1 * jnp.sum(finite ** 2), (out, lse)
-
-        (_, (out, lse)), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
-        return (out, lse, *grads)
-
-    up = (x.astype(jnp.float32) for x in (q, k, v))
-    want = [np.asarray(x, np.float32) for x in outputs_and_grads(*up, "reference")]
-    blind = np.asarray(seg == 0)
-    rows = []
-    for name, impl in impls.items():
-        row = dict(case=f"B={b} S={s} H={hq}/{hkv} D={d} Dv={dv} {dtype}"
-                        f"{' causal' if causal else ''}{f' {method} {softcap}' if softcap else ''}",
-                   impl=name)
-        try:
-            got = [np.asarray(x, np.float32) for x in outputs_and_grads(q, k, v, impl)]
-        except Exception as e:  # noqa: BLE001 - reported in GPU.md
-            row.update(ok=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
-            rows.append(row)
-            continue
-        errors = relative_errors(got, want)
-        blind_ok = bool(np.all(got[0][blind] == 0))
-        tolerance = max(TOLERANCE[dtype],
-                        PRECISION_TOLERANCE.get(getattr(impl, "precision", None), 0.0))
-        row.update(errors=errors, blind_ok=blind_ok,
-                   ok=blind_ok and max(errors.values()) <= tolerance)
-        rows.append(row)
-    return rows
 
 
 # --- (b) timings. -------------------------------------------------------------------
@@ -263,20 +204,7 @@ def targets(rows: list[dict]) -> list[str]:
 
 def markdown(header: list[str], checks: list[dict], tuned: list[str], rows: list[dict],
              goals: list[str], failures: list[str]) -> str:
-    out = ["# rankattn on a GPU", "", *header, "", "## (a) Correctness against the reference",
-           "", "Max error / max(1, max |reference|) over out, lse, dq, dk, dv; blind = rows "
-           "that see nothing give exactly 0. Tolerance: " +
-           ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()) + ".", "",
-           "| case | impl | out | lse | dq | dk | dv | blind | verdict |",
-           "|---|---|---:|---:|---:|---:|---:|---|---|"]
-    for c in checks:
-        if "errors" not in c:
-            out.append(f"| {c['case']} | {c['impl']} | | | | | | | FAILED: {c['error']} |")
-            continue
-        e = c["errors"]
-        out.append(f"| {c['case']} | {c['impl']} | " + " | ".join(
-            f"{e[f]:.1e}" for f in ("out", "lse", "dq", "dk", "dv")) +
-            f" | {'ok' if c['blind_ok'] else 'NOT ZERO'} | {'pass' if c['ok'] else 'FAIL'} |")
+    out = ["# rankattn on a GPU", "", *header, "", *device_checks.markdown(checks, TOLERANCE)]
     out += ["", *tuned, "## (b) bf16 timings, interleaved medians", "",
             "TFLOP/s count visible query-key pairs only (forward 4 * D flops per pair and "
             "head, forward + backward 3.5x that); % mm is the share of the bf16 matmul rate "
@@ -433,7 +361,8 @@ def main():
         if smoke:  # short and narrow enough for interpret mode
             case = (case[0], min(case[1], 40), *case[2:])
         case_impls = {**impls, **(precisions if case[6] == "float32" else {})}
-        checks += check(case, case_impls)
+        checks += device_checks.correctness(case, case_impls, TOLERANCE, {
+            name: PRECISION_TOLERANCE[impl.precision] for name, impl in precisions.items()})
         for c in checks[-len(case_impls):]:
             verdict = "pass" if c["ok"] else f"FAIL {c.get('errors') or c.get('error')}"
             log(f"check {c['case']} {c['impl']}: {verdict}")

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import bench
+import device_checks
 import gpu_compile
 import rankattn
 from bench import NANO, Workload, smoke_version
@@ -187,7 +188,7 @@ def tune_class(cls: TuneClass, candidates: list[dict], capability, *, deadline: 
             try:
                 fn, seconds = job.result()
                 got = [np.asarray(x, np.float32) for x in fn(*args)]
-                errors = relative_errors(got, want)
+                errors = device_checks.relative_errors(got, want)
                 row.update(compile_s=round(seconds, 2), max_error=max(errors.values()))
                 if row["max_error"] > tolerance:
                     row.update(status=f"wrong: {errors}")
@@ -217,20 +218,6 @@ def tune_class(cls: TuneClass, candidates: list[dict], capability, *, deadline: 
     if best is not None and (smoke or best["ratio"] <= 1 - MIN_GAIN):
         summary["best"] = best
     return summary
-
-
-def relative_errors(got: list, want: list) -> dict[str, float]:
-    """Max error / max(1, max |reference|) of out, lse, dq, dk, dv (inf where non-finite
-    entries differ or a NaN appears)."""
-    errors = {}
-    for field, a, e in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-        finite = np.isfinite(e)
-        same_inf = np.array_equal(np.isfinite(a), finite) and np.array_equal(a[~finite],
-                                                                               e[~finite])
-        err = np.abs(a[finite] - e[finite]).max(initial=0) / max(1.0, np.abs(e[finite]).max(
-            initial=0))
-        errors[field] = float(err) if same_inf and not np.isnan(a).any() else float("inf")
-    return errors
 
 
 def describe(options: dict) -> str:

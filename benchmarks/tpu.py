@@ -62,17 +62,18 @@ WORKLOADS = [  # in order of importance: the budget cuts from the end
     Workload("long-history-fwdbwd", 1, ((32768, 128),), 4, 2, 128, backward=True, dtype=BF16),
 ]
 SMOKE_WORKLOADS = ("nano-fwd", "packed-fwdbwd")
-# device_checks.correctness cases (B, S, Hq, Hkv, D, dtype, causal, softcap, softcap_method):
+# device_checks.correctness cases (B, S, Hq, Hkv, D, Dv, dtype, causal, softcap, method):
 # odd lengths and head dims.
 CHECKS = [
-    (2, 333, 10, 2, 80, "bfloat16", False, 30.0, "tanh"),
-    (1, 1031, 5, 1, 128, "float32", True, None, "tanh"),
-    (2, 77, 8, 8, 200, "float32", False, 5.0, "soft_sign"),
-    (3, 1, 2, 2, 64, "bfloat16", False, None, "tanh"),
-    (2, 513, 4, 4, 256, "bfloat16", True, None, "tanh"),
+    (2, 333, 10, 2, 80, 80, "bfloat16", False, 30.0, "tanh"),
+    (1, 1031, 5, 1, 128, 128, "float32", True, None, "tanh"),
+    (2, 77, 8, 8, 200, 200, "float32", False, 5.0, "soft_sign"),
+    (3, 1, 2, 2, 64, 64, "bfloat16", False, None, "tanh"),
+    (2, 513, 4, 4, 256, 256, "bfloat16", True, None, "tanh"),
+    (2, 130, 6, 3, 48, 24, "float32", True, 2.0, "tanh"),
 ]
-SMOKE_CHECKS = [(2, 45, 10, 2, 80, "bfloat16", False, 30.0, "tanh"),
-                (1, 37, 5, 1, 64, "float32", True, 5.0, "soft_sign")]
+SMOKE_CHECKS = [(2, 45, 10, 2, 80, 80, "bfloat16", False, 30.0, "tanh"),
+                (1, 37, 5, 1, 64, 32, "float32", True, 5.0, "soft_sign")]
 # Max error / max(1, max |reference|) allowed: float32 math on both sides, or bf16 operands
 # and outputs (a real mask, scale or gradient bug moves results by O(1)).
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
