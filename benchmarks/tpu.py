@@ -12,7 +12,9 @@ On a TPU machine with jax[tpu] installed; no network needed:
     interleaved in the same process, jax.nn.dot_product_attention with the dense mask and
     splash attention (jax.experimental.pallas.ops.tpu) with the workload's layout as one
     static mask (every row of a workload has the same layout, so one static mask is exact
-    there; splash cannot take per-row layouts, which is why pallas_tpu exists).
+    there; splash cannot take per-row layouts, which is why pallas_tpu exists), and
+    splash with each row's own dense mask through its private dynamic-mask route
+    (splash_dynamic_attention; reported as failed where this jax lacks it).
 
 It prints TFLOP/s on visible pairs and the fraction of the chip's bf16 peak
 (``pltpu.get_tpu_info()``), writes benchmarks/TPU.md and a JSON of the rows (and copies
@@ -38,6 +40,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -121,6 +124,47 @@ def splash_attention(w: Workload, interpret: bool):
     return attend
 
 
+def splash_dynamic_attention(w: Workload, interpret: bool):
+    """attend(q, k, v, seg) by splash attention with each row's own mask, built under jit
+    from the traced segment ids as a dense [G, S, S] boolean mask (vmapped over batch, MQA
+    per kv head): the exact route through splash for per-row layouts. Its public builder
+    (make_splash_mqa) cannot take a traced mask in jax 0.10 (TracerBoolConversionError), so
+    this goes through the private mask-info functions and SplashAttentionKernel; where they
+    moved or changed (a version guard, checked by building one here) it raises, and the
+    peer is reported as failed. It materialises the mask, and its lse has no backward."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash, splash_attention_mask_info as mask_info)
+
+    group, s = w.q_heads // w.kv_heads, w.seq_len
+    block = min(512, s)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                              block_q_dkv=block, block_kv_dkv=block,
+                              block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+    shards = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
+
+    def row_kernel(seg_row):
+        mask = jnp.broadcast_to(semantics.dense_mask(seg_row[None], seg_row[None], False)[0],
+                                (group, s, s))
+        fwd, _ = mask_info.process_dynamic_mask(mask, (block, block), **shards)
+        dkv, _ = mask_info.process_dynamic_mask_dkv(mask, (block, block), shrink_grid=False,
+                                                    **shards)
+        return splash.SplashAttentionKernel(
+            mask_info.MaskInfo(*fwd), None, mask_info.MaskInfo(*dkv), block_sizes=sizes,
+            is_mqa=True, save_residuals=False, mask_value=splash.DEFAULT_MASK_VALUE,
+            attn_logits_soft_cap=None, residual_checkpoint_name=None, mask_function=None,
+            interpret=interpret)
+
+    jax.eval_shape(row_kernel, jax.ShapeDtypeStruct((s,), jnp.int32))  # the version guard
+
+    def attend(q, k, v, seg):
+        b, _, hq, d = q.shape
+        heads = q.reshape(b, s, w.kv_heads, group, d).transpose(0, 2, 3, 1, 4) * d ** -0.5
+        out = jax.vmap(lambda q, k, v, seg_row: jax.vmap(row_kernel(seg_row))(q, k, v))(
+            heads, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), seg)
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, s, hq, d)
+    return attend
+
+
 def peer_error(w: Workload, attend) -> float:
     """A peer's forward on the workload's first row against the reference: max error /
     max(1, max |reference|). The peers' masks are built here, so they are checked too."""
@@ -146,10 +190,17 @@ def runners(w: Workload, impls: dict, interpret: bool, failures: list[str]) -> d
         peer_names.append("splash (static mask)")
     else:
         failures.append(f"{w.name}: splash skipped (a static mask of {w.seq_len}^2 bools)")
+    if w.batch * w.q_heads * w.seq_len ** 2 <= DENSE_LIMIT_BYTES:  # its boolean masks
+        attends["splash (dynamic mask)"] = functools.partial(splash_dynamic_attention, w,
+                                                             interpret)
+        peer_names.append("splash (dynamic mask)")
+    else:
+        failures.append(f"{w.name}: splash's dynamic route skipped (masks over "
+                        f"{DENSE_LIMIT_BYTES >> 30} GiB)")
     fns = {}
     for name, attend in attends.items():
         try:
-            if name == "splash (static mask)":
+            if name.startswith("splash"):
                 attend = attend()  # builds the mask's block lists: may fail too
             error = peer_error(w, attend) if name in peer_names else 0.0
             if error > TOLERANCE[w.dtype]:

@@ -27,5 +27,5 @@ def test_tpu_script_smoke(tmp_path):
     timed = {(r["workload"], r["impl"]) for r in report["rows"]}
     assert timed == {(w, i) for w in ("nano-fwd", "packed-fwdbwd")
                      for i in ("pallas_tpu", "xla", "jax.nn.dpa (xla, dense mask)",
-                               "splash (static mask)")}
+                               "splash (static mask)", "splash (dynamic mask)")}
     assert (tmp_path / "TPU.md").exists()
