@@ -25,6 +25,12 @@ def packed_rows(rng, batch: int, seq: int) -> np.ndarray:
     return np.array(rows, np.int32)
 
 
+def first_line(error: Exception) -> str:
+    """An exception as one report line: its type and the first 200 characters of its first
+    line."""
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+
+
 def relative_errors(got: list, want: list) -> dict[str, float]:
     """Max error / max(1, max |reference|) of out, lse, dq, dk, dv (inf where non-finite
     entries differ or a NaN appears)."""

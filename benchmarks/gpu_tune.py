@@ -154,10 +154,6 @@ def class_inputs(w: Workload):
     return q, k, v, seg, d_out, d_lse
 
 
-def first_line(error: Exception) -> str:
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
-
-
 def tune_class(cls: TuneClass, candidates: list[dict], capability, *, deadline: float,
                smoke: bool, repeats: int, tolerance: float, pool, record, log) -> dict:
     """Check and time ``candidates`` of ``cls`` against the default; ``record(line)`` gets
@@ -202,7 +198,7 @@ def tune_class(cls: TuneClass, candidates: list[dict], capability, *, deadline: 
                                default_ms=t["default"] * 1e3,
                                ratio=t["candidate"] / t["default"])
             except Exception as e:  # noqa: BLE001 - a candidate that fails is a result
-                row.update(status=f"failed: {first_line(e)}")
+                row.update(status=f"failed: {device_checks.first_line(e)}")
         summary["rows"].append(row)
         record(row)
         log(f"tune {cls.name} {describe(c['options'])}{' (default)' if is_default else ''}: "

@@ -209,8 +209,7 @@ def runners(w: Workload, impls: dict, interpret: bool, failures: list[str]) -> d
             jax.block_until_ready(fn())  # compile and run once
             fns[name] = fn
         except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported
-            failures.append(f"{w.name}: {name} failed: {type(e).__name__}: "
-                            f"{str(e).strip().splitlines()[0][:200]}")
+            failures.append(f"{w.name}: {name} failed: {device_checks.first_line(e)}")
             log(failures[-1])
     return fns
 
