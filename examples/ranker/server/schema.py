@@ -133,6 +133,11 @@ def unavailable(kind: str, message: str, fix: str, retry_after: int = 1) -> Answ
 
 def parse(body: bytes, limits: Limits) -> Request:
     """The request in ``body``, checked; raises :class:`BadRequest` naming the first problem."""
+    return checked(decoded(body, limits), limits)
+
+
+def decoded(body: bytes, limits: Limits) -> dict:
+    """The JSON object ``body`` holds; raises :class:`BadRequest` (too_large, bad_json)."""
     if len(body) > limits.max_body:
         raise too_large_body(limits)
     try:
@@ -143,6 +148,13 @@ def parse(body: bytes, limits: Limits) -> Request:
     if not isinstance(data, dict):
         raise BadRequest("bad_json", "body", f"the body is a JSON {type(data).__name__}, not "
                          "an object.", "Send one JSON object, e.g. " + EXAMPLE)
+    return data
+
+
+def checked(data: dict, limits: Limits) -> Request:
+    """The request whose fields ``data`` holds (a decoded body, or what kserve.py reads from
+    an Open Inference request's inputs), checked; raises :class:`BadRequest` naming the first
+    problem."""
     for name in data:
         if name not in REQUIRED + OPTIONAL:
             raise BadRequest("bad_value", name, f"unknown field {name!r}.",
