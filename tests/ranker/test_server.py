@@ -20,6 +20,7 @@ import json
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -316,6 +317,178 @@ def test_a_store_full_of_pinned_entries_answers_503_never_stale(server_a, model,
     changed = json.loads(json.dumps(third))
     changed["history_item"][0] = changed["history_item"][1]
     assert_answer(model, changed, *server_a.rank(changed)[0::2], cache="miss")
+
+
+def inference_request(request: dict, nested: bool = False, actions: str = "INT64",
+                      **extra) -> dict:
+    """``request`` (a /v1/rank body) as an Open Inference request: one input per field,
+    history_actions as ``actions`` (INT64 or BOOL), data flat (row-major) or ``nested``."""
+    inputs = []
+    for name, value in request.items():
+        array = np.atleast_1d(np.asarray(value, np.int64))
+        if name == "history_actions":
+            array = array.reshape(-1, len(ACTIONS)).astype(bool if actions == "BOOL" else int)
+        inputs.append(dict(name=name, datatype=actions if name == "history_actions" else "INT64",
+                           shape=list(array.shape),
+                           data=array.tolist() if nested else array.ravel().tolist()))
+    return dict(inputs=inputs, **extra)
+
+
+def infer(server, request) -> tuple[int, dict]:
+    """POST /v2/models/ranker/infer of a dict (or raw bytes): (status, JSON answer)."""
+    raw = request if isinstance(request, bytes) else json.dumps(request).encode()
+    status, _, answer = server.request("POST", "/v2/models/ranker/infer", raw,
+                                       {"Content-Type": "application/json"})
+    return status, json.loads(answer)
+
+
+def outputs(answer: dict) -> dict:
+    """{name: array} of an Open Inference answer's outputs."""
+    return {o["name"]: np.asarray(o["data"], np.float32).reshape(o["shape"])
+            for o in answer["outputs"]}
+
+
+def test_open_inference_answers_as_v1_rank(server_a, model, sessions):
+    """A miss through /v2/models/ranker/infer (data flat, actions INT64), then the same
+    request through /v1/rank (a hit) and through infer again (nested, BOOL, scores only):
+    the same logits, bit for bit (one scoring program, one cached history), and scores."""
+    request = body(sessions, 22, events=5, candidates=3, user=4 * 10**6, history_version=3)
+    status, answer = infer(server_a, inference_request(request, id="k-1"))
+    assert status == 200, answer
+    assert (answer["model_name"], answer["model_version"], answer["id"]) == ("ranker", "7",
+                                                                          "k-1")
+    assert answer["parameters"] == {"cache": "miss", "model_step": STEP,
+                                    "actions": ",".join(ACTIONS)}
+    first = outputs(answer)
+    assert first["logits"].shape == (3, len(ACTIONS)) and first["scores"].shape == (3,)
+    status, _, ranked = server_a.rank(request)
+    assert_answer(model, request, status, ranked, cache="device")
+    np.testing.assert_array_equal(first["logits"], np.asarray(ranked["logits"], np.float32))
+    np.testing.assert_array_equal(first["scores"], np.asarray(ranked["scores"], np.float32))
+    status, answer = infer(server_a, inference_request(request, nested=True, actions="BOOL",
+                                                        outputs=[{"name": "scores"}]))
+    assert status == 200 and answer["parameters"]["cache"] == "device" and "id" not in answer
+    assert [o["name"] for o in answer["outputs"]] == ["scores"]
+    np.testing.assert_array_equal(outputs(answer)["scores"], first["scores"])
+
+
+def test_open_inference_metadata_and_health(server_a):
+    get = lambda path: (lambda s, b: (s, json.loads(b)))(*server_a.get(path))  # noqa: E731
+    assert get("/v2/health/live") == (200, {"live": True})
+    assert get("/v2/health/ready") == (200, {"ready": True})
+    for path in ("/v2/models/ranker/ready", f"/v2/models/ranker/versions/{STEP}/ready"):
+        assert get(path) == (200, {"name": "ranker", "ready": True})
+    status, server = get("/v2")
+    assert status == 200 and server["name"] and server["extensions"] == []
+    status, metadata = get("/v2/models/ranker")
+    assert status == 200 and metadata["versions"] == [str(STEP)], metadata
+    a = len(ACTIONS)
+    assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["inputs"]] == [
+        ("user", "INT64", [1]), ("context", "INT64", [1]), ("history_item", "INT64", [-1]),
+        ("history_author", "INT64", [-1]), ("history_actions", "BOOL", [-1, a]),
+        ("cand_item", "INT64", [-1]), ("cand_author", "INT64", [-1]),
+        ("history_version", "INT64", [1])]
+    assert metadata["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, a]},
+                                   {"name": "scores", "datatype": "FP32", "shape": [-1]}]
+    for path, status in (("/v2/models/other", 404), (f"/v2/models/ranker/versions/{STEP + 1}",
+                                                     404), ("/v2/models/ranker/infer", 405)):
+        answer = get(path)
+        assert answer[0] == status and set(answer[1]) == {"error"}, (path, answer)
+
+
+def test_open_inference_health_follows_the_engine():
+    """While warming (or draining) the server is live and not ready, as /healthz says."""
+    from examples.ranker.server import kserve
+
+    for state, ready in (("warming", 503), ("serving", 200), ("draining", 503)):
+        engine = SimpleNamespace(state=state, model_step=STEP)
+        assert kserve.route("GET", "/v2/health/live", engine).status == 200
+        assert kserve.route("GET", "/v2/health/ready", engine).status == ready
+        assert kserve.route("GET", "/v2/models/ranker/ready", engine).status == ready
+
+
+def bad_inference_requests(sessions) -> list[tuple[str, str, object]]:
+    """(kind, the input or field the error names, request) of bad Open Inference requests."""
+    good = inference_request(body(sessions, 11, events=4, candidates=2), nested=True)
+
+    def changed(name, **fields):
+        return dict(good, inputs=[dict(i, **fields) if i["name"] == name else i
+                                  for i in good["inputs"]])
+
+    a = len(ACTIONS)
+    nine = inference_request(dict(body(sessions, 11, events=4, candidates=2),
+                                  cand_item=[1] * 9, cand_author=[1] * 9))
+    return [("bad_json", "inference request", b'{"inputs": ['),
+            ("bad_value", "cand_item", changed("cand_item", datatype="FP32")),
+            ("bad_value", "history_actions", changed("history_actions", datatype="FP32")),
+            ("bad_value", "user", changed("user", shape=[2], data=[1, 2])),
+            ("bad_value", "history_actions", changed("history_actions", shape=[4, a + 1])),
+            ("bad_value", "cand_author", changed("cand_author", data=[1, 2, 3])),
+            ("bad_value", "history_actions", changed("history_actions",
+                                                     data=[[0] * a] * 3 + [[0] * (a + 1)])),
+            ("missing_field", "cand_author",
+             dict(good, inputs=[i for i in good["inputs"] if i["name"] != "cand_author"])),
+            ("bad_value", "candidates", dict(good, inputs=good["inputs"] + [
+                dict(name="candidates", datatype="INT64", shape=[1], data=[1])])),
+            ("too_large", "cand_item", nine),
+            ("bad_value", "cand_item", changed("cand_item", data=[0, 1])),
+            ("bad_value", "user", changed("user", data=[1.5])),
+            ("bad_value", "id", dict(good, id=5)),
+            ("bad_value", "inputs", dict(good, inputs={})),
+            ("bad_value", "colour", dict(good, parameters={"colour": 1}))]
+
+
+def test_open_inference_bad_requests_get_400_and_service_continues(server_a, model,
+                                                                   sessions):
+    for kind, name, request in bad_inference_requests(sessions):
+        status, answer = infer(server_a, request)
+        assert status == 400 and set(answer) == {"error"}, (kind, name, answer)
+        assert answer["error"].startswith(kind + ": ") and name in answer["error"], (kind,
+                                                                                    answer)
+    request = body(sessions, 11, events=4, candidates=2)
+    status, answer = infer(server_a, inference_request(request))
+    assert status == 200
+    np.testing.assert_allclose(outputs(answer)["logits"], full_forward(model, request),
+                               atol=1e-5, rtol=0)
+
+
+def test_tritonclient_ranks_through_open_inference(server_a, sessions):
+    """Triton's own HTTP client (binary input data, its default), driven by the metadata:
+    live, ready, an answer equal to /v1/rank's, an error as its exception with status 400."""
+    import tritonclient.http as triton
+    from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+
+    client = triton.InferenceServerClient(f"127.0.0.1:{server_a.port}", network_timeout=20)
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("ranker")
+
+        def tensors(request):
+            out = []
+            for spec in client.get_model_metadata("ranker")["inputs"]:
+                if spec["name"] in request:
+                    array = np.asarray(request[spec["name"]],
+                                       triton_to_np_dtype(spec["datatype"]))
+                    array = array.reshape([n if n >= 0 else -1 for n in spec["shape"]])
+                    out.append(triton.InferInput(spec["name"], list(array.shape),
+                                                 spec["datatype"]))
+                    out[-1].set_data_from_numpy(array)
+            return out
+
+        request = body(sessions, 23, events=7, candidates=4, user=5 * 10**6)
+        result = client.infer("ranker", tensors(request), request_id="t-1")
+        answer = result.get_response()
+        assert answer["id"] == "t-1" and answer["parameters"]["cache"] == "miss"
+        status, _, ranked = server_a.rank(request)
+        assert status == 200 and ranked["cache"] == "device"
+        np.testing.assert_array_equal(result.as_numpy("logits"),
+                                      np.asarray(ranked["logits"], np.float32))
+        with pytest.raises(InferenceServerException, match="too_large: cand_item") as err:
+            client.infer("ranker", tensors(dict(request, cand_item=[1] * 9,
+                                                cand_author=[1] * 9)))
+        assert err.value.status() == "400"
+    finally:
+        client.close()
 
 
 def test_metrics_are_prometheus_text(server_a):

@@ -1,9 +1,10 @@
 """The HTTP side: one ASGI application (no framework) run by uvicorn on 127.0.0.1.
 
 Routes: ``POST /v1/rank`` (schema.py), ``GET /healthz`` (200 once warm, 503 while warming or
-draining), ``GET /metrics`` (Prometheus' text format). The event loop reads and checks
-requests, queues them (Engine.submit) and awaits their answers, which the engine's threads
-hand back with ``call_soon_threadsafe``; it never runs the model.
+draining), ``GET /metrics`` (Prometheus' text format); under /v2 the Open Inference Protocol
+(kserve.py). The event loop reads and checks requests, queues them (Engine.submit) and awaits
+their answers, which the engine's threads hand back with ``call_soon_threadsafe``; it never
+runs the model.
 
 Start-up: uvicorn listens at once and warm-up runs in a thread (``/healthz`` 503 meanwhile);
 the engine takes requests once every program is compiled. SIGTERM (or SIGINT): the engine
@@ -19,9 +20,11 @@ import logging
 import signal
 import threading
 import time
+import types
 
 import uvicorn
 
+from examples.ranker.server import kserve
 from examples.ranker.server.engine import Engine
 from examples.ranker.server.metrics import CONTENT_TYPE
 from examples.ranker.server.schema import Answer, BadRequest, Limits, parse, too_large_body
@@ -30,6 +33,9 @@ log = logging.getLogger("examples.ranker.server")
 DRAIN_SECONDS = 8  # uvicorn's wait for requests in flight (the issue allows 10 s to exit)
 JSON = (b"content-type", b"application/json")
 CLOSE = (b"connection", b"close")
+# How POST /v1/rank reads a request and writes its answer (App._rank takes a protocol's;
+# kserve.Infer is the other).
+RANK_V1 = types.SimpleNamespace(parse=parse, render=lambda answer: answer)
 
 
 class App:
@@ -73,6 +79,13 @@ class App:
 
     async def _http(self, scope, receive, send) -> None:
         path, method = scope["path"], scope["method"]
+        if kserve.serves(path):  # the Open Inference Protocol: kserve.py
+            answer = kserve.route(method, path, self.engine)
+            if answer is None:
+                await self._rank(scope, receive, send, kserve.Infer(scope["headers"]))
+            else:
+                await _send(send, answer)
+            return
         routes = {"/v1/rank": "POST", "/healthz": "GET", "/metrics": "GET"}
         if path not in routes:
             await _send(send, _error(404, "not_found", "path", f"no route {path}.",
@@ -94,15 +107,18 @@ class App:
                 (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
 
-    async def _rank(self, scope, receive, send) -> None:
+    async def _rank(self, scope, receive, send, protocol=RANK_V1) -> None:
+        """A ranking request, read and its answer written by ``protocol`` (RANK_V1 or a
+        kserve.Infer): checked, queued, answered."""
         start = time.perf_counter()
         try:
-            request = parse(await _read_body(scope, receive, self.limits), self.limits)
+            request = protocol.parse(await _read_body(scope, receive, self.limits),
+                                     self.limits)
         except BadRequest as err:
             answer = Answer(400, err.body(), kind=err.kind,
                             headers=(CLOSE,) if err.field == "body" else ())
             self.engine.metrics.answered(answer)
-            await _send(send, answer)
+            await _send(send, protocol.render(answer))
             return
         request.timings["parse"] = time.perf_counter() - start
         loop = asyncio.get_running_loop()
@@ -110,7 +126,7 @@ class App:
         request.reply = lambda answer: loop.call_soon_threadsafe(_settle, answered, answer)
         answer = self.engine.submit(request) or await answered
         sent = time.perf_counter()
-        await _send(send, answer)
+        await _send(send, protocol.render(answer))
         done = time.perf_counter()
         request.timings["serialize"] = done - sent
         self.engine.metrics.answered(answer, request, done - start)
