@@ -1,19 +1,20 @@
 """The tune phase of benchmarks/gpu.py: pallas_triton configurations timed on this GPU.
 
-For each call class (dtype, head dim, GQA; ``gpu_compile.TUNE_CLASSES``) it takes the
-candidates of ``gpu_compile.tune_candidates`` that the deviceless compile
-(``results/gpu_candidates.json``, from ``gpu_compile.py --candidates``) showed to compile
-with at most SPILL_LIMIT bytes of spills per thread, compiles them ahead of time in
-parallel on the machine's cores, checks each against the reference (out, lse, dq, dk, dv
-of a vjp with both cotangents), and times the ones that pass forward + backward against
-the built-in default (interleaved medians of the pair, so each line is a ratio measured
-side by side). Every candidate's result is appended to a JSONL file as soon as it is
-known, so a run cut off keeps what it measured. The budget is re-checked before each
-candidate; candidates not reached are listed as skipped.
+For each call class (dtype, head dim, GQA; ``gpu_compile.TUNE_CLASSES``, the production
+class first) it takes the candidates of ``gpu_compile.tune_candidates`` that the deviceless
+compile (``results/gpu_candidates.json``, from ``gpu_compile.py --candidates``) showed to
+compile with at most SPILL_LIMIT bytes of spills per thread, compiles them ahead of time in
+parallel on the machine's cores, checks each against the reference (out, lse, dq, dk, dv of
+a vjp with both cotangents), and times the ones that pass forward + backward against the
+built-in default (:func:`decide`). Every candidate's result is appended to a JSONL file as
+soon as it is known, so a run cut off keeps what it measured; gpu.py writes the tuned table
+after each class. Compile waits end at the phase's deadline; candidates not reached are
+listed as skipped.
 
-The class's winner becomes a tuned-table entry (``rankattn/backends/gpu_config.py``)
-when it beats the default by MIN_GAIN; entries for other compute capabilities already in
-the table are kept.
+A candidate is entered (a tuned-table entry, ``rankattn/backends/gpu_config.py``) only
+when it wins most rounds against the default and by more than the spread between two runs
+of the default measured in the same rounds; entries for other compute capabilities already
+in the table are kept.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
-import os
+import math
 import time
 
 import jax
@@ -32,25 +33,19 @@ import numpy as np
 import bench
 import device_checks
 import gpu_compile
+import gpu_plan
 import rankattn
 from bench import NANO, Workload, smoke_version
 from gpu_compile import option
-from rankattn import peers
 from rankattn.backends import BlockSizes, PallasTriton, gpu_config
 
 TUNE_BATCH = 32        # rows of the nano layout (1024 history + 128 candidates) a class is timed on
 SPILL_LIMIT = 600      # bytes per thread a candidate's kernels may spill (deviceless compile)
-MIN_GAIN = 0.03        # an entry only where the best candidate is 3% faster than the default
+MIN_GAIN = 0.01        # the least gain entered, however quiet the default's two runs were
 # --smoke: CPU, interpret mode, one class (gpu.py's smoke workloads' shape) and two
 # candidates; the faster candidate is entered whatever its gain, so the table path runs.
 SMOKE_CLASSES = (("bfloat16", 128, 4, 2),)
 SMOKE_CANDIDATES = [option(32, 16, 4), option(16, 32, 4, None, True, True)]
-# Dry-run estimate: what the deviceless compile here does not see (XLA's own programs, the
-# reference, jax 0.11 on another host) and the GPU's start-up, stated, not measured.
-HOST_MARGIN = 2.0
-STARTUP_SECONDS = 40.0
-PARALLEL_COMPILES = 4
-XLA_COMPILE_SECONDS = 2.0  # a reference or xla-backend program (not in the deviceless report)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +86,6 @@ def default_options(cls: TuneClass, capability) -> dict:
     c = PallasTriton(target=capability, tuned=False).config(cls.dtype, cls.head_dim, cls.group)
     return option(c.block_sizes.block_q, c.block_sizes.block_k, c.num_warps, c.num_stages,
                   c.split_dkv, c.key_major)
-
-
-def compile_report() -> dict | None:
-    """results/gpu_candidates.json (the deviceless compile of the candidates), if present."""
-    try:
-        with open(gpu_compile.CANDIDATES_JSON) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
 
 
 def max_spill(result: dict) -> int:
@@ -155,20 +141,21 @@ def class_inputs(w: Workload):
 
 
 def tune_class(cls: TuneClass, candidates: list[dict], capability, *, deadline: float,
-               smoke: bool, repeats: int, tolerance: float, pool, record, log) -> dict:
+               smoke: bool, rounds: int, tolerance: float, pool, record, log) -> dict:
     """Check and time ``candidates`` of ``cls`` against the default; ``record(line)`` gets
-    each candidate's result as soon as it is known. Returns the class's summary."""
+    each candidate's result as soon as it is known. Compile waits end at ``deadline``
+    (``time.perf_counter()``), and so does the phase. Returns the class's summary."""
     w = cls.workload(smoke)
     args = class_inputs(w)
     default = default_options(cls, capability)
     summary = dict(cls=cls, default=default, rows=[])
-    up = [x.astype(jnp.float32) for x in args[:3]]
-    want = [np.asarray(x, np.float32) for x in step_for("reference")(*up, *args[3:])]
     jobs = {}  # submitted in order; the default first
     for c in [dict(options=default, compile_s=None)] + candidates:
         key = json.dumps(c["options"])
         jobs[key] = (c, pool.submit(compiled, impl_of(c["options"], smoke), args))
-    # Every compile finishes (or the budget ends) before the first timing, so no compile
+    up = [x.astype(jnp.float32) for x in args[:3]]
+    want = [np.asarray(x, np.float32) for x in step_for("reference")(*up, *args[3:])]
+    # Every compile finishes (or the deadline comes) before the first timing, so no compile
     # thread competes with the timed calls for the host.
     concurrent.futures.wait([job for _, job in jobs.values()],
                             timeout=max(0.0, deadline - time.perf_counter()))
@@ -179,7 +166,7 @@ def tune_class(cls: TuneClass, candidates: list[dict], capability, *, deadline: 
                    deviceless_compile_s=c["compile_s"])
         if time.perf_counter() > deadline or not job.done():
             job.cancel()
-            row.update(status="skipped: past the tune budget")
+            row.update(status="skipped: past the phase's deadline")
         else:
             try:
                 fn, seconds = job.result()
@@ -188,32 +175,78 @@ def tune_class(cls: TuneClass, candidates: list[dict], capability, *, deadline: 
                 row.update(compile_s=round(seconds, 2), max_error=max(errors.values()))
                 if row["max_error"] > tolerance:
                     row.update(status=f"wrong: {errors}")
-                elif is_default:  # the baseline of every ratio
+                elif is_default:  # the baseline of every decision
                     default_fn = fn
                     row.update(status="ok")
                 else:
-                    t = peers.interleaved_medians({"default": lambda: default_fn(*args),
-                                                   "candidate": lambda: fn(*args)}, repeats)
-                    row.update(status="ok", ms=t["candidate"] * 1e3,
-                               default_ms=t["default"] * 1e3,
-                               ratio=t["candidate"] / t["default"])
+                    row.update(status="ok", **decide(round_times(
+                        {"default": lambda: default_fn(*args), "candidate": lambda: fn(*args),
+                         "default again": lambda: default_fn(*args)}, rounds)))
             except Exception as e:  # noqa: BLE001 - a candidate that fails is a result
                 row.update(status=f"failed: {device_checks.first_line(e)}")
         summary["rows"].append(row)
         record(row)
         log(f"tune {cls.name} {describe(c['options'])}{' (default)' if is_default else ''}: "
             f"{row['status']}" + (f", {row['ms']:.3f} ms against the default's "
-                                  f"{row['default_ms']:.3f} ms ({row['ratio']:.2f}x)"
-                                  if "ratio" in row else ""))
+                                  f"{row['default_ms']:.3f} ms ({row['ratio']:.3f}x, wins "
+                                  f"{row['wins']} of {row['rounds']} rounds, the default's "
+                                  f"spread {row['spread']:.1%})" if "ratio" in row else ""))
         if is_default and default_fn is None:  # no baseline: nothing else can be compared
             for _, rest in jobs.values():
                 rest.cancel()
             break
-    timed = [r for r in summary["rows"] if "ratio" in r]
+    timed = [r for r in summary["rows"] if "ratio" in r and (smoke or r["enters"])]
     best = min(timed, key=lambda r: r["ratio"], default=None)
-    if best is not None and (smoke or best["ratio"] <= 1 - MIN_GAIN):
+    if best is not None:
         summary["best"] = best
     return summary
+
+
+# --- Timing that decides. ---------------------------------------------------------------
+
+
+def round_times(fns: dict, rounds: int) -> dict[str, np.ndarray]:
+    """Seconds per call of each zero-argument function, per round.
+
+    A sample is ``calls`` back-to-back calls with one wait at the end (no sleep inside a
+    sample: the GPU stays busy, as under load), ``calls`` chosen so that a sample of the
+    slowest function lasts at least ``gpu_plan.SAMPLE_S``. Every round takes one sample of
+    each function, in the dict's order and reversed every other round, so drift hits all
+    alike. (peers.interleaved_times, which the CPU benchmarks use, times one call after a
+    settle sleep instead: right for 2-core hosts, too noisy for a 1.5 ms GPU step.)
+    """
+    once = []
+    for fn in fns.values():
+        jax.block_until_ready(fn())  # warm
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        once.append(time.perf_counter() - start)
+    calls = max(1, math.ceil(gpu_plan.SAMPLE_S / max(max(once), 1e-6)))
+    names, times = list(fns), {name: [] for name in fns}
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = fns[name]()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: np.array(t) for name, t in times.items()}
+
+
+def decide(times: dict[str, np.ndarray]) -> dict:
+    """The verdict on a candidate from :func:`round_times` of the default, the candidate and
+    the default again: ratio = median over rounds of candidate / default (< 1: faster);
+    spread = median over rounds of |default again / default - 1|, the noise between two runs
+    of one configuration; it ``enters`` the table only when it beats both runs of the
+    default in most rounds and its gain 1 - ratio exceeds the spread (and MIN_GAIN)."""
+    default, candidate, again = times["default"], times["candidate"], times["default again"]
+    ratio = float(np.median(candidate / default))
+    spread = float(np.median(np.abs(again / default - 1)))
+    wins = int(np.sum((candidate < default) & (candidate < again)))
+    rounds = len(candidate)
+    return dict(ms=float(np.median(candidate)) * 1e3, default_ms=float(np.median(default)) * 1e3,
+                ratio=ratio, spread=spread, wins=wins, rounds=rounds,
+                enters=wins > rounds / 2 and 1 - ratio > max(spread, MIN_GAIN))
 
 
 def describe(options: dict) -> str:
@@ -259,6 +292,8 @@ def table_entries(summaries: list[dict], capability, all_classes: list[TuneClass
                                       (max(gpu_config.MIN_BLOCK, padded // 2 + 1), padded),
                                       ranges[cls], config).to_json()
         entry["measured"] = dict(ms=round(best["ms"], 4), default_ms=round(best["default_ms"], 4),
+                                 spread=round(best["spread"], 4),
+                                 wins=f"{best['wins']} of {best['rounds']} rounds",
                                  workload=cls.workload(False).name + f", B={TUNE_BATCH}")
         entries.append(entry)
     return entries
@@ -280,99 +315,10 @@ def write_table(path: str, entries: list[dict], capability, provenance: dict) ->
                       "(rankattn/backends/gpu_config.py reads it); generated, do not edit.",
              "measured": {**table.get("measured", {}), cc: provenance},
              "entries": kept + entries}
-    gpu_config.parse_table(table)  # never write a table the library would ignore
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
+    gpu_config.save_table(path, table)  # never a table the library would ignore
     return table
 
 
 def provenance(device: str, command: str) -> dict:
     return dict(device=device, date=str(datetime.date.today()), jax=jax.__version__,
                 command=command)
-
-
-# --- The whole phase, and its dry run. --------------------------------------------------
-
-
-def run(capability, *, budget: float, smoke: bool, repeats: int, tolerances: dict,
-        jsonl: str, log) -> list[dict]:
-    """Tune every class within ``budget`` seconds; the summaries, in class order."""
-    deadline = time.perf_counter() + budget
-    report = None if smoke else compile_report()
-    if report is None and not smoke:
-        log("results/gpu_candidates.json is missing: every candidate is tried")
-    os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
-
-    def record(row):
-        with open(jsonl, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    workers = 2 if smoke else max(1, min(8, (os.cpu_count() or 2) - 1))
-    summaries = []
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        for cls in classes(smoke):
-            if time.perf_counter() > deadline:
-                log(f"tune {cls.name}: skipped, past the {budget:.0f} s tune budget")
-                summaries.append(dict(cls=cls, rows=[], skipped=True))
-                continue
-            summaries.append(tune_class(cls, planned(cls, capability, smoke, report),
-                                        capability, deadline=deadline, smoke=smoke,
-                                        repeats=repeats, tolerance=tolerances[cls.dtype],
-                                        pool=pool, record=record, log=log))
-    return summaries
-
-
-def dry_run(capability, budget: float, tune_budget: float, check_compiles: list[str],
-            xla_compiles: int) -> list[str]:
-    """The plan of a GPU run and its estimated device time, as markdown lines.
-
-    ``check_compiles``: the dtype of each pallas_triton program of the correctness phase;
-    ``xla_compiles``: its other programs (references, the xla backend). Compile times come
-    from the deviceless compile (results/gpu_candidates.json) times HOST_MARGIN, with
-    PARALLEL_COMPILES at once in the tune phase (lowering holds Python's lock, XLA's compile
-    does not); kernel run times are negligible beside them (a nano forward + backward at
-    B=32 is about 3e11 flops, ~1.5 ms at 200 TFLOP/s, run 2 * repeats + 2 times).
-    """
-    report = compile_report()
-    lines = ["| phase | what | estimated s |", "|---|---|---:|",
-             f"| start-up | JAX, CUDA and torch initialisation (stated, not measured) | "
-             f"{STARTUP_SECONDS:.0f} |"]
-    default_compile = {}  # dtype -> seconds of the built-in default's deviceless compile
-    for cls in classes(False):
-        default = default_options(cls, capability)
-        for r in (report or {}).get("candidates", []):
-            if r["options"] == default and r["config"]["dtype"] == cls.dtype:
-                default_compile.setdefault(cls.dtype, r["seconds"])
-    compile_s = lambda dtype: default_compile.get(dtype, default_compile.get("float32", 10.0))
-    checks_s = HOST_MARGIN * (sum(map(compile_s, check_compiles))
-                              + xla_compiles * XLA_COMPILE_SECONDS)
-    lines.append(f"| (a) correctness | {len(check_compiles)} pallas_triton and {xla_compiles} "
-                 f"other compiles of forward + backward | {checks_s:.0f} |")
-    tune_total = 0.0
-    for cls in classes(False):
-        plan = planned(cls, capability, False, report)
-        times = [c["compile_s"] or 10.0 for c in plan] + [compile_s(cls.dtype)]
-        # The candidates in parallel, then the reference's compile.
-        estimate = HOST_MARGIN * (max(sum(times) / PARALLEL_COMPILES, max(times))
-                                  + XLA_COMPILE_SECONDS)
-        tune_total += estimate
-        lines.append(f"| tune {cls.name} | {len(plan)} candidates + the default: "
-                     + ", ".join(describe(c["options"]) for c in plan) + f" | {estimate:.0f} |")
-    tune_s = min(tune_total, tune_budget)
-    lines.append(f"| tune, total | capped by --tune-budget {tune_budget:.0f} s | {tune_s:.0f} |")
-    shapes = dict.fromkeys((c.dtype, c.head_dim) for c in classes(False))
-    ptxas_s = 15.0 + HOST_MARGIN * 2 * sum(compile_s(dtype) for dtype, _ in shapes)
-    lines.append(f"| ptxas -v | the default and tuned configuration of {len(shapes)} dtype and "
-                 f"head dim pairs, sm_90, in a child process (15 s to start it) | "
-                 f"{ptxas_s:.0f} |")
-    rest = max(0.0, budget - checks_s - tune_s - ptxas_s)
-    lines.append(f"| (b) timings | workloads in order until --budget {budget:.0f} s; a step "
-                 f"started before it runs to its end (up to ~60 s: FlexAttention's compile) | "
-                 f"{rest:.0f} + 60 |")
-    total = STARTUP_SECONDS + budget + 60
-    lines += ["", f"Estimated device time: at most {total:.0f} s ({total / 60:.1f} min) with "
-              f"start-up, within the 600 s one run may take; compile times x{HOST_MARGIN:g} "
-              "for another host and jax version."]
-    return lines

@@ -46,6 +46,14 @@ def run_suite(folder: str, env: dict[str, str], timeout: int = 600) -> None:
 # --- Errors. ---------------------------------------------------------------------
 
 
+def lower_for_cuda(fn, *args):
+    """``fn`` jitted and lowered for CUDA on this GPU-less machine (jax 0.11 needs the
+    abstract GPU device of gpu_config.lowering_without_gpu; 0.10 ignores it)."""
+    from rankattn.backends.gpu_config import lowering_without_gpu
+    with lowering_without_gpu():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 def message_body(err: rankattn.RankattnError) -> str:
     """The message of ``err`` as a user would paste it without its code."""
     return str(err).split("\n  (rankattn explain")[0].split("] ", 1)[1]

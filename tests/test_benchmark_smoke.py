@@ -188,15 +188,20 @@ def check_gpu(out: str, printed: str):
     assert "## (t) Tune phase" in text and "not measured in --smoke" in text
     impls = {row.split("|")[2].strip() for row in table_rows(text, "nano-fwd")}
     assert "pallas_triton (built-in default)" in impls, impls
+    # Every phase ran, each listed with its estimate and measured time; the JSON has it all.
+    phases = json.loads(read(os.path.join(out, "gpu", "gpu.json")))["phases"]
+    assert [p["name"] for p in phases] == [
+        "start-up", "(a) correctness", "(t) tune bfloat16 D=128 4/2", "bf16 matmul rate",
+        "(b) nano-fwd", "(b) packed-fwdbwd", "(r) ptxas registers"], phases
+    assert all(p["status"] == "done" and p["measured_s"] >= 0 for p in phases), phases
 
 
 def check_gpu_plan(out: str, printed: str):
-    """The dry run's plan: every tune class, and an estimate within the 10 minutes a GPU
-    run may take, start-up included."""
+    """The dry run's plan as the pending GPU.md: every tune class (its sum and budget are
+    tests/test_gpu_tune.py's)."""
     text = read(os.path.join(out, "gpu-plan", "GPU.md"))
-    assert text.count("| tune ") == len(gpu_compile.TUNE_CLASSES) and "| tune, total |" in text
-    seconds = int(re.search(r"Estimated device time: at most (\d+) s", text)[1])
-    assert seconds <= 600, seconds
+    assert text.count("| (t) tune ") == len(gpu_compile.TUNE_CLASSES) and "| **total** |" in text
+    assert "every phase fits" in text
 
 
 def check_distributed(out: str, printed: str):

@@ -1,22 +1,30 @@
-"""benchmarks/gpu_tune.py's decisions that need no GPU: which candidates a class times, the
-GQA ranges its entries cover, and how a run's table merges into the committed one (the
-whole phase runs end to end in tests/test_benchmark_smoke.py's gpu.py --smoke --tune)."""
+"""benchmarks/gpu.py's tune phase and plan, decided without a GPU: which candidates a class
+times, when a timed candidate enters the table, the GQA ranges its entries cover, how a
+run's table merges into the committed one, that the timing phase runs the table the tune
+phase wrote, and that phases run only within the budget (the whole script runs end to end
+in tests/test_benchmark_smoke.py's gpu.py --smoke --tune, and its dry run there)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
+import time
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
+import gpu  # noqa: E402
 import gpu_compile  # noqa: E402
+import gpu_plan  # noqa: E402
 import gpu_tune  # noqa: E402
 from gpu_compile import option  # noqa: E402
 from gpu_tune import TuneClass  # noqa: E402
-from rankattn.backends import BlockSizes, gpu_config  # noqa: E402
+from rankattn.backends import BlockSizes, PallasTriton, gpu_config  # noqa: E402
 
 SM90 = (9, 0)
 BF16_128 = TuneClass("bfloat16", 128, 4, 2)
@@ -33,7 +41,7 @@ def test_the_candidates_are_those_that_compiled_without_spilling_much():
     """From the committed deviceless compile: the 128 x 128 tiles (1460 bytes of dk
     spills at D=128) are left out, the 64 x 64 single dk / dv kernel (272 bytes) stays,
     and the default is never a candidate of its own."""
-    report = gpu_tune.compile_report()
+    report = gpu_plan.compile_report()
     assert report is not None, "benchmarks/results/gpu_candidates.json is committed"
     chosen = [c["options"] for c in gpu_tune.planned(BF16_128, SM90, False, report)]
     assert gpu_tune.default_options(BF16_128, SM90) not in chosen
@@ -51,7 +59,8 @@ def test_the_candidates_are_those_that_compiled_without_spilling_much():
 
 
 def summary(cls: TuneClass, options: dict, ms: float, default_ms: float) -> dict:
-    row = dict(options=options, ms=ms, default_ms=default_ms, ratio=ms / default_ms)
+    row = dict(options=options, ms=ms, default_ms=default_ms, ratio=ms / default_ms,
+               spread=0.01, wins=9, rounds=9, enters=True)
     return dict(cls=cls, best=row, rows=[row])
 
 
@@ -105,11 +114,105 @@ def test_an_entry_the_library_would_ignore_is_never_written(tmp_path):
     assert not (tmp_path / "t.json").exists()
 
 
-def test_past_its_budget_the_phase_skips_and_says_so(tmp_path):
-    logged = []
-    summaries = gpu_tune.run((8, 0), budget=0.0, smoke=True, repeats=1,
-                             tolerances={"bfloat16": 2e-2}, jsonl=str(tmp_path / "t.jsonl"),
-                             log=logged.append)
-    assert [s.get("skipped") for s in summaries] == [True]
-    assert "past the 0 s tune budget" in logged[0]
-    assert gpu_tune.table_entries(summaries, (8, 0), gpu_tune.classes(smoke=True)) == []
+def test_the_timing_phase_runs_the_table_the_tune_phase_wrote(tmp_path, monkeypatch):
+    """Regression (issue 35): the correctness phase loaded the table pallas_triton reads
+    (here named by $RANKATTN_GPU_TUNED, as the shipped one is by default), the tune phase
+    rewrote that file, and the timing phase got the loader's cached empty table: it ran the
+    built-in default as "pallas_triton", and dropped the default row as the same."""
+    table = tmp_path / "gpu_tuned.json"
+    table.write_text(json.dumps({"schema": 1, "entries": []}))
+    monkeypatch.setenv(gpu_config.TUNED_TABLE_ENV, str(table))
+    cls = TuneClass("bfloat16", 128, 4, 2)
+    w = cls.workload(smoke=True)
+    builtin = PallasTriton(tuned=False).config(w.dtype, w.head_dim, cls.group)
+    assert PallasTriton().config(w.dtype, w.head_dim, cls.group) == builtin  # loaded
+
+    run = gpu.Run(argparse.Namespace(smoke=False, tune=True, table=None, md=None,
+                                     out=str(tmp_path / "out"), budget=540.0, repeats=1))
+    winner = option(128, 64, 4, 3, True, True)
+    run.summaries = [summary(cls, winner, 1.0, 2.0)]
+    run.write_table()
+    assert run.table_paths == [str(table), str(tmp_path / "out" / "gpu_tuned.json")]
+    impls = run.workload_impls(w)
+    tuned = impls["pallas_triton"].config(w.dtype, w.head_dim, cls.group)
+    assert tuned == gpu_tune.impl_of(winner, False).config(w.dtype, w.head_dim, cls.group)
+    assert tuned != builtin and "pallas_triton (built-in default)" in impls
+    assert PallasTriton().config(w.dtype, w.head_dim, cls.group) == tuned
+
+
+def times(default, candidate, again) -> dict:
+    return {"default": np.array(default), "candidate": np.array(candidate),
+            "default again": np.array(again)}
+
+
+def test_a_candidate_enters_only_by_winning_most_rounds_by_more_than_the_noise():
+    quiet = [1.0, 1.01, 0.99, 1.0, 1.0]
+    # 10% faster in every round, the default's two runs 1% apart: enters.
+    verdict = gpu_tune.decide(times(quiet, [0.9] * 5, [1.01, 1.0, 1.0, 0.99, 1.01]))
+    assert verdict["enters"] and verdict["wins"] == 5 and verdict["ratio"] == pytest.approx(0.9,
+                                                                                          abs=0.01)
+    # 3% faster, but the default's own runs differ by 5%: noise, not a win.
+    verdict = gpu_tune.decide(times(quiet, [0.97] * 5, [1.05, 0.95, 1.05, 0.95, 1.05]))
+    assert not verdict["enters"] and verdict["spread"] == pytest.approx(0.05, abs=0.011)
+    # A faster median from two lucky rounds of five: not most rounds.
+    verdict = gpu_tune.decide(times(quiet, [0.5, 0.5, 1.1, 1.1, 1.1], quiet))
+    assert verdict["wins"] == 2 and not verdict["enters"]
+    # Below MIN_GAIN, however quiet the default.
+    assert not gpu_tune.decide(times(quiet, [0.995 * x for x in quiet], quiet))["enters"]
+
+
+def test_a_sample_is_back_to_back_calls_interleaved_in_rounds(monkeypatch):
+    calls = []
+
+    def fn(name, seconds):
+        def call():
+            calls.append(name)
+            time.sleep(seconds)
+            return jnp.zeros(())
+        return call
+
+    monkeypatch.setattr(gpu_plan, "SAMPLE_S", 0.02)
+    t = gpu_tune.round_times({"a": fn("a", 0.005), "b": fn("b", 0.001)}, rounds=2)
+    per_sample = -(-0.02 // 0.005)  # 4 calls of the slower make one sample of each
+    timed = calls[4:]  # after two warm-up calls each
+    assert timed[:2 * int(per_sample)] == ["a"] * 4 + ["b"] * 4
+    assert timed[2 * int(per_sample):] == ["b"] * 4 + ["a"] * 4  # the next round reversed
+    assert set(t) == {"a", "b"} and len(t["a"]) == 2
+    assert 0.004 < float(np.median(t["a"])) < 0.02  # seconds per call, not per sample
+
+
+def test_a_phase_runs_only_when_its_estimate_fits_what_is_left():
+    phases = gpu_plan.Phases(budget_s=10.0, start=time.perf_counter() - 5.0)  # 5 s spent
+    ran, logged = [], []
+    assert phases.run("fits", 4.0, lambda: ran.append("fits"), logged.append)
+    assert not phases.run("too long", 6.0, lambda: ran.append("too long"), logged.append)
+
+    def broken():
+        raise ValueError("no such kernel")
+
+    assert phases.run("breaks", 1.0, broken, logged.append)
+    assert ran == ["fits"]
+    status = {p.name: p.status for p in phases.done}
+    assert status["too long"].startswith("skipped: estimated 6 s, 5 s of the 10 s budget left")
+    assert status["breaks"] == "failed: ValueError: no such kernel"
+    table = "\n".join(phases.markdown())
+    assert "| fits | 4.0 |" in table and "| too long | 6.0 |  | skipped" in table
+
+
+def test_the_dry_run_sums_its_phases_and_the_plan_fits_one_command(capsys):
+    """The plan's estimate is the sum of its phases', and it fits the default budget, a
+    10-minute command less a margin: adding work to gpu.py without trimming fails here."""
+    run = gpu.Run(argparse.Namespace(smoke=False, tune=None, table=None, md=None, out=None,
+                                     budget=gpu_plan.COMMAND_S, repeats=9), dry=True)
+    run.dry_run()
+    text = capsys.readouterr().out
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| ")
+            and not line.startswith("| phase")]
+    phases = {r[1].strip(): float(r[2]) for r in rows if not r[1].strip().startswith("**")}
+    total = float(next(r[2] for r in rows if r[1].strip() == "**total**"))
+    assert total == pytest.approx(sum(phases.values()), abs=0.1 * len(phases))
+    assert list(phases)[:3] == ["start-up", "(a) correctness",
+                                "(t) tune bfloat16 D=128 20/4"]  # the production class first
+    assert phases["(b) prod-heads-fwd"] and list(phases).index("(b) prod-heads-fwd") < \
+        list(phases).index("(b) nano-fwd")
+    assert total <= gpu_plan.COMMAND_S <= 540 and "every phase fits" in text

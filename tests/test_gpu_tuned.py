@@ -1,10 +1,11 @@
 """pallas_triton's tuned table (rankattn.backends.gpu_config): the configurations
 benchmarks/gpu.py --tune timed on a GPU are what calls on that GPU use; a missing table is
-silent, a malformed one costs one warning per process and nothing else."""
+silent, a malformed one costs one warning and nothing else; a rewritten table is read again."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 
@@ -16,6 +17,8 @@ import rankattn
 from rankattn.backends import BlockSizes, PallasTriton, gpu_config
 from rankattn.backends.gpu_config import KernelConfig, TunedEntry, parse_table
 
+from helpers import lower_for_cuda
+
 ENTRY = {"compute_capability": "9.0", "dtype": "bfloat16", "precision": "highest",
          "head_dim": [65, 128], "group": [3, 8],
          "config": {"block_q": 128, "block_k": 64, "num_warps": 4, "num_stages": 3,
@@ -26,14 +29,6 @@ TUNED = KernelConfig(BlockSizes(128, 64), True, 4, key_major=True, num_stages=3)
 def write_table(path, *entries, **extra):
     path.write_text(json.dumps({"schema": 1, "entries": list(entries), **extra}))
     return path
-
-
-@pytest.fixture(autouse=True)
-def fresh_tables():
-    """Each test reads its tables anew (the loader caches per process and path)."""
-    gpu_config.load_table.cache_clear()
-    yield
-    gpu_config.load_table.cache_clear()
 
 
 def test_an_entry_sets_the_configuration_of_the_calls_it_matches(tmp_path):
@@ -80,8 +75,7 @@ def test_the_kernels_are_launched_with_the_tuned_warps_and_stages(tmp_path):
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1, 70, 4, 64), (1, 70, 2, 64),
                                                            (1, 70, 2, 64))]
     loss = lambda q, k, v: rankattn.attention(q, k, v, impl=impl).astype(jnp.float32).sum()
-    text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(jax.grad(loss, (0, 1, 2)), *args).as_text()
     launches = re.findall(r"num_stages = (\d+) : i32, num_warps = (\d+)", text)
     assert len(launches) == 4 and set(launches) == {("3", "2")}, launches  # fwd, dq, dk, dv
 
@@ -127,7 +121,7 @@ def test_a_missing_table_is_silent(tmp_path, monkeypatch):
     (json.dumps({"schema": 1, "entries": [dict(ENTRY, compute_capability="sm_90")]}),
      'compute_capability must be like "9.0"'),
 ])
-def test_a_malformed_table_falls_back_with_one_warning_per_process(tmp_path, monkeypatch, text,
+def test_a_malformed_table_falls_back_with_one_warning(tmp_path, monkeypatch, text,
                                                                     reason):
     path = tmp_path / "t.json"
     path.write_text(text)
@@ -142,6 +136,42 @@ def test_a_malformed_table_falls_back_with_one_warning_per_process(tmp_path, mon
     assert len(caught) == 1, [str(w.message) for w in caught]
     message = str(caught[0].message)
     assert reason in message and str(path) in message and "gpu.py --tune" in message
+
+
+def test_a_table_rewritten_in_place_is_read_again(tmp_path, monkeypatch):
+    """Regression (issue 35): the loader cached tables by path, so a table rewritten after a
+    call had read it was never seen by that process (gpu.py's timing phase then ran the
+    built-in default while saying it ran the tuned table)."""
+    path = write_table(tmp_path / "t.json")
+    monkeypatch.setenv(gpu_config.TUNED_TABLE_ENV, str(path))
+    builtin = PallasTriton(target="sm_90", tuned=False).config(jnp.bfloat16, 128, 5)
+    assert PallasTriton(target="sm_90").config(jnp.bfloat16, 128, 5) == builtin
+    write_table(path, ENTRY)  # the same file, its contents replaced
+    assert PallasTriton(target="sm_90").config(jnp.bfloat16, 128, 5) == TUNED
+    assert PallasTriton(target="sm_90", tuned=path).config(jnp.bfloat16, 128, 5) == TUNED
+
+
+def test_a_saved_table_is_read_even_where_timestamps_cannot_tell(tmp_path):
+    """save_table drops the parsed tables: a table of the same size saved within one tick of
+    the file system's clock (its mtime restored here to the old one) is still read anew."""
+    path = tmp_path / "t.json"
+    gpu_config.save_table(path, {"schema": 1, "entries": [ENTRY]})
+    assert PallasTriton(target="sm_90", tuned=path).config(jnp.bfloat16, 128, 5) == TUNED
+    before = path.stat()
+    other = dict(ENTRY, config=dict(ENTRY["config"], block_q=256))  # the same length
+    gpu_config.save_table(path, {"schema": 1, "entries": [other]})
+    assert path.stat().st_size == before.st_size
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert PallasTriton(target="sm_90", tuned=path).config(
+        jnp.bfloat16, 128, 5).block_sizes == BlockSizes(256, 64)
+
+
+def test_save_table_refuses_what_the_library_would_ignore(tmp_path):
+    path = tmp_path / "t.json"
+    with pytest.raises(ValueError, match="block_q"):
+        gpu_config.save_table(path, {"schema": 1, "entries": [
+            dict(ENTRY, config=dict(ENTRY["config"], block_q=48))]})
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_shipped_table_is_well_formed():

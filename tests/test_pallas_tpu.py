@@ -91,6 +91,7 @@ def test_by_name_it_needs_a_tpu(monkeypatch):
     with pytest.raises(rankattn.RankattnValueError, match="RA115") as err:
         rankattn.attention(q, k, v, impl="pallas_tpu")
     assert "needs a TPU" in str(err.value) and "PallasTpu(interpret=True)" in str(err.value)
+    assert "rankattn[tpu]" in str(err.value)
     assert "pallas_tpu" not in rankattn.available_impls()
 
 

@@ -24,7 +24,7 @@ import pytest
 
 import rankattn
 from conftest import CPU_KERNEL_REASONS, SMALL_TRITON
-from helpers import attention_jit, random_qkv, random_segments
+from helpers import attention_jit, lower_for_cuda, random_qkv, random_segments
 from rankattn.backends import BlockSizes, GpuTarget, PallasTriton, Xla
 from rankattn.backends.pallas_triton import (PORTABLE_TARGET, SHARED_MEMORY_PER_BLOCK,
                                              KernelConfig)
@@ -36,7 +36,7 @@ def test_by_name_it_needs_a_gpu(monkeypatch):
     q, k, v, _ = random_qkv(0, 1, 8, 2, 1, 8)
     with pytest.raises(rankattn.RankattnValueError, match="RA115") as err:
         rankattn.attention(q, k, v, impl="pallas_triton")
-    assert "needs a GPU" in str(err.value)
+    assert "needs a GPU" in str(err.value) and "rankattn[cuda13]" in str(err.value)
     assert "PallasTriton(interpret=True)" in str(err.value)
     assert "pallas_triton" not in rankattn.available_impls()
     assert rankattn.available_impls()[0] == ("xla" if CPU_KERNEL_REASONS else "cpu")
@@ -80,8 +80,7 @@ def test_forward_and_backward_lower_for_cuda_on_cpu(shape):
                                       impl=PallasTriton())
         return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
 
-    lowered = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(*args).lower(
-        lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(jax.value_and_grad(loss, (0, 1, 2)), *args)
     kernels = re.findall(r'name = "(rankattn_\w+)"', lowered.as_text())
     split = PallasTriton().config(dtype, max(d, dv)).split_dkv  # float32 and D > 128
     grads = ["rankattn_dk", "rankattn_dv"] if split else ["rankattn_dkv"]
@@ -101,7 +100,7 @@ def test_lowering_catches_what_triton_rejects():
                                 config=KernelConfig(BlockSizes(48, 48), False, 8, key_major=True))
 
     with pytest.raises(ValueError, match="power of 2"):
-        jax.jit(f).trace(q, seg).lower(lowering_platforms=("cuda",))
+        lower_for_cuda(f, q, seg)
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -176,8 +175,8 @@ def test_float32_on_tensor_cores_lowers_and_takes_its_own_tiles(precision):
     assert impl.config(jnp.bfloat16, 128).block_sizes == BlockSizes(64, 32)  # 16-bit unchanged
     args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((1, 70, 4, 64),
                                                                    (1, 70, 2, 64), (1, 70, 2, 64))]
-    lowered = jax.jit(jax.grad(lambda q, k, v: rankattn.attention(q, k, v, impl=impl).sum(),
-                               (0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(jax.grad(lambda q, k, v: rankattn.attention(q, k, v, impl=impl).sum(),
+                                      (0, 1, 2)), *args)
     assert len(re.findall(r'name = "rankattn_\w+"', lowered.as_text())) == 4  # fwd, dq, dk, dv
 
 

@@ -7,8 +7,9 @@ Two sources, in this order (:func:`default_config`):
    after each was checked against the reference. It is keyed by compute capability, dtype
    (with the float32 dot precision), the padded head dim's range and the GQA group's
    range; the first matching entry wins. ``RANKATTN_GPU_TUNED=/path/table.json`` reads
-   another table. A missing table is silent; a malformed one is ignored with one warning
-   per process (the built-in rules then serve every call).
+   another table. The file is read again whenever it changes (:func:`load_table`). A
+   missing table is silent; a malformed one is ignored with one warning (the built-in
+   rules then serve every call).
 2. Built-in rules (:func:`spill_free_config`): the configurations that compile without
    register spills in the deviceless compile of ``benchmarks/gpu_compile.py``.
 
@@ -87,6 +88,24 @@ class KernelConfig:
     # wgmma (64-row tiles) where block_k is 32.
     key_major: bool
     num_stages: int | None = None  # None: two pipeline stages when they fit (_default_stages)
+
+
+def lowering_without_gpu(device_kind: str = "NVIDIA H100 80GB HBM3"):
+    """A context in which a machine without a GPU lowers pallas_triton's kernels for CUDA:
+    ``with lowering_without_gpu(): jax.jit(f).trace(*args).lower(lowering_platforms=
+    ("cuda",))``.
+
+    jax 0.10 lowers a Triton kernel for compute capability 9.0 when no GPU is present; jax
+    0.11 (pull request #38762, not in its changelog) reads the GPU from the default device or
+    from the abstract mesh's abstract device, and without either raises RuntimeError("No
+    supported GPU devices found, please specify an abstract GPU device ..."). An abstract
+    mesh with no axes whose abstract device is ``device_kind`` (a name jax 0.11 knows:
+    "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L4", ...) serves both: jax
+    0.10 ignores it (checked: the same kernels, no warning).
+    """
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    return use_abstract_mesh(AbstractMesh((), (), abstract_device=AbstractDevice(
+        device_kind=device_kind, num_cores=None, platform="gpu")))
 
 
 def spill_free_config(target: GpuTarget, dtype, head_dim: int,
@@ -254,16 +273,30 @@ def table_path() -> Path:
     return Path(os.environ.get(TUNED_TABLE_ENV) or TUNED_TABLE)
 
 
-@functools.lru_cache(maxsize=None)
 def load_table(path: Path) -> tuple[TunedEntry, ...]:
-    """The entries of the table at ``path``, read once per process and path.
+    """The entries of the table at ``path`` as the file is now.
 
-    A missing file is an empty table; an unreadable or malformed one is an empty table
-    with one warning (a broken table must not cost users the kernels).
+    Parsed once per version of the file: the cache is keyed by the file's modification
+    time, size and inode, so a table rewritten in place or replaced (``save_table``, an
+    editor, another process) is read again, never served stale. A missing file is an empty
+    table; an unreadable or malformed one is an empty table with one warning per version
+    (a broken table must not cost users the kernels).
     """
     try:
-        text = path.read_text()
+        stat = path.stat()
     except FileNotFoundError:
+        return ()
+    except OSError as error:
+        return _ignored(path, f"it cannot be read: {error}")
+    return _parsed_table(path, stat.st_mtime_ns, stat.st_size, stat.st_ino)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_table(path: Path, mtime_ns: int, size: int, inode: int) -> tuple[TunedEntry, ...]:
+    """The table at ``path`` in the version the last three arguments name (the cache key)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:  # removed since its stat
         return ()
     except OSError as error:
         return _ignored(path, f"it cannot be read: {error}")
@@ -271,6 +304,24 @@ def load_table(path: Path) -> tuple[TunedEntry, ...]:
         return parse_table(json.loads(text))
     except ValueError as error:  # json.JSONDecodeError is one
         return _ignored(path, str(error))
+
+
+def save_table(path: Path, table: dict) -> None:
+    """Write ``table`` (a table's JSON value) to ``path`` atomically, after checking that
+    :func:`parse_table` takes it (never a table the library would ignore).
+
+    A temporary file beside it replaces the old one, so a reader sees the old table or the
+    new one, never half of one; and the parsed-table cache is dropped, so the next
+    ``load_table`` in this process reads what was written even when the file system's
+    timestamps are too coarse to tell the two versions apart.
+    """
+    parse_table(table)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(table, indent=1) + "\n")
+    os.replace(temporary, path)
+    _parsed_table.cache_clear()
 
 
 def _ignored(path: Path, reason: str) -> tuple:

@@ -740,7 +740,8 @@ class PallasTpu(Backend):
             return [self._no_lowering()]
         if self.interpret is False and jax.default_backend() != "tpu":
             return [f"pallas_tpu needs a TPU, and JAX's default backend here is "
-                    f"{jax.default_backend()!r}; pass "
+                    f"{jax.default_backend()!r}; on a TPU machine install jax with libtpu "
+                    "(pip install 'rankattn[tpu]': jax's own extra), pass "
                     "impl=rankattn.backends.PallasTpu(interpret=True) to run its kernels in "
                     "Pallas interpret mode on CPU (slow), or use impl='xla'"]
         return []

@@ -583,9 +583,11 @@ class PallasTriton(Backend):
     included): slow, for tests.
 
     By name (``impl='pallas_triton'`` or ``'auto'``) it runs only where JAX's
-    default backend is a GPU; an instance passed as ``impl=`` is not checked,
-    so a CPU-only machine can lower it for CUDA (``jax.jit(f).trace(...)
-    .lower(lowering_platforms=('cuda',))``).
+    default backend is a GPU (``pip install 'rankattn[cuda13]'`` or ``'[cuda12]'``
+    installs jax's CUDA plugin); an instance passed as ``impl=`` is not checked,
+    so a CPU-only machine can lower it for CUDA (``with
+    gpu_config.lowering_without_gpu(): jax.jit(f).trace(...)
+    .lower(lowering_platforms=('cuda',))``; jax 0.11 needs that context).
     """
 
     name = "pallas_triton"
@@ -655,7 +657,9 @@ class PallasTriton(Backend):
             return [self._no_lowering()]
         if not self.interpret and jax.default_backend() != "gpu":
             return [f"pallas_triton needs a GPU, and JAX's default backend here is "
-                    f"{jax.default_backend()!r}; pass "
+                    f"{jax.default_backend()!r}; on an NVIDIA GPU machine install jax with its "
+                    "CUDA plugin (pip install 'rankattn[cuda13]', or '[cuda12]' for a CUDA 12 "
+                    "driver: jax's own extras), pass "
                     "impl=rankattn.backends.PallasTriton(interpret=True) to run its kernels in "
                     "Pallas interpret mode on CPU (slow), or use impl='xla'"]
         return []
