@@ -13,15 +13,17 @@ before a request, with probability ``--change-share``, its user's history gains 
 itself: after the last arrival it waits at most ``--grace`` seconds for answers (the rest
 count as errors of kind ``no_answer``).
 
-The report (``--report FILE``, JSON): offered and achieved rate, p50 / p95 / p99 latency of
-the 200s (all, and by cache source), errors by kind, cache sources, and the client's own CPU
-use (it shares the machine's cores with the server).
+The report (``--report FILE``, JSON): offered and achieved rate (overall, and within the
+arrival window: ``window_qps``, the server's capacity when the offer exceeds it), p50 / p95 /
+p99 latency of the 200s (all, and by cache source), errors by kind, cache sources, and the
+client's own CPU use (it shares the machine's cores with the server).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import json
 import time
@@ -67,6 +69,16 @@ class Trace:
         popularity = 1.0 / np.arange(1, users + 1) ** zipf
         self.popularity = popularity / popularity.sum()
         self.rank = self.rng.permutation(users)  # popularity rank -> user index
+
+    def fork(self) -> "Trace":
+        """A copy whose requests continue from this trace's state independently of it (the
+        same requests this trace would send next), sharing its world."""
+        twin = copy.copy(self)
+        twin.rng = copy.deepcopy(self.rng)
+        # Events are appended and dropped, never changed: copies of each user's lists do.
+        twin.histories = [[list(part) for part in history] for history in self.histories]
+        twin.changes = self.changes.copy()
+        return twin
 
     def load(self, qps: float, duration: float, path: str = "/v1/rank") -> Load:
         """Poisson arrivals at ``qps`` for ``duration`` seconds, each an encoded request."""
@@ -161,8 +173,13 @@ async def _send_all(load: Load, host: str, port: int, grace: float) -> tuple[lis
     return [r or (None, 0, "no_answer") for r in results], finished - start
 
 
-def run(load: Load, url: str, grace: float = 10.0) -> dict:
-    """Send ``load`` to ``url`` (127.0.0.1 only); the report (see the module docstring)."""
+def run(load: Load, url: str, grace: float = 10.0, settle: float = 0.0) -> dict:
+    """Send ``load`` to ``url`` (127.0.0.1 only); the report (see the module docstring).
+
+    ``window_qps`` counts the 200s answered from ``settle`` seconds after the first
+    scheduled arrival to the last one, per second: under a load past what the server can
+    answer, its capacity (the answers the queue drains after the last arrival, and the
+    ramp-up of the first ``settle`` seconds, left out)."""
     host, port, _ = local_address(url)
     cpu, wall = time.process_time(), time.perf_counter()
     results, seconds = _event_loop_run(_send_all(load, host, port, grace))
@@ -173,13 +190,19 @@ def run(load: Load, url: str, grace: float = 10.0) -> dict:
         if status != 200:
             errors[str(what)] = errors.get(str(what), 0) + 1
     window = float(load.at[-1]) if len(load.at) else 0.0
+    settle = min(settle, window / 2)
+    answered_at = [at + latency for at, (latency, status, _) in zip(load.at, results)
+                   if status == 200]  # seconds after the first scheduled arrival
+    in_window = sum(settle <= t <= window for t in answered_at)
     by_source = {}
     for source in sorted({what for _, what in ok}):
         by_source[source] = _latency([t for t, what in ok if what == source])
     return dict(requests=len(results), offered_qps=len(results) / window if window else 0.0,
                 answered_ok=len(ok), throughput_qps=len(ok) / seconds if seconds else 0.0,
-                seconds=seconds, latency=_latency([t for t, _ in ok]), by_cache=by_source,
-                errors=errors, error_share=1 - len(ok) / max(1, len(results)),
+                window_qps=in_window / (window - settle) if window > settle else 0.0,
+                settle=settle, seconds=seconds, latency=_latency([t for t, _ in ok]),
+                by_cache=by_source, errors=errors,
+                error_share=1 - len(ok) / max(1, len(results)),
                 client_cpu_seconds=cpu, client_cpu_share=cpu / wall)
 
 

@@ -7,6 +7,8 @@ read when /metrics is scraped.
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
@@ -44,12 +46,16 @@ class Metrics:
         rows = tuple(float(1 << i) for i in range(max_batch.bit_length() + 1))
         self.batch = Histogram("ranker_batch_requests", "Requests per batch taken from the "
                                "queue", buckets=rows, registry=registry)
+        # By the stage thread that made the call too (front, history): serverbench's
+        # per-thread s (the front scores hits, the history stage misses).
         self.call_rows = Histogram("ranker_call_rows", "Rows per model call: requests per "
                                    "scoring call, histories per history pass (the misses of "
-                                   "one acquire)", ["call"], buckets=rows, registry=registry)
+                                   "one acquire), by call and stage thread", ["call", "thread"],
+                                   buckets=rows, registry=registry)
         self.call_seconds = Histogram("ranker_call_seconds", "Seconds per model call (score, "
-                                      "history: the pass and the store write)", ["call"],
-                                      buckets=SECONDS, registry=registry)
+                                      "history: the pass and the store write), by call and "
+                                      "stage thread", ["call", "thread"], buckets=SECONDS,
+                                      registry=registry)
         registry.register(self)
 
     def collect(self):
@@ -80,9 +86,11 @@ class Metrics:
             self.stage.labels(stage).observe(spent)
 
     def call(self, name: str, rows: int, seconds: float) -> None:
-        """Count one model call ("score" or "history") of ``rows`` rows."""
-        self.call_rows.labels(name).observe(rows)
-        self.call_seconds.labels(name).observe(seconds)
+        """Count one model call ("score" or "history") of ``rows`` rows, made by the
+        calling stage thread."""
+        thread = threading.current_thread().name
+        self.call_rows.labels(name, thread).observe(rows)
+        self.call_seconds.labels(name, thread).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
