@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -160,6 +161,7 @@ def _value(samples: dict, name: str) -> float | None:
 
 
 def _labelled(samples: dict, name: str, label: str) -> bool:
+    """Whether some sample ``name`` carries the label ``label``."""
     return any(n == name and label in dict(ls) for n, ls in samples)
 
 
@@ -244,6 +246,8 @@ def within(point: dict, bound_ms: float) -> bool:
 
 
 def saturated(point: dict) -> bool:
+    """Whether the server answered (inside the arrival window) less than SATURATED of the
+    rate offered: it could not keep up."""
     return point["client"]["window_qps"] < SATURATED * point["client"]["offered_qps"]
 
 
@@ -347,14 +351,17 @@ def run(preset_name: str, out: str, size: Size, configs: dict[str, list[str]] | 
 
 
 def _launcher(out: str):
+    """run's default launch: a LocalServer of its own per call, its log numbered in order
+    under ``out``, with the run's compilation cache (the first server's programs load in
+    the next ones), stopped after."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(Path(out) / "jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    started = iter(range(1 << 30))
+    numbers = itertools.count(1)
 
     @contextlib.contextmanager
     def launch(name: str, flags: list[str]):
-        log = Path(out) / f"server-{next(started)}-{name.replace(', ', '-')}.log"
+        log = Path(out) / f"server-{next(numbers)}-{name.replace(', ', '-')}.log"
         server = LocalServer(out, flags, str(log), env)
         try:
             yield server
@@ -395,6 +402,7 @@ def machine() -> str:
 
 
 def plot(results: dict, path: Path) -> None:
+    """p99 against offered load below capacity, each run's capacity a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -444,6 +452,7 @@ def threads(flags: list[str]) -> tuple[str, str, str]:
 
 
 def report(results: dict, plot_name: str) -> str:
+    """SERVER.md's text."""
     r, size, runs = results, results["size"], results["runs"]
     names = list(r["configs"])
     each = lambda fn, spec=".1f": _each([fn(run) for run in runs], spec)  # noqa: E731
@@ -593,6 +602,10 @@ def report(results: dict, plot_name: str) -> str:
             f"{each(value(lambda p: p['model']['capacity']))} | "
             + each(value(lambda p: p['client']['window_qps'] / p['model']['capacity']),
                    '.2f') + " |")
+    if r["runs"][0]["figures"]["bound_gain"] is not None:
+        lines += ["", f"{STORE} over {BASELINE} at the bound: "
+                  f"{_each(fig('bound_gain'), '.2f')} (x); in capacity: "
+                  f"{_each(fig('gain'), '.2f')} (x)."]
     lines += [
         "",
         "## s, h and m by load",
