@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rankattn.errors import ErrorKind, RankattnTypeError, register
+from rankattn.errors import ErrorKind, RankattnRuntimeError, RankattnTypeError, register
 
 register(
     ErrorKind(
@@ -181,4 +181,16 @@ register(
         "would wait for that reader).",
         "Release each lease once (use it as a context manager), write once with the shapes "
         "the message names, and leave reading() before updating the store."),
+    ErrorKind(
+        "RA224", "a store copy or device update failed",
+        "A HistoryStore spill (device to host memory), restore (host to device) or device "
+        "update (a write, or the drop of freed pages) raised, e.g. an allocation failure "
+        "(RESOURCE_EXHAUSTED); the original error is chained as the cause. The entries it was "
+        "for were dropped: a failed acquire unpinned its rows and returned no lease; after a "
+        "failed write the lease is still held, its unwritten rows no longer shared. The rest "
+        "of the store is unaffected.",
+        "Release the lease if you hold one, then acquire the rows again: they come back as "
+        "misses. If it recurs, free device or host memory (a smaller store, fewer rows per "
+        "call, or a smaller host_pages).",
+        RankattnRuntimeError),
 )

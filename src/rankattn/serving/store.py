@@ -38,12 +38,18 @@ The rules (docs/serving.md, "The history store", says the same with an example):
   (or restore) waits for it; a release without a write drops the unwritten entries.
 * All or nothing: a row that cannot be placed (RA221: longer than a user's capacity; RA222:
   every entry pinned) fails the whole call and changes nothing.
+* A failed copy or update (RA224): a spill, restore or device update that raises (an
+  allocation failure) drops the entries it was for; a failed acquire unpins its rows and
+  returns no lease, a failed write leaves the lease held with those rows no longer shared.
 
-Threads: every method may be called from any thread. Policy runs under one lock; device
-updates are jitted, donated programs (dispatched in policy order), and an update waits for
-the readers inside ``reading()`` to leave, so no buffer a reader holds is donated. Copies
-between host and device memory (a spill's pages to host, a restore's to the device) run
-outside the lock.
+Threads: every method may be called from any thread. Policy runs under one lock, held only
+for bookkeeping: never while a device program runs (a first call compiles) or while a
+thread waits. Device updates are jitted, donated programs; each takes a turn where the
+policy decides it and runs in that order, outside the lock, once the readers inside
+``reading()`` have left (so no buffer a reader holds is donated). Copies between host and
+device memory (a spill's pages to host, a restore's to the device) run outside the lock.
+So ``stats()`` answers at once from any thread, inside ``reading()`` too, and an acquire
+that needs no device update (all hits) does not wait for other threads' updates.
 """
 
 from __future__ import annotations
@@ -181,13 +187,17 @@ class HistoryStore:
         self._free_pages = list(range(device_pages))    # heaps: lowest ids first
         self._host_used = 0
         self._counts = collections.Counter()
-        # Device updates against readers: a writer waits for readers to leave, and new
-        # readers wait while a writer waits (so a stream of readers cannot starve updates).
+        # Device updates, under self._device: each takes a ticket where it is decided (under
+        # the policy lock when the policy orders it) and runs in ticket order once no reader
+        # holds the cache; new readers wait while updates are pending (so a stream of readers
+        # cannot starve them). Nobody waits here holding the policy lock.
         self._device = threading.Condition()
+        self._issued = 0   # tickets handed out
+        self._done = 0     # tickets run (or failed): ticket t runs when _done == t
         self._readers = 0
-        self._writers = 0
         self._reading = threading.local()
-        self._shapes: set[tuple] = set()  # (program, shape) pairs dispatched so far
+        self._built = 0    # programs JAX built for this store's calls (see _on_jax_event)
+        self._built_lock = threading.Lock()
 
     # --- Reading. -------------------------------------------------------------------------
 
@@ -200,9 +210,12 @@ class HistoryStore:
     @contextlib.contextmanager
     def reading(self) -> Iterator[PagedKVCache]:
         """The current cache, kept valid while the block runs: no update donates its
-        buffers before the block ends. Do not acquire, write or release inside it (RA223)."""
+        buffers before the block ends. Inside it, do not acquire, write, release, clear or
+        warm up on the same thread (RA223), nor wait for another thread doing so; stats()
+        and a nested reading() are fine."""
+        nested = getattr(self._reading, "depth", 0) > 0  # pending updates wait for us anyway
         with self._device:
-            while self._writers:
+            while self._issued > self._done and not nested:
                 self._device.wait()
             self._readers += 1
             cache = self._cache
@@ -225,7 +238,9 @@ class HistoryStore:
         bring (``lease.missing``). Waits for entries another lease is writing or restoring
         (at most ``timeout`` seconds, then RA222). Raises RA220 for malformed rows, RA221 for
         a history longer than a user's capacity, RA222 when the store cannot make room
-        because what it holds is pinned; a call that raises changes nothing.
+        because what it holds is pinned; a call that raises these changes nothing. RA224 when
+        a spill, a restore or a device update failed: the entries it was for are dropped, the
+        rows unpinned, and no lease is returned (evictions it made stand).
         """
         self._not_reading("acquire")
         users, versions, lengths = self._check_rows(user_ids, versions, lengths)
@@ -246,7 +261,7 @@ class HistoryStore:
                                         "lease.")
                 self._lock.wait(left)
             plan = self._plan(keys)
-            placed, spills, restores = self._apply(plan)
+            placed, updates, spills, restores = self._apply(plan)
             rows = [placed[key] for key in zip(users.tolist(), versions.tolist(),
                                                lengths.tolist())]
             for entry, _, _ in rows:
@@ -254,10 +269,23 @@ class HistoryStore:
                 self._touch(entry)
             for _, source, _ in rows:
                 self._counts[_COUNTER[source]] += 1
-        self._finish_spills(spills)
-        self._finish_restores(restores)
-        return Lease(self, users, versions, lengths, [r[0] for r in rows],
-                     [r[1] for r in rows], [r[2] for r in rows])
+            lease = Lease(self, users, versions, lengths, [r[0] for r in rows],
+                          [r[1] for r in rows], [r[2] for r in rows])
+        failures = []
+        failed = self._dispatch(updates)
+        if failed and not failed.reads:  # a spill's gather is reported with its spill
+            failures.append(("emptying evicted entries' slots and pages", failed.error))
+        failures += self._finish_spills(spills)
+        failures += self._finish_restores(restores)
+        if failures:
+            with self._lock:
+                updates = self._unpin(lease)
+            self._dispatch(updates)  # its own failure would add nothing to the first one's
+            what, error = failures[0]
+            raise _failed("acquire", what, error, "the entries it was for were dropped and "
+                          "this call's rows unpinned; no lease was returned. Acquire the rows "
+                          "again: they come back as misses.") from error
+        return lease
 
     def _matches(self, entry: _Entry, version: int, length: int) -> bool:
         """Whether ``entry`` (a user's visible entry) is what a row of (version, length)
@@ -367,10 +395,11 @@ class HistoryStore:
 
     def _apply(self, steps):
         """Carry out a plan under the lock: the policy state, and the device programs in
-        the same order (a spill's gather before the drop of its pages). Returns ({key: (entry,
-        source, cached)}, spills, restores); the spills' and restores' copies finish outside
-        the lock."""
-        placed, spills, restores, dropped = {}, {}, [], []
+        the same order (a spill's gather before the drop of its pages), issued here and run
+        by the caller after the lock. Returns ({key: (entry, source, cached)}, the device
+        updates, spills, restores); the spills' and restores' copies finish outside the
+        lock."""
+        placed, updates, spills, restores, dropped = {}, [], {}, [], []
         for kind, key, entry, *more in steps:
             if kind == "hit":
                 placed[key] = (entry, "device", entry.length)
@@ -381,8 +410,9 @@ class HistoryStore:
                 self._counts["evictions"] += 1
                 self._lru.pop(id(entry))
                 del self._index[entry.user]
-                if more[0]:  # gathered now, copied to host memory after the lock
-                    spills[id(entry)] = (entry, self._gather(entry.pages))
+                if more[0]:  # gathered in this turn, copied to host memory after the lock
+                    spills[id(entry)] = (entry, len(entry.pages), self._gather(entry.pages))
+                    updates.append(spills[id(entry)][2])
                     size = len(entry.pages)
                     dropped.append(self._take_back(entry))
                     entry.tier, entry.ready, entry.host_size = "host", False, size
@@ -414,8 +444,8 @@ class HistoryStore:
                 self._index[entry.user] = entry
                 self._lru[id(entry)] = entry
                 placed[key] = (entry, "miss", 0)
-        self._drop_device(dropped)
-        return placed, list(spills.values()), restores
+        updates += self._drop_device(dropped)
+        return placed, updates, list(spills.values()), restores
 
     # --- Write and release. ---------------------------------------------------------------
 
@@ -427,6 +457,9 @@ class HistoryStore:
         tokens missing must be there (a repeated row once is enough), and rows with nothing
         missing are not read. Once written, the rows' entries serve other acquires. RA223
         for a released or already written lease, a missing row or arrays of the wrong shape.
+        RA224 when taking the rows or the device update failed: the rows' entries are dropped
+        from the store (no other acquire waits for them or reuses them) and stay the lease's
+        until it is released.
         """
         self._not_reading("write")
         self._check_lease(lease, "write")
@@ -458,15 +491,21 @@ class HistoryStore:
         entries = [e for _, e in sorted(lease._to_write.values(), key=lambda r: r[0])]
         top = self.buckets.rows[-1]
         batches = []
-        for start in range(0, len(entries), top):
-            chunk = entries[start:start + top]
-            n_rows = device.Buckets.fit(len(chunk), self.buckets.rows)
-            longest = max(e.target - e.length for e in chunk)
-            t = device.Buckets.fit(-(-longest // self.page_size),
-                                   self.buckets.pages) * self.page_size
-            index = device.padded(np.array([position[id(e)] for e in chunk], np.int32),
-                                  n_rows, 0, 0)
-            batches.append((chunk, n_rows, *(device.rows_of(x, index, t) for x in (k, v))))
+        try:
+            with _building(self):  # a jax array's rows: a program per input shape
+                for start in range(0, len(entries), top):
+                    chunk = entries[start:start + top]
+                    n_rows = device.Buckets.fit(len(chunk), self.buckets.rows)
+                    longest = max(e.target - e.length for e in chunk)
+                    t = device.Buckets.fit(-(-longest // self.page_size),
+                                           self.buckets.pages) * self.page_size
+                    index = device.padded(np.array([position[id(e)] for e in chunk], np.int32),
+                                          n_rows, 0, 0)
+                    batches.append((chunk, n_rows,
+                                    *(device.rows_of(x, index, t) for x in (k, v))))
+        except Exception as error:  # noqa: BLE001 - raised as RA224
+            self._write_failed(entries, "taking the rows of k / v", error)
+        updates = []
         with self._lock:
             self._check_lease(lease, "write")
             for chunk, n_rows, ks, vs in batches:
@@ -477,11 +516,27 @@ class HistoryStore:
                     pages[i, :len(e.pages)] = e.pages
                 starts = np.array([e.length for e in chunk] + [0] * pad, np.int32)
                 counts = np.array([e.target - e.length for e in chunk] + [0] * pad, np.int32)
-                self._update(device.write, slots, pages, starts, counts, ks, vs)
+                updates.append(self._issue(device.write, slots, pages, starts, counts, ks, vs))
+        failed = self._dispatch(updates)
+        if failed:
+            self._write_failed(entries, "the device update", failed.error)
+        with self._lock:
             for entry in entries:
                 entry.length, entry.ready = entry.target, True
             lease.written = True
             self._lock.notify_all()
+
+    def _write_failed(self, entries, what: str, error: Exception):
+        """Drop a failed write's entries from the store (pinned: freed at the lease's
+        release) and raise RA224."""
+        with self._lock:
+            for entry in entries:
+                self._hide(entry, [])
+            self._lock.notify_all()
+        raise _failed("write", f"{what} for users {[e.user for e in entries]}", error,
+                      "those rows' entries were dropped from the store, and this lease still "
+                      "holds their slots. Release it, then acquire the rows again: they come "
+                      "back as misses.") from error
 
     def release(self, lease: Lease) -> None:
         """Unpin a lease's rows (RA223 when it was released before). Entries it left unwritten
@@ -489,20 +544,34 @@ class HistoryStore:
         self._not_reading("release")
         with self._lock:
             self._check_lease(lease, "release")
-            lease.released = True
-            dropped = []
-            for entry in lease._entries:
-                entry.pins -= 1
-                self._touch(entry)
-            for _, entry in lease._to_write.values():
-                if not lease.written and not entry.ready and entry.tier == "device":
-                    self._hide(entry, dropped)
-            for entry in {id(e): e for e in lease._entries}.values():
-                if not entry.visible and entry.pins == 0 and entry.tier == "device" \
-                        and entry.slot >= 0:
-                    dropped.append(self._take_back(entry))
-            self._drop_device(dropped)
-            self._lock.notify_all()
+            updates = self._unpin(lease)
+        self._dropped(updates, "release")
+
+    def _unpin(self, lease: Lease) -> list:
+        """Release ``lease`` (under the lock): unpin its rows, drop the entries it was to
+        bring and did not (unwritten, or a failed restore), and free the entries a newer
+        version replaced once unpinned. Returns the device updates that empty their slots."""
+        lease.released = True
+        dropped = []
+        for entry in lease._entries:
+            entry.pins -= 1
+            self._touch(entry)
+        for entry in {id(e): e for e in lease._entries}.values():
+            if entry.visible and not entry.ready:
+                self._hide(entry, dropped)
+            elif not entry.visible and entry.pins == 0 and entry.slot >= 0:
+                dropped.append(self._take_back(entry))
+        self._lock.notify_all()
+        return self._drop_device(dropped)
+
+    def _dropped(self, updates, call: str) -> None:
+        """Run the device updates that empty dropped entries' slots and pages; RA224 if one
+        failed."""
+        failed = self._dispatch(updates)
+        if failed:
+            raise _failed(call, "emptying dropped entries' slots and pages", failed.error,
+                          "the store's own records are updated; those pages' key bounds on "
+                          "the device may be stale until rewritten.") from failed.error
 
     def clear(self) -> None:
         """Drop everything (a new model version): no entry can be acquired again; pinned
@@ -512,9 +581,10 @@ class HistoryStore:
             dropped = []
             for entry in list(self._index.values()):
                 self._hide(entry, dropped)
-            self._drop_device(dropped)
+            updates = self._drop_device(dropped)
             self._counts["clears"] += 1
             self._lock.notify_all()
+        self._dropped(updates, "clear")
 
     # --- Inspection. ----------------------------------------------------------------------
 
@@ -522,8 +592,15 @@ class HistoryStore:
         """Counters since the store was built: rows by source (hits, host_hits, prefix_hits,
         misses), invalidations (stale entries dropped), evictions (device, LRU),
         host_evictions, clears; and now: device_pages_used, host_pages_used, entries on the
-        device and in the host tier, pinned entries, and compiled_programs (device update
-        shapes dispatched so far; at most ``buckets.programs()``)."""
+        device and in the host tier, pinned entries, and compiled_programs (the programs JAX
+        built for this store's calls: the device updates, per shape and input dtype, and the
+        row takes of jax inputs to write; one this process built before for another store of
+        the same shapes is reused, not counted).
+
+        Never waits for a compile or an update: it takes the policy lock, which no method
+        holds while a device program runs or while it waits; safe inside ``reading()``."""
+        with self._built_lock:
+            built = self._built
         with self._lock:
             out = {name: self._counts[name] for name in
                    ("hits", "host_hits", "prefix_hits", "misses", "invalidations",
@@ -532,35 +609,44 @@ class HistoryStore:
                        host_pages_used=self._host_used, device_entries=len(self._lru),
                        host_entries=len(self._host),
                        pinned_entries=sum(1 for e in self._lru.values() if e.pins),
-                       compiled_programs=len(self._shapes))
+                       compiled_programs=built)
             return out
 
     def warmup(self) -> int:
         """Compile every device program for every bucket (a server calls this before it
-        takes traffic); returns how many. Each runs on the real cache with padding only,
-        which changes nothing."""
+        takes traffic) for the cache's dtype; returns ``stats()["compiled_programs"]``
+        after. Each runs on the real cache with padding only, which changes nothing; other
+        threads may use the store meanwhile (their updates wait their turn)."""
         self._not_reading("warmup")
         cache = self._cache
         num_layers, _, hkv, p, d = cache.k_pages.shape
-        with self._lock:
-            for rows in self.buckets.rows:
-                slots = np.full(rows, self.num_users, np.int32)
-                pages = np.full((rows, self.max_pages), -1, np.int32)
-                zeros = np.zeros(rows, np.int32)
-                self._update(device.drop, slots, pages)
-                for n in self.buckets.pages:
-                    k = jnp.zeros((num_layers, rows, n * p, hkv, d), cache.k_pages.dtype)
-                    v = jnp.zeros((num_layers, rows, n * p, hkv, cache.v_pages.shape[-1]),
-                                  cache.v_pages.dtype)
-                    self._update(device.write, slots, pages, zeros, zeros, k, v)
+        updates = []
+        for rows in self.buckets.rows:
+            slots = np.full(rows, self.num_users, np.int32)
+            pages = np.full((rows, self.max_pages), -1, np.int32)
+            zeros = np.zeros(rows, np.int32)
+            updates.append(self._issue(device.drop, slots, pages))
             for n in self.buckets.pages:
-                ids = np.full(n, self.num_pages, np.int32)
-                parts = self._gather_bucket(ids)
-                table = np.asarray(self._cache.page_table[0, 0])
-                length = np.asarray(self._cache.lengths[0, 0])
-                self._update(device.restore, np.int32(0), ids, table, length, *parts)
-            jax.block_until_ready(self._cache)
-            return len(self._shapes)
+                k = jnp.zeros((num_layers, rows, n * p, hkv, d), cache.k_pages.dtype)
+                v = jnp.zeros((num_layers, rows, n * p, hkv, cache.v_pages.shape[-1]),
+                              cache.v_pages.dtype)
+                updates.append(self._issue(device.write, slots, pages, zeros, zeros, k, v))
+        for n in self.buckets.pages:
+            ids = np.full(n, self.num_pages, np.int32)
+            parts = [jnp.zeros(x.shape[:1] + (n,) + x.shape[2:], x.dtype)
+                     for x in (cache.k_pages, cache.v_pages, cache.k_min, cache.k_max)]
+            updates.append(self._issue(device.gather, ids, reads=True))
+            updates.append(self._issue(device.restore, np.int32(self.num_users), ids,
+                                       np.full(self.max_pages, -1, np.int32), np.int32(0),
+                                       *parts))
+        failed = self._dispatch(updates)
+        if failed:
+            raise _failed("warmup", f"building or running {failed.program.__name__}",
+                          failed.error, "the store is unchanged; check the device's free "
+                          "memory, or build a smaller store.") from failed.error
+        with self.reading() as cache:
+            jax.block_until_ready(cache)
+        return self.stats()["compiled_programs"]
 
     # --- Internals. -----------------------------------------------------------------------
 
@@ -648,9 +734,11 @@ class HistoryStore:
         self._host_used -= entry.host_size
         entry.snapshot, entry.host_size = None, 0
 
-    def _drop_device(self, dropped) -> None:
-        """Empty the dropped (slot, pages) on the device, a bucket of rows per program."""
+    def _drop_device(self, dropped) -> list:
+        """The device updates (issued now) that empty the dropped (slot, pages), a bucket of
+        rows each."""
         top = self.buckets.rows[-1]
+        updates = []
         for start in range(0, len(dropped), top):
             chunk = dropped[start:start + top]
             rows = device.Buckets.fit(len(chunk), self.buckets.rows)
@@ -659,61 +747,148 @@ class HistoryStore:
             for i, (slot, ids) in enumerate(chunk):
                 slots[i] = slot
                 pages[i, :len(ids)] = ids
-            self._update(device.drop, slots, pages)
+            updates.append(self._issue(device.drop, slots, pages))
+        return updates
 
-    def _gather_bucket(self, ids: np.ndarray):
-        self._shapes.add(("gather", len(ids)))
-        return device.gather(self._cache, ids)
-
-    def _gather(self, pages: list):
-        """(pages, their device arrays) dispatched now, under the lock, before the pages are
-        freed; the copy to host memory happens after it."""
+    def _gather(self, pages: list) -> "_Update":
+        """The read of ``pages``' device arrays, issued (under the lock) before the pages are
+        freed; the copy to host memory happens after it runs."""
         n = device.Buckets.fit(len(pages), self.buckets.pages)
         ids = device.padded(np.array(pages, np.int32), n, 0, self.num_pages)
-        return len(pages), self._gather_bucket(ids)
+        return self._issue(device.gather, ids, reads=True)
 
-    def _finish_spills(self, spills) -> None:
+    def _finish_spills(self, spills) -> list:
         """Copy spilled pages to host memory (outside the lock), then make them restorable
-        (unless the host tier dropped them meanwhile)."""
-        for entry, (n, parts) in spills:
-            snapshot = tuple(np.asarray(x)[:, :n] for x in parts)
+        (unless the host tier dropped them meanwhile). A spill that failed drops its entry;
+        returns (what, error) of each."""
+        failures = []
+        for entry, n, gather in spills:
+            error, snapshot = gather.error, None
+            if error is None:
+                try:
+                    snapshot = tuple(np.asarray(x)[:, :n] for x in gather.result)
+                except Exception as e:  # noqa: BLE001 - host memory: raised as RA224
+                    error = e
             with self._lock:
                 if id(entry) in self._host:
-                    entry.snapshot, entry.ready = snapshot, True
+                    if error is None:
+                        entry.snapshot, entry.ready = snapshot, True
+                    else:
+                        self._hide(entry, [])
                 self._lock.notify_all()
+            if error is not None:
+                failures.append((f"the spill of user {entry.user}'s history ({n} pages) to "
+                                 "host memory", error))
+        return failures
 
-    def _finish_restores(self, restores) -> None:
+    def _finish_restores(self, restores) -> list:
         """Copy restored pages to the device (outside the lock), then scatter them in; the
-        entry is ready unless a causal row still has to write its new tokens."""
+        entry is ready unless a causal row still has to write its new tokens. A restore that
+        failed leaves its entry not ready (the caller drops it); returns (what, error) of
+        each."""
+        failures = []
         for entry, (k, v, k_min, k_max) in restores:
             count = k.shape[1]
+            what = f"the restore of user {entry.user}'s history ({count} pages) from host memory"
             n = device.Buckets.fit(count, self.buckets.pages)
             ids = device.padded(np.array(entry.pages[:count], np.int32), n, 0, self.num_pages)
-            parts = [jax.device_put(device.padded(x, n, 1, 0)) for x in (k, v, k_min, k_max)]
             table = np.full(self.max_pages, -1, np.int32)
             table[:count] = entry.pages[:count]
+            try:
+                parts = [jax.device_put(device.padded(x, n, 1, 0)) for x in (k, v, k_min, k_max)]
+            except Exception as error:  # noqa: BLE001 - device memory: raised as RA224
+                failures.append((what, error))
+                continue
+            # Its slot and pages are pinned, so no other update touches them: any turn will do.
+            failed = self._dispatch([self._issue(device.restore, np.int32(entry.slot), ids,
+                                                 table, np.int32(entry.length), *parts)])
+            if failed:
+                failures.append((what, failed.error))
+                continue
             with self._lock:
-                self._update(device.restore, np.int32(entry.slot), ids, table,
-                             np.int32(entry.length), *parts)
                 entry.ready = entry.target == entry.length
                 self._lock.notify_all()
+        return failures
 
-    def _update(self, program, *args) -> None:
-        """Run a donating device program on the cache, once no reader holds it (called under
-        the policy lock, so updates run in policy order)."""
-        self._shapes.add((program.__name__,) + tuple(np.shape(a) for a in args))
+    def _issue(self, program, *args, reads: bool = False) -> "_Update":
+        """A ticket for ``program(cache, *args)``: a donating update returning the new cache,
+        or (``reads``) a read whose result the update keeps. Called under the policy lock
+        where the policy orders the update (it then runs in policy order)."""
         with self._device:
-            self._writers += 1
-            while self._readers:
-                self._device.wait()
+            self._issued += 1
+            return _Update(self._issued - 1, program, args, reads)
+
+    def _dispatch(self, updates) -> "_Update | None":
+        """Run this thread's ``updates`` (issued in this order), each in its turn once no
+        reader holds the cache, with no lock held while it runs (a first call compiles).
+        Every one runs, since the later ones were decided assuming the earlier; returns the
+        first that failed (its ``error`` set), or None."""
+        failed = None
+        for update in updates:
+            with self._device:
+                while self._done != update.ticket or self._readers:
+                    self._device.wait()
             try:
-                self._cache = program(self._cache, *args)
+                with _building(self):
+                    out = update.program(self._cache, *update.args)
+                if update.reads:
+                    update.result = out
+                else:
+                    self._cache = out
+            except Exception as error:  # noqa: BLE001 - the caller raises it as RA224
+                update.error = error
+                failed = failed or update
             finally:
-                self._writers -= 1
-                self._device.notify_all()
+                with self._device:
+                    self._done += 1
+                    self._device.notify_all()
+        return failed
+
+
+@dataclasses.dataclass(eq=False)
+class _Update:
+    """One device update and its turn (see HistoryStore._issue)."""
+
+    ticket: int
+    program: object
+    args: tuple
+    reads: bool
+    result: object = None
+    error: Exception | None = None
+
+
+# JAX reports each program it builds (traces, lowers and compiles, on the thread that calls
+# it) as this event; the store counts those built while its own calls run.
+_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_BUILDER = threading.local()  # .store: the store whose program this thread is running
+
+
+@contextlib.contextmanager
+def _building(store: HistoryStore) -> Iterator[None]:
+    _BUILDER.store = store
+    try:
+        yield
+    finally:
+        _BUILDER.store = None
+
+
+def _on_jax_event(event: str, seconds: float, **_) -> None:
+    store = getattr(_BUILDER, "store", None)
+    if store is not None and event == _LOWERING_EVENT:
+        with store._built_lock:
+            store._built += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
 
 
 _COUNTER = {"device": "hits", "host": "host_hits", "prefix": "prefix_hits", "miss": "misses"}
+
+
+def _failed(call: str, what: str, error: Exception, then: str):
+    """RA224 for ``call``, whose ``what`` raised ``error``; ``then`` says what became of the
+    entries and what to do."""
+    return fail("RA224", f"{call}: {what} failed ({type(error).__name__}: {error}); {then}")
 
 
 def _positive_int(x) -> bool:

@@ -132,8 +132,8 @@ def gather(cache: PagedKVCache, pages):
 @functools.partial(jax.jit, donate_argnums=0)
 def restore(cache: PagedKVCache, slot, pages, table, length, k, v, k_min, k_max) -> PagedKVCache:
     """One entry back: pages ``pages`` (int32 [n], N = padding) receive k / v / k_min / k_max
-    ([L, n, ...], as :func:`gather` gave them) and are taken; slot ``slot`` (int32 scalar)
-    gets page table ``table`` (int32 [M]) and length ``length``."""
+    ([L, n, ...], as :func:`gather` gave them) and are taken; slot ``slot`` (int32 scalar; U =
+    padding, dropped) gets page table ``table`` (int32 [M]) and length ``length``."""
     n = cache.k_pages.shape[1]
     taken = jnp.where(pages < n, pages, n)
     return cache._replace(
@@ -141,8 +141,8 @@ def restore(cache: PagedKVCache, slot, pages, table, length, k, v, k_min, k_max)
         v_pages=cache.v_pages.at[:, taken].set(v.astype(cache.v_pages.dtype), mode="drop"),
         k_min=cache.k_min.at[:, taken].set(k_min, mode="drop"),
         k_max=cache.k_max.at[:, taken].set(k_max, mode="drop"),
-        page_table=cache.page_table.at[:, slot].set(table),
-        lengths=cache.lengths.at[:, slot].set(length),
+        page_table=cache.page_table.at[:, slot].set(table, mode="drop"),
+        lengths=cache.lengths.at[:, slot].set(length, mode="drop"),
         free=cache.free.at[:, taken].set(False, mode="drop"))
 
 

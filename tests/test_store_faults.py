@@ -1,0 +1,258 @@
+"""serving.HistoryStore under stress (issue 36): calls that must answer while another thread
+compiles or waits for a reader, copies and device updates that fail, and the count of
+compiled programs. tests/test_store_rules.py tests the rules one by one."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+import time
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from rankattn import serving
+from rankattn.serving import store_device
+from test_serving_errors import raises
+from test_store import check_rows, write_rows
+from test_store_rules import CONFIG, acquired, shared, store  # noqa: F401  (fixtures)
+
+# A call that must answer does within WAIT seconds: thousands of times its quiet time (a
+# stats() or a hit takes microseconds), and what it must not wait for is held far longer.
+WAIT = 5.0
+
+
+def finishes(fn, *args):
+    """``fn(*args)`` on another thread: its result, or a failure if it has not returned within
+    WAIT seconds (the call is then left blocked, on a daemon thread)."""
+    out = queue.Queue()
+    thread = threading.Thread(target=lambda: out.put(_outcome(fn, *args)), daemon=True)
+    thread.start()
+    return _result(out, fn)
+
+
+def _outcome(fn, *args):
+    try:
+        return True, fn(*args)
+    except BaseException as e:  # noqa: BLE001 - raised again by _result
+        return False, e
+
+
+def _result(out: queue.Queue, fn):
+    try:
+        ok, value = out.get(timeout=WAIT)
+    except queue.Empty:
+        pytest.fail(f"{fn.__qualname__} did not return within {WAIT} s")
+    if not ok:
+        raise value
+    return value
+
+
+def wait_blocked(thread: threading.Thread) -> None:
+    """Until ``thread`` waits on a condition (threading's wait is its innermost frame)."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread.ident)
+        if frame is not None and frame.f_code is threading.Condition.wait.__code__:
+            return
+        time.sleep(0.001)
+    pytest.fail(f"{thread.name} never waited")
+
+
+class Reader:
+    """A thread inside ``store.reading()`` that runs there the calls it is given."""
+
+    def __init__(self, store):
+        self.calls, self.out = queue.Queue(), queue.Queue()
+        self.thread = threading.Thread(target=self._read, args=(store,), daemon=True)
+        self.thread.start()
+        assert self.out.get(timeout=WAIT) == (True, "inside")
+
+    def _read(self, store):
+        with store.reading():
+            self.out.put((True, "inside"))
+            for fn in iter(self.calls.get, None):
+                self.out.put(_outcome(fn))
+
+    def run(self, fn):
+        self.calls.put(fn)
+        return _result(self.out, fn)
+
+    def leave(self):
+        self.calls.put(None)
+        self.thread.join(WAIT)
+        assert not self.thread.is_alive()
+
+
+class UpdateWaitingForReader:
+    """A reader inside ``store.reading()``, and another thread's release, whose device update
+    (the drop of an unwritten entry) waits for that reader to leave."""
+
+    def __init__(self, store):
+        self.store = store
+        with acquired(store, [(2, 0, 4)]):  # a written entry: later acquires of it are hits
+            pass
+        lease = store.acquire([1], [0], [4])
+        self.reader = Reader(store)
+        self.update = threading.Thread(target=store.release, args=(lease,), daemon=True,
+                                       name="release")
+        self.update.start()
+        wait_blocked(self.update)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.reader.leave()
+        self.update.join(WAIT)
+        assert not self.update.is_alive(), "the update never ran once the reader left"
+
+
+# --- Nothing waits for a compile, or for an update that waits for a reader. --------------------
+
+
+def test_stats_answers_while_warmup_compiles(monkeypatch):
+    """Regression (issue 36, finding 1): warmup() held the store's lock through its whole
+    compile, so a /metrics scrape (stats()) waited for it: 23.8 s in the audit."""
+    store = serving.HistoryStore(**{**CONFIG, "max_batch": 1, "max_pages_per_user": 1})
+    compiling, compiled = threading.Event(), threading.Event()
+    drop = store_device.drop
+
+    def slow_drop(*args):  # warm-up's first program: a compile as long as this test wants
+        compiling.set()
+        compiled.wait(WAIT * 4)
+        return drop(*args)
+
+    monkeypatch.setattr(store_device, "drop", slow_drop)
+    warmup = threading.Thread(target=store.warmup, daemon=True)
+    warmup.start()
+    assert compiling.wait(WAIT)
+    stats = finishes(store.stats)
+    assert stats["device_pages_used"] == 0 and warmup.is_alive()
+    compiled.set()
+    warmup.join(WAIT * 4)
+    assert not warmup.is_alive()
+
+
+def test_stats_and_hits_answer_while_an_update_waits_for_a_reader(store):
+    """Regression (issue 36, finding 1): an update waited for readers holding the store's
+    lock, so stats() and every acquire waited for the slowest reader."""
+    with UpdateWaitingForReader(store):
+        stats = finishes(store.stats)  # the release is done; only its device update waits
+        assert (stats["device_entries"], stats["pinned_entries"]) == (1, 0)
+        hit = finishes(store.acquire, [2], [0], [4])
+        assert hit.source == ["device"]
+    store.release(hit)
+
+
+def test_stats_inside_reading_while_another_thread_updates(store):
+    """Regression (issue 36, finding 2): stats() inside reading() deadlocked against a writer
+    that held the store's lock while it waited for that reader."""
+    with UpdateWaitingForReader(store) as waiting:
+        assert waiting.reader.run(store.stats)["device_entries"] == 1
+        assert waiting.update.is_alive()  # still waiting for this reader
+
+
+# --- A failed copy or update unpins and drops what it was for. ---------------------------------
+
+
+def simulated_failure(*args, **kwargs):
+    raise RuntimeError("RESOURCE_EXHAUSTED: simulated device allocation failure")
+
+
+def fill(store):
+    """Users 0-3 (8 tokens: 2 pages each) written and released: every slot and page taken,
+    user 0 least recently used."""
+    for u in range(4):
+        with acquired(store, [(u, 0, 8)]):
+            pass
+
+
+def assert_settled(store, device_entries, host_entries):
+    """No pins; entries and pages as given (every entry here holds 2 pages)."""
+    stats = store.stats()
+    assert stats["pinned_entries"] == 0, stats
+    assert (stats["device_entries"], stats["host_entries"]) == (device_entries, host_entries)
+    assert stats["device_pages_used"] == 2 * device_entries, stats
+    assert stats["host_pages_used"] == 2 * host_entries, stats
+
+
+def test_a_failed_spill_drops_the_spilled_entry_and_unpins(store, monkeypatch):
+    """Regression (issue 36, finding 3): a spill that failed left the store's slot and pages
+    taken (or, failing in its copy, the call's rows pinned) and the user's entry never ready."""
+    fill(store)
+    with monkeypatch.context() as patch:
+        patch.setattr(store_device, "gather", simulated_failure)
+        with raises("RA224", "spill", "user 0", "simulated device allocation failure"):
+            store.acquire([9], [0], [8])  # evicts user 0, whose spill fails
+    assert_settled(store, 3, 0)
+    for rows in ([(9, 0, 8)], [(0, 0, 8)]):  # both again, as misses
+        lease = finishes(store.acquire, *map(list, zip(*rows)))
+        assert lease.source == ["miss"]
+        write_rows(store, lease, CONFIG)
+        check_rows(store, lease, CONFIG)
+        store.release(lease)
+    assert_settled(store, 4, 1)  # the second miss spilled user 1
+
+
+def test_a_failed_restore_drops_the_entry_and_unpins(store, monkeypatch):
+    """Regression (issue 36, finding 3): a restore that failed kept its entry pinned and never
+    ready, so the same key waited forever (RA222 after a timeout)."""
+    fill(store)
+    with acquired(store, [(9, 0, 8)]):  # user 0 spilled to the host tier
+        pass
+    assert_settled(store, 4, 1)
+    with monkeypatch.context() as patch:
+        patch.setattr(store_device, "restore", simulated_failure)
+        with raises("RA224", "restor", "user 0", "simulated device allocation failure"):
+            store.acquire([0], [0], [8])  # evicts user 1 (spilled), restores user 0: fails
+    assert_settled(store, 3, 1)
+    lease = finishes(store.acquire, [0], [0], [8])
+    assert lease.source == ["miss"]
+    write_rows(store, lease, CONFIG)
+    check_rows(store, lease, CONFIG)
+    store.release(lease)
+    assert_settled(store, 4, 1)
+
+
+def test_a_failed_write_drops_the_entry(store, monkeypatch):
+    """Regression (issue 36, finding 3): a write that failed left its entries not ready and
+    visible, so an acquire of the same key waited for a write that never came."""
+    lease = store.acquire([5, 6], [0, 0], [8, 8])
+    with monkeypatch.context() as patch:
+        patch.setattr(store_device, "write", simulated_failure)
+        with raises("RA224", "write", "users [5, 6]", "simulated device allocation failure"):
+            write_rows(store, lease, CONFIG)
+    again = finishes(store.acquire, [5], [0], [8])  # waits for nothing: a miss, fresh slot
+    assert again.source == ["miss"] and again.slots[0] not in lease.slots
+    store.release(lease)
+    write_rows(store, again, CONFIG)
+    check_rows(store, again, CONFIG)
+    store.release(again)
+    assert_settled(store, 1, 0)
+
+
+# --- compiled_programs counts compilations. ----------------------------------------------------
+
+
+def test_compiled_programs_counts_a_write_compiled_per_input_dtype(caplog):
+    """Regression (issue 36, finding 6): three input dtypes compiled write three times while
+    compiled_programs (a count of shapes) rose by one. JAX's own compile log is the witness."""
+    config = {**CONFIG, "head_dim": 6}  # shapes no other test compiles
+    store = serving.HistoryStore(**config)
+    before = store.stats()["compiled_programs"]
+    caplog.set_level(logging.DEBUG, logger="jax._src.interpreters.pxla")
+    for user, dtype in enumerate((np.float32, np.float16, ml_dtypes.bfloat16)):
+        lease = store.acquire([user], [0], [8])
+        k = np.ones((2, 1, 8, 1, 6), dtype)
+        store.write(lease, k, k)
+        store.release(lease)
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert sum(m.startswith("Compiling jit(write) ") for m in compiled) == 3, compiled
+    assert store.stats()["compiled_programs"] - before == len(compiled) == 3
+    with store.reading() as cache:
+        assert cache.k_pages.dtype == jnp.float32
