@@ -1,14 +1,19 @@
 """The ranking server (examples/ranker/server) as a client sees it: three server processes.
 
 Server A (module fixture) serves a saved checkpoint of the tiny model with small limits, a
-store of 8 pages (two histories of 60 events) and, through RANKER_SERVER_HISTORY_DELAY_MS,
-a history stage that holds its pins for 150 ms per batch, so that requests in flight and a
-store full of pinned entries can be caught on purpose. Its tests: answers equal to the full
-forward pass, batch and candidate invariance, a reused history_version with a changed
-history, malformed requests of every kind, a flood past the queue, a store full of pins, and
-last SIGTERM with requests in flight. Server B restarts on the same run directory (an empty
-cache, the same answers); server C runs --no-cache with the load generator against it. The
-servers share a persistent compilation cache; each test bounds its requests and waits.
+store of 8 pages (two histories of 60 events) and, through the test entry point
+(server_hooks.py, --history-delay-ms), a history stage that holds its pins for 150 ms per
+job, so that requests in flight, a busy history stage and a store full of pinned entries can
+be caught on purpose. Its tests: answers equal to the full forward pass, batch and candidate
+invariance, a reused history_version with a changed history, malformed requests of every
+kind, a flood past the queue, a store full of pins, hits answered while the history stage is
+busy, deadlines (admission, 504, a client that leaves), the Open Inference Protocol, the
+metrics, and last SIGTERM with requests in flight. Server B (server_hooks.py, --hold-warmup)
+restarts on the same run directory: probes while its warm-up holds the store, an empty cache
+with the same answers, an acquire that waits for a leaked pin, and last a stage thread that
+dies. Server C runs the production command with --no-cache and the load generator against
+it. The servers share a persistent compilation cache; each test bounds its requests and
+waits.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from examples.ranker import evaluate, loadtest, serverbench, train
 from examples.ranker.config import ACTIONS, PRESETS, SCORE_WEIGHTS
 from examples.ranker.model import init
 from examples.ranker.packing import pack
-from examples.ranker.server import HISTORY_DELAY_ENV
+from examples.ranker.server.metrics import STORE_COUNTS
 from examples.ranker.world import Sessions, World
 
 ROOT = str(serverbench.ROOT)
@@ -41,19 +46,25 @@ LIMITS = ["--preset", "tiny", "--max-history", str(MAX_HISTORY), "--max-candidat
 SMALL_STORE = ["--device-pages", "8", "--max-queue", "8"]  # two histories of 60 events
 DELAY_MS = 150
 ROW = 1 + MAX_HISTORY + MAX_CANDIDATES  # the full forward pass's row (padding past a request)
+HOOKS = ("tests/ranker/server_hooks.py",)  # the test entry point (fault hooks)
+PROBE_SECONDS = 6  # a probe must answer within 2 s, with the 3x allowance for a busy machine
+READY_SECONDS = 180  # 3x the first server's start (model load and warm-up) on 2 busy cores
 
 
 class Server(serverbench.LocalServer):
-    """A server process (ready within 60 s) and the requests the tests send it."""
+    """A server process (ready within READY_SECONDS unless ``ready`` is False) and the
+    requests the tests send it; ``hooks``: through the test entry point, server_hooks.py."""
 
-    def __init__(self, out: str, args: list[str], env: dict, log: str):
-        super().__init__(out, args, log, env, ready_within=60)
+    def __init__(self, out: str, args: list[str], env: dict, log: str, hooks: bool = False,
+                 ready: bool = True):
+        super().__init__(out, args, log, env, ready_within=READY_SECONDS if ready else None,
+                         **({"command": HOOKS} if hooks else {}))
 
     def request(self, method: str, path: str, body: bytes | None = None, headers=None,
-                ready: threading.Barrier | None = None):
+                ready: threading.Barrier | None = None, timeout: float = 20):
         """(status, headers, body bytes); status 0 when no connection could be made. With
         ``ready``, the request goes once the connection is open and every party is ready."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             conn.connect()
             if ready is not None:
@@ -66,16 +77,19 @@ class Server(serverbench.LocalServer):
         finally:
             conn.close()
 
-    def rank(self, body, ready: threading.Barrier | None = None) -> tuple[int, dict, dict]:
-        """POST /v1/rank of a dict (or raw bytes): (status, headers, JSON answer)."""
+    def rank(self, body, ready: threading.Barrier | None = None,
+             headers: dict | None = None) -> tuple[int, dict, dict]:
+        """POST /v1/rank of a dict (or raw bytes), with ``headers`` too: (status, headers,
+        JSON answer)."""
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-        status, headers, answer = self.request("POST", "/v1/rank", raw,
-                                               {"Content-Type": "application/json"}, ready)
+        status, headers, answer = self.request(
+            "POST", "/v1/rank", raw, {"Content-Type": "application/json", **(headers or {})},
+            ready)
         return status, headers, json.loads(answer) if answer else {}
 
     def rank_all(self, bodies: list, stagger: float = 0.0) -> list:
-        """(status, headers, answer, seconds) of each body, sent at once on connections of
-        their own (``stagger`` seconds apart)."""
+        """(status, headers, answer, seconds, finished: time.monotonic() then) of each body,
+        sent at once on connections of their own (``stagger`` seconds apart)."""
         ready = threading.Barrier(len(bodies))
 
         def send(i, body):
@@ -84,7 +98,8 @@ class Server(serverbench.LocalServer):
                 time.sleep(i * stagger)
             start = time.monotonic()
             answer = self.rank(body, None if stagger else ready)
-            return *answer, time.monotonic() - start
+            finished = time.monotonic()
+            return *answer, finished - start, finished
 
         with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
             return list(pool.map(send, range(len(bodies)), bodies))
@@ -117,11 +132,33 @@ def env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server_a(run_dir, env, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("logs") / "a.log")
-    server = Server(run_dir, LIMITS + SMALL_STORE, dict(env, **{HISTORY_DELAY_ENV: str(DELAY_MS)}),
-                    log)
+    server = Server(run_dir, LIMITS + SMALL_STORE + ["--history-delay-ms", str(DELAY_MS)],
+                    env, log, hooks=True)
     yield server
     if server.process.poll() is None:
         server.process.kill()
+
+
+@pytest.fixture(scope="module")
+def server_b(run_dir, env, tmp_path_factory):
+    """Server B, started (after server A's SIGTERM: its first test comes after that one) with
+    its warm-up holding the store until the first test releases it."""
+    log = str(tmp_path_factory.mktemp("logs") / "b.log")
+    server = Server(run_dir, LIMITS + SMALL_STORE + ["--hold-warmup"], env, log, hooks=True,
+                    ready=False)
+    yield server
+    if server.process.poll() is None:
+        assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def server_c(run_dir, env, tmp_path_factory):
+    """Server C: the production command (no test hooks), --no-cache, an explicit --host."""
+    log = str(tmp_path_factory.mktemp("logs") / "c.log")
+    server = Server(run_dir, LIMITS + ["--no-cache", "--host", "127.0.0.1"], env, log)
+    yield server
+    if server.process.poll() is None:
+        assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +246,7 @@ def test_batch_and_candidate_invariance(server_a, model, sessions):
     for companions, shape in ((others[:3], "score 4x8"), (others[3:], "score 4x8"),
                               ([], "score 1x8")):
         for _ in range(3):  # until the four land in one batch
-            status, headers, answer, _ = server_a.rank_all([target] + companions)[0]
+            status, headers, answer, *_ = server_a.rank_all([target] + companions)[0]
             assert status == 200 and answer["cache"] == "device"
             if headers["x-ranker-shapes"] == shape:
                 break
@@ -246,7 +283,8 @@ def malformed(sessions) -> list[tuple[str, str, object]]:
     good = body(sessions, 11, events=4, candidates=2)
     a = len(ACTIONS)
     cases = [("bad_json", "body", b'{"user": 1,'), ("bad_json", "body", b"[1, 2]"),
-             ("bad_json", "body", b"\xff\xfe"), ("too_large", "body", b" " * 16384)]
+             ("bad_json", "body", b"\xff\xfe"), ("bad_json", "body", b"[" * 5000),
+             ("too_large", "body", b" " * 16384)]
     for name in ("user", "context", "history_item", "history_author", "history_actions",
                  "cand_item", "cand_author"):
         cases.append(("missing_field", name, {k: v for k, v in good.items() if k != name}))
@@ -257,7 +295,8 @@ def malformed(sessions) -> list[tuple[str, str, object]]:
                   ("history_actions", [[0] * a] * 3), ("history_actions", [[0] * (a - 1)] * 4),
                   ("history_actions", [[2] + [0] * (a - 1)] * 4), ("cand_item", []),
                   ("cand_author", [1]), ("history_version", -1), ("request_id", 5),
-                  ("candidates", [1])]
+                  ("candidates", [1]), ("deadline_ms", 0), ("deadline_ms", "soon"),
+                  ("deadline_ms", True)]
     for name, value in bad_values:
         cases.append(("bad_value", name, dict(good, **{name: value})))
     long = body(sessions, 2, events=60)
@@ -270,12 +309,19 @@ def malformed(sessions) -> list[tuple[str, str, object]]:
 
 
 def test_malformed_requests_get_400_and_service_continues(server_a, model, sessions):
+    """Every kind of bad request gets 400 naming its field (413 for a body over the limit;
+    JSON nested 5000 deep is bad_json, not a RecursionError's 500), and so does a deadline
+    header that is not a number."""
     for kind, field, request in malformed(sessions):
         status, _, answer = server_a.rank(request)
-        assert status == 400, (kind, field, answer)
+        assert status == (413 if (kind, field) == ("too_large", "body") else 400), (
+            kind, field, answer)
         error = answer["error"]
         assert (error["kind"], error["field"]) == (kind, field), (kind, field, error)
         assert error["message"] and error["fix"]
+    status, _, answer = server_a.rank(body(sessions, 11, events=4, candidates=2),
+                                      headers={"X-Request-Deadline-Ms": "soon"})
+    assert status == 400 and answer["error"]["field"] == "X-Request-Deadline-Ms", answer
     assert server_a.request("GET", "/v1/rank")[0] == 405
     assert server_a.request("GET", "/nowhere")[0] == 404
     request = body(sessions, 11, events=4, candidates=2)
@@ -289,12 +335,12 @@ def test_a_flood_past_the_queue_gets_503_at_once_then_service_resumes(server_a, 
     queue_full without waiting; every 200 is correct, and service resumes."""
     request = body(sessions, 12, events=8, user=10**6)
     results = server_a.rank_all([request] * 60)
-    full = [(seconds, h, a) for s, h, a, seconds in results if s == 503]
+    full = [(seconds, h, a) for s, h, a, seconds, _ in results if s == 503]
     assert 40 <= len(full) < 60
     for seconds, headers, answer in full:
         assert answer["error"]["kind"] == "queue_full" and "retry-after" in headers
         assert seconds < 1.0
-    for status, _, answer, _ in results:
+    for status, _, answer, *_ in results:
         if status == 200:
             assert_answer(model, request, status, answer)
     other = body(sessions, 13)
@@ -308,15 +354,90 @@ def test_a_store_full_of_pinned_entries_answers_503_never_stale(server_a, model,
     first = [body(sessions, i, events=60, user=2 * 10**6 + i) for i in (13, 14)]
     third = body(sessions, 15, events=60, user=2 * 10**6 + 15)
     results = server_a.rank_all(first + [third], stagger=0.01)
-    status, headers, answer, _ = results[2]
+    status, headers, answer, *_ = results[2]
     assert status == 503 and answer["error"]["kind"] == "cache_full", answer
     assert int(headers["retry-after"]) >= 1
-    for request, (status, _, answer, _) in zip(first, results):
+    for request, (status, _, answer, *_) in zip(first, results):
         assert_answer(model, request, status, answer, cache="miss")
     assert_answer(model, third, *server_a.rank(third)[0::2], cache="miss")
     changed = json.loads(json.dumps(third))
     changed["history_item"][0] = changed["history_item"][1]
     assert_answer(model, changed, *server_a.rank(changed)[0::2], cache="miss")
+
+
+def count(samples: dict, name: str, **labels) -> float:
+    """The sum of the metric samples ``name`` whose labels include ``labels``."""
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and set(labels.items()) <= set(ls))
+
+
+def history_passes(samples: dict) -> float:
+    """The history passes in the metric ``samples`` (by any stage thread)."""
+    return count(samples, "ranker_call_rows_count", call="history")
+
+
+def wait_for_count(server, name: str, at_least: float, seconds: float = 5.0,
+                   **labels) -> dict:
+    """The server's metric samples once ``count(name, labels)`` reaches ``at_least``; fails
+    after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while count(samples := server.metrics(), name, **labels) < at_least:
+        assert time.monotonic() < deadline, (name, labels, at_least)
+        time.sleep(0.01)
+    return samples
+
+
+def test_hits_are_answered_while_the_history_stage_is_busy(server_a, model, sessions):
+    """Four one-page misses 50 ms apart (a job each, 150 ms a job in the history stage), then
+    a hit: the hit is answered before the second miss, which waits for the first one's job.
+    (The hand-off once held one job: the front stage blocked handing over the third miss until
+    the history stage took the second, so the hit waited behind it.)"""
+    hit = body(sessions, 24, events=10, user=6 * 10**6)
+    assert_answer(model, hit, *server_a.rank(hit)[0::2], cache="miss")
+    misses = [body(sessions, 25 + i, events=10, user=6 * 10**6 + 1 + i) for i in range(4)]
+    results = server_a.rank_all(misses + [hit], stagger=0.05)
+    for request, (status, _, answer, *_) in zip(misses + [hit], results):
+        assert_answer(model, request, status, answer, "device" if request is hit else "miss")
+    finished = [r[4] for r in results]
+    assert finished[4] < finished[1], finished
+
+
+def test_deadlines_refuse_at_once_and_drop_late_work(server_a, model, sessions):
+    """A deadline shorter than the batch wait (--max-wait-ms 30) is refused at once with 503
+    overloaded; a miss whose deadline (deadline_ms 120) passes while the history stage holds
+    it (150 ms) is answered 504 deadline and dropped before its history pass; the same
+    request without a deadline is then computed."""
+    request = body(sessions, 30, events=10, user=7 * 10**6)
+    status, headers, answer = server_a.rank(request, headers={"X-Request-Deadline-Ms": "5"})
+    assert status == 503 and answer["error"]["kind"] == "overloaded", answer
+    assert "retry-after" in headers
+    before = server_a.metrics()
+    status, _, answer = server_a.rank(dict(request, deadline_ms=120))
+    assert status == 504 and answer["error"]["kind"] == "deadline", answer
+    dropped = count(before, "ranker_dropped_total", stage="history", reason="deadline")
+    after = wait_for_count(server_a, "ranker_dropped_total", dropped + 1, stage="history",
+                           reason="deadline")
+    assert history_passes(after) == history_passes(before)
+    assert_answer(model, request, *server_a.rank(request)[0::2], cache="miss")
+
+
+def test_a_request_whose_client_leaves_is_dropped(server_a, sessions):
+    """A miss whose client closes the connection once the front stage has taken it (its job
+    then waits out the history stage's 150 ms) is dropped before its history pass."""
+    request = body(sessions, 31, events=10, user=7 * 10**6 + 1)
+    before = server_a.metrics()
+    conn = http.client.HTTPConnection("127.0.0.1", server_a.port, timeout=20)
+    conn.request("POST", "/v1/rank", json.dumps(request).encode(),
+                 {"Content-Type": "application/json"})
+    wait_for_count(server_a, "ranker_batch_requests_sum",
+                   count(before, "ranker_batch_requests_sum") + 1)
+    conn.close()
+    dropped = count(before, "ranker_dropped_total", stage="history", reason="disconnected")
+    after = wait_for_count(server_a, "ranker_dropped_total", dropped + 1, stage="history",
+                           reason="disconnected")
+    assert (count(after, "ranker_client_disconnects_total")
+            == count(before, "ranker_client_disconnects_total") + 1)
+    assert history_passes(after) == history_passes(before)
 
 
 def inference_request(request: dict, nested: bool = False, actions: str = "INT64",
@@ -491,29 +612,40 @@ def test_tritonclient_ranks_through_open_inference(server_a, sessions):
         client.close()
 
 
-def test_metrics_are_prometheus_text(server_a):
+def test_metrics_are_prometheus_text_by_convention(server_a):
+    """Counts are counters (``_total``; the store's too), with the default process, platform
+    and garbage collector metrics; every answer is counted by route and status, 404, 405, 413
+    and an unexpected exception's 500 (answered as JSON) included."""
+    status, _, raw = server_a.request("GET", "/_test/raise")
+    assert status == 500 and json.loads(raw)["error"]["kind"] == "internal"
+    assert server_a.rank(b" " * 16384)[0] == 413
     status, text = server_a.get("/metrics")
     text = text.decode()
     assert status == 200
     for name in ("ranker_requests_total", "ranker_errors_total", "ranker_request_seconds_bucket",
-                 "ranker_batch_requests_bucket", "ranker_queue_depth", "ranker_store_hits",
-                 "ranker_stage_seconds_sum"):
+                 "ranker_batch_requests_bucket", "ranker_queue_depth", "ranker_stage_seconds_sum",
+                 "process_cpu_seconds_total", "process_resident_memory_bytes", "python_info",
+                 "python_gc_objects_collected_total", 'ranker_service_seconds{stage="history"}'):
         assert f"\n{name}" in text, name
-    assert "\nranker_compiles_after_warmup 0.0" in text  # warm-up compiled every shape
-    assert 'ranker_errors_total{kind="bad_value"}' in text
+    for name in STORE_COUNTS:
+        assert f"# TYPE ranker_store_{name}_total counter\n" in text, name
+        assert f"\nranker_store_{name}_total " in text, name
+    assert "\nranker_compiles_after_warmup_total 0.0" in text  # warm-up compiled every shape
+    for route, status, kind in (("other", 404, "not_found"), ("/v1/rank", 405, "bad_method"),
+                                ("/v1/rank", 413, "too_large"), ("/_test/raise", 500, "internal"),
+                                ("/v1/rank", 400, "bad_value"), ("/v1/rank", 200, None)):
+        assert f'ranker_responses_total{{route="{route}",status="{status}"}}' in text, route
+        assert kind is None or f'ranker_errors_total{{kind="{kind}"}}' in text, kind
 
 
 def test_sigterm_answers_every_request_in_flight_and_exits_0(server_a, model, sessions):
     """Six one-page misses (two batches of the history stage, 150 ms each) in flight when SIGTERM
     lands: each is answered, correctly, and the process exits 0 within 10 s."""
     requests = [body(sessions, i, events=10, user=3 * 10**6 + i) for i in range(16, 22)]
-    taken = server_a.metrics()[("ranker_batch_requests_sum", ())] + len(requests)
+    taken = count(server_a.metrics(), "ranker_batch_requests_sum") + len(requests)
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         futures = [pool.submit(server_a.rank, r) for r in requests]
-        deadline = time.monotonic() + 5
-        while server_a.metrics()[("ranker_batch_requests_sum", ())] < taken:  # all accepted
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for_count(server_a, "ranker_batch_requests_sum", taken)  # all accepted
         assert not all(f.done() for f in futures)  # SIGTERM lands with answers owed
         start = time.monotonic()
         assert server_a.stop() == 0
@@ -527,34 +659,86 @@ def test_sigterm_answers_every_request_in_flight_and_exits_0(server_a, model, se
 # --- Servers B and C. --------------------------------------------------------------------------
 
 
-def test_a_restart_starts_empty_and_answers_the_same(server_a, run_dir, env, model, sessions,
-                                                    tmp_path):
-    """(After server A's SIGTERM.) The same flags on the same run directory: the first answers
-    are misses, equal to the full forward pass."""
+def probe(server, path: str) -> tuple[int, dict]:
+    """(status, JSON body) of GET ``path``, which must answer within PROBE_SECONDS."""
+    status, _, raw = server.request("GET", path, timeout=PROBE_SECONDS)
+    return status, json.loads(raw) if raw.startswith(b"{") else {}
+
+
+def test_probes_answer_while_warm_up_holds_the_store(server_a, server_b, sessions):
+    """(After server A's SIGTERM; server B's warm-up holds the store's lock until released.)
+    /livez and /v2/health/live answer 200 and /metrics answers, /readyz, /healthz and
+    /v2/health/ready answer 503 warming, a ranking request 503 warming, each at once; released,
+    the server gets ready."""
     assert server_a.process.poll() == 0
-    server = Server(run_dir, LIMITS + SMALL_STORE, env, str(tmp_path / "b.log"))
-    try:
-        for i in (0, 1, 2):
-            request = body(sessions, i)
-            assert_answer(model, request, *server.rank(request)[0::2], cache="miss")
-    finally:
-        assert server.stop() == 0
+    deadline = time.monotonic() + READY_SECONDS
+    while probe(server_b, "/livez")[0] == 0:  # the model loads, then uvicorn listens
+        assert server_b.process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    for path, want in (("/livez", 200), ("/readyz", 503), ("/healthz", 503),
+                       ("/v2/health/live", 200), ("/v2/health/ready", 503)):
+        status, answer = probe(server_b, path)
+        assert status == want and answer.get("status", "warming") == "warming", (path, answer)
+    status, _, text = server_b.request("GET", "/metrics", timeout=PROBE_SECONDS)
+    assert status == 200 and b"\nranker_ready 0.0" in text
+    status, _, answer = server_b.rank(body(sessions, 0))
+    assert status == 503 and answer["error"]["kind"] == "warming"
+    assert server_b.request("POST", "/_test/release-warmup")[0] == 200
+    server_b.wait_ready(READY_SECONDS)
+    assert probe(server_b, "/readyz") == (200, {"status": "serving", "reason": "ready",
+                                                "model_step": STEP})
 
 
-def test_no_cache_recomputes_and_the_load_generator_runs(run_dir, env, model, sessions,
-                                                         tmp_path):
-    server = Server(run_dir, LIMITS + ["--no-cache"], env, str(tmp_path / "c.log"))
-    try:
-        request = body(sessions, 5)
-        for _ in range(2):
-            assert_answer(model, request, *server.rank(request)[0::2], cache="off")
-        trace = loadtest.Trace(PRESET, users=50, zipf=1.1, change_share=0.1, seed=0,
-                               candidates=MAX_CANDIDATES, max_history=MAX_HISTORY)
-        report = loadtest.run(trace.load(qps=40, duration=2.0),
-                              f"http://127.0.0.1:{server.port}", grace=10)
-        assert report["errors"] == {} and report["answered_ok"] == report["requests"] > 40
-        assert set(report["by_cache"]) == {"off"} and report["latency"]["p99_ms"] < 2000
-        with pytest.raises(ValueError, match="only to this machine"):
-            loadtest.run(trace.load(qps=1, duration=1), "http://10.0.0.1:80")
-    finally:
-        assert server.stop() == 0
+def test_a_restart_starts_empty_and_answers_the_same(server_b, model, sessions):
+    """Server B (the same flags on the same run directory): the first answers are misses,
+    equal to the full forward pass."""
+    for i in (0, 1, 2):
+        request = body(sessions, i)
+        assert_answer(model, request, *server_b.rank(request)[0::2], cache="miss")
+
+
+def test_an_acquire_that_waits_for_a_leaked_pin_answers_503(server_b, model, sessions):
+    """A lease that never writes its entry (/_test/leak, as a lost lease or a failed copy
+    leaves one) makes an acquire of that key wait: after --acquire-timeout-ms (1 s) the request
+    gets 503 store_timeout, and the server goes on answering and stays ready."""
+    leaked = body(sessions, 32, events=10, user=8 * 10**6)
+    status, _, raw = server_b.request("POST", "/_test/leak", json.dumps(leaked).encode())
+    assert status == 200 and json.loads(raw) == {"source": "miss"}
+    status, headers, answer = server_b.rank(leaked)
+    assert status == 503 and answer["error"]["kind"] == "store_timeout", answer
+    assert "retry-after" in headers
+    other = body(sessions, 33, events=10, user=8 * 10**6 + 1)
+    assert_answer(model, other, *server_b.rank(other)[0::2], cache="miss")
+    assert probe(server_b, "/readyz")[0] == 200
+
+
+def test_a_dead_stage_thread_fails_readiness_and_liveness(server_b, sessions):
+    """(Last on server B.) The history stage's thread dies on its next job: that job's request
+    gets 504 at its deadline, then /readyz, /healthz and /livez answer 503 broken naming the
+    stage, a ranking request 503 broken at once, and SIGTERM still exits 0."""
+    assert server_b.request("POST", "/_test/kill-history")[0] == 200
+    request = body(sessions, 34, events=10, user=8 * 10**6 + 2)
+    status, _, answer = server_b.rank(dict(request, deadline_ms=1000))
+    assert status == 504 and answer["error"]["kind"] == "deadline", answer
+    for path in ("/readyz", "/healthz", "/livez"):
+        status, answer = probe(server_b, path)
+        assert status == 503 and answer["status"] == "broken", (path, answer)
+        assert "history stage thread died" in answer["reason"]
+    status, _, answer = server_b.rank(request)
+    assert status == 503 and answer["error"]["kind"] == "broken", answer
+    assert server_b.stop() == 0
+
+
+def test_no_cache_recomputes_and_the_load_generator_runs(server_c, model, sessions):
+    """Server C: the production command (no test hooks), --no-cache, an explicit --host."""
+    request = body(sessions, 5)
+    for _ in range(2):
+        assert_answer(model, request, *server_c.rank(request)[0::2], cache="off")
+    trace = loadtest.Trace(PRESET, users=50, zipf=1.1, change_share=0.1, seed=0,
+                           candidates=MAX_CANDIDATES, max_history=MAX_HISTORY)
+    report = loadtest.run(trace.load(qps=40, duration=2.0),
+                          f"http://127.0.0.1:{server_c.port}", grace=10)
+    assert report["errors"] == {} and report["answered_ok"] == report["requests"] > 40
+    assert set(report["by_cache"]) == {"off"} and report["latency"]["p99_ms"] < 2000
+    with pytest.raises(ValueError, match="only to this machine"):
+        loadtest.run(trace.load(qps=1, duration=1), "http://10.0.0.1:80")

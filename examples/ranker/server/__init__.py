@@ -1,10 +1,12 @@
 """The reference ranker behind HTTP: ``python -m examples.ranker server --preset P --out DIR
 --port PORT``.
 
-* schema.py: the request and answer JSON, and the checks behind every 400;
+* schema.py: the request and answer JSON, the checks behind every 400, deadlines;
 * engine.py: request batching through a ``serving.HistoryStore`` in two stages (hits are
-  answered without waiting for misses), bucket shapes, warm-up;
-* app.py: the ASGI application run by uvicorn, start-up and drain;
+  answered without waiting for misses), admission by deadline, bucket shapes, warm-up,
+  health;
+* app.py: the ASGI application run by uvicorn (its route table, probes, deadlines and
+  disconnects), start-up and drain;
 * metrics.py: GET /metrics.
 
 examples/ranker/README.md, "The ranking server", documents it, every flag included.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,15 +29,16 @@ from examples.ranker.server.engine import DEFAULT_DEVICE_PAGES, Engine, Options
 from examples.ranker.server.schema import Limits
 
 log = logging.getLogger("examples.ranker.server")
-# Tests only: the history stage sleeps this long before each pass (its pins held).
-HISTORY_DELAY_ENV = "RANKER_SERVER_HISTORY_DELAY_MS"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", required=True, help="the run directory whose newest "
                         "checkpoint is served (as train writes them)")
-    parser.add_argument("--port", type=int, required=True, help="listens on 127.0.0.1:PORT")
+    parser.add_argument("--port", type=int, required=True, help="listens on HOST:PORT")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on "
+                        "(0.0.0.0: every interface, e.g. in a container); default "
+                        "%(default)s")
     parser.add_argument("--random-weights", action="store_true", help="when DIR has no "
                         "checkpoint, serve freshly initialised weights (model_step 0) instead "
                         "of refusing to start")
@@ -55,14 +59,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "queued request waits for a batch to fill; default %(default)s")
     parser.add_argument("--max-queue", type=int, default=64, help="requests accepted and not "
                         "yet batched at most (more: 503 queue_full); default %(default)s")
-    parser.add_argument("--max-body-bytes", type=int, help="request body size limit; default "
-                        "twice the largest valid request's JSON")
+    parser.add_argument("--max-body-bytes", type=int, help="request body size limit (more: "
+                        "413 too_large); default twice the largest valid request's JSON")
+    parser.add_argument("--deadline-ms", type=float, default=5000.0, help="a request's "
+                        "deadline when it sets none (X-Request-Deadline-Ms header or "
+                        "deadline_ms field), and the longest it may set: past it 504 "
+                        "deadline; default %(default)s")
+    parser.add_argument("--acquire-timeout-ms", type=float, default=1000.0, help="how long "
+                        "a batch's store acquire may wait for a history to be written (only "
+                        "a fault makes it wait) before its requests get 503 store_timeout; "
+                        "default %(default)s")
     parser.add_argument("--no-cache", action="store_true", help="recompute every history "
                         "(\"cache\": \"off\"): the baseline the store is measured against")
 
 
-def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Load the model, build the engine, serve until SIGTERM; the exit status."""
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
+         engine_class: Callable[..., Engine] = Engine, route_sets=()) -> int:
+    """Load the model, build the engine, serve until SIGTERM; the exit status.
+
+    ``engine_class`` builds the engine (tests pass a subclass with fault hooks) and
+    ``route_sets`` adds routes (``app.App``'s); the command passes neither.
+    """
     from examples.ranker.server import app  # uvicorn: only the server needs it
 
     handler = logging.StreamHandler()  # our own: flax / orbax configure the root logger
@@ -79,6 +96,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be positive; got {value}")
     if args.host_pages < 0 or args.max_wait_ms < 0:
         parser.error("--host-pages and --max-wait-ms must be >= 0")
+    for flag in ("deadline_ms", "acquire_timeout_ms"):
+        value = getattr(args, flag)
+        if not 0 < value < float("inf"):
+            parser.error(f"--{flag.replace('_', '-')} must be a positive number of "
+                         f"milliseconds; got {value}")
     if max_history >= preset.model.max_position:
         parser.error(f"--max-history {max_history} does not fit the model's positions: use at "
                      f"most {preset.model.max_position - 1}")
@@ -92,19 +114,19 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                       max_batch=args.max_batch, max_wait=args.max_wait_ms / 1e3,
                       max_queue=args.max_queue, device_pages=args.device_pages,
                       host_pages=args.host_pages, max_users=args.max_users,
-                      cache=not args.no_cache)
-    delay = float(os.environ.get(HISTORY_DELAY_ENV, "0")) / 1e3
-    engine = Engine(preset, graphdef, params, step, options, history_delay=delay)
+                      cache=not args.no_cache, acquire_timeout=args.acquire_timeout_ms / 1e3)
+    engine = engine_class(preset, graphdef, params, step, options)
     if not engine.pinned_batches_fit():
         log.warning("the store holds fewer than 3 * --max-batch histories of --max-history "
                     "events: requests may get 503 cache_full while batches are in flight")
     limits = Limits(contexts=preset.world.contexts, max_history=max_history,
                     max_candidates=args.max_candidates,
                     max_body=args.max_body_bytes or Limits.body_bytes(max_history,
-                                                                      args.max_candidates))
-    log.info("model step %d; listening on http://127.0.0.1:%d (warming up: /healthz answers "
-             "503 until every program is compiled)", step, args.port)
-    return app.serve(engine, limits, args.port)
+                                                                      args.max_candidates),
+                    deadline_ms=args.deadline_ms)
+    log.info("model step %d; listening on http://%s:%d (warming up: /readyz answers 503 "
+             "until every program is compiled)", step, args.host, args.port)
+    return app.serve(engine, limits, args.host, args.port, route_sets)
 
 
 def load(preset, out: str, random_weights: bool, parser):

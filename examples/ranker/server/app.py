@@ -1,15 +1,31 @@
-"""The HTTP side: one ASGI application (no framework) run by uvicorn on 127.0.0.1.
+"""The HTTP side: one ASGI application (no framework) run by uvicorn.
 
-Routes: ``POST /v1/rank`` (schema.py), ``GET /healthz`` (200 once warm, 503 while warming or
-draining), ``GET /metrics`` (Prometheus' text format); under /v2 the Open Inference Protocol
-(kserve.py). The event loop reads and checks requests, queues them (Engine.submit) and awaits
-their answers, which the engine's threads hand back with ``call_soon_threadsafe``; it never
-runs the model.
+Routes (:attr:`App.routes`: path -> method -> handler, and :attr:`App.subtrees`: a path and
+everything under it -> handler; ``serve(route_sets=...)`` adds more): ``POST /v1/rank``
+(schema.py); ``GET /livez`` (200 while the process serves HTTP, warming and draining
+included; 503 once a stage thread has died); ``GET /readyz`` and its older name
+``GET /healthz`` (200 when warm, every stage thread alive and not draining; else 503 with
+the state and reason); ``GET /metrics`` (Prometheus' text format); under /v2 the Open
+Inference Protocol (kserve.py), whose infer requests are served as /v1/rank's are.
 
-Start-up: uvicorn listens at once and warm-up runs in a thread (``/healthz`` 503 meanwhile);
-the engine takes requests once every program is compiled. SIGTERM (or SIGINT): the engine
-refuses new requests (503 draining), uvicorn stops accepting connections and waits for the
-requests in flight, the engine answers every queued one, and the process exits 0.
+The event loop reads and checks requests, queues them (Engine.submit) and awaits their
+answers, which the engine's threads hand back with ``call_soon_threadsafe``; it never runs
+the model and never waits on a lock: probes read the engine's state (Engine.health), and
+/metrics renders in a thread of its own. Every answer is counted by route and status
+(``ranker_responses_total``), 404, 405, 413 and 500 included: an exception a handler lets
+through is logged and answered 500 ``internal`` (JSON) when no answer has started.
+
+Deadlines and cancellation (:meth:`App.answer`): the app waits for a request's answer until
+its deadline (schema.deadline), then answers 504 ``deadline`` itself; a client that goes
+away meanwhile (``http.disconnect``) gets nothing. Either way the request is marked
+cancelled and the engine drops it at its next stage.
+
+Start-up: uvicorn listens at once and warm-up runs in a thread (``/livez`` 200, ``/readyz``
+503 meanwhile); the engine takes requests once every program is compiled. SIGTERM (or
+SIGINT): the engine refuses new requests (503 draining), uvicorn stops accepting
+connections and waits for the requests in flight (at most the longest deadline and a
+margin: every accepted request, queued ones included, is answered by its deadline), the
+engine answers every queued one, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -17,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -27,10 +44,11 @@ import uvicorn
 from examples.ranker.server import kserve
 from examples.ranker.server.engine import Engine
 from examples.ranker.server.metrics import CONTENT_TYPE
-from examples.ranker.server.schema import Answer, BadRequest, Limits, parse, too_large_body
+from examples.ranker.server.schema import (DEADLINE_HEADER, Answer, BadRequest, Limits,
+                                           Request, deadline, expired, parse, too_large_body)
 
 log = logging.getLogger("examples.ranker.server")
-DRAIN_SECONDS = 8  # uvicorn's wait for requests in flight (the issue allows 10 s to exit)
+DRAIN_MARGIN = 2  # seconds uvicorn waits past the longest deadline for answers to go out
 JSON = (b"content-type", b"application/json")
 CLOSE = (b"connection", b"close")
 # How POST /v1/rank reads a request and writes its answer (App._rank takes a protocol's;
@@ -38,11 +56,25 @@ CLOSE = (b"connection", b"close")
 RANK_V1 = types.SimpleNamespace(parse=parse, render=lambda answer: answer)
 
 
-class App:
-    """The ASGI application over one :class:`Engine`."""
+class Disconnected(Exception):
+    """The client went away before its request was read."""
 
-    def __init__(self, engine: Engine, limits: Limits, on_failure):
+
+class App:
+    """The ASGI application over one :class:`Engine`.
+
+    ``route_sets``: functions of the app returning more routes ({path: {method: handler}},
+    a handler ``async (scope, receive, send)``), added to the table after the app's own.
+    """
+
+    def __init__(self, engine: Engine, limits: Limits, on_failure, route_sets=()):
         self.engine, self.limits, self.on_failure = engine, limits, on_failure
+        self.routes = {"/v1/rank": {"POST": self._rank}, "/livez": {"GET": self._livez},
+                       "/readyz": {"GET": self._readyz}, "/healthz": {"GET": self._readyz},
+                       "/metrics": {"GET": self._metrics}}
+        self.subtrees = {"/v2": self._open_inference}
+        for routes in route_sets:
+            self.routes.update(routes(self))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -77,69 +109,166 @@ class App:
                      time.perf_counter() - start)
         threading.Thread(target=run, name="warmup", daemon=True).start()
 
+    # --- Routing and counting. ------------------------------------------------------------
+
     async def _http(self, scope, receive, send) -> None:
+        """Route the request; count its answer by route and status, and answer an exception
+        that escapes the handler before its answer started with a 500."""
+        route = self._route_name(scope["path"])
+        status = None
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._route(scope, receive, counted)
+        except Exception:  # noqa: BLE001 - logged and answered; the server goes on
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            if status is None:
+                await self.reply(counted, _error(
+                    500, "internal", None, "the server failed on this request.", "Retry; the "
+                    "server's log has the traceback (a bug: please report it)."))
+        finally:
+            if status is not None:
+                self.engine.metrics.responses.labels(route, str(status)).inc()
+
+    def _route_name(self, path: str) -> str:
+        """The route ``path`` takes, for the metrics: itself, its subtree, or "other"."""
+        if path in self.routes:
+            return path
+        return next((tree for tree in self.subtrees
+                     if path == tree or path.startswith(tree + "/")), "other")
+
+    async def _route(self, scope, receive, send) -> None:
         path, method = scope["path"], scope["method"]
-        if kserve.serves(path):  # the Open Inference Protocol: kserve.py
-            answer = kserve.route(method, path, self.engine)
-            if answer is None:
-                await self._rank(scope, receive, send, kserve.Infer(scope["headers"]))
-            else:
-                await _send(send, answer)
-            return
-        routes = {"/v1/rank": "POST", "/healthz": "GET", "/metrics": "GET"}
-        if path not in routes:
-            await _send(send, _error(404, "not_found", "path", f"no route {path}.",
-                                     "Use POST /v1/rank, GET /healthz or GET /metrics."))
-        elif method != routes[path]:
-            await _send(send, _error(405, "bad_method", "method", f"{path} takes "
-                                     f"{routes[path]}, not {method}.",
-                                     f"Send {routes[path]} {path}."))
-        elif path == "/v1/rank":
-            await self._rank(scope, receive, send)
-        elif path == "/healthz":
-            state = self.engine.state
-            await _send(send, Answer(200 if state == "serving" else 503, {
-                "status": state, "model_step": self.engine.model_step}))
+        methods = self.routes.get(path)
+        if methods is None and self._route_name(path) in self.subtrees:
+            await self.subtrees[self._route_name(path)](scope, receive, send)
+        elif methods is None:
+            listed = ", ".join(f"{m} {p}" for p, ms in self.routes.items() for m in ms)
+            await self.reply(send, _error(404, "not_found", "path", f"no route {path}.",
+                                          f"Use {listed}."))
+        elif method not in methods:
+            allowed = ", ".join(methods)
+            await self.reply(send, _error(405, "bad_method", "method", f"{path} takes "
+                                          f"{allowed}, not {method}.", f"Send {allowed} "
+                                          f"{path}.", (b"allow", allowed.encode())))
         else:
-            body = self.engine.metrics.render()
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", CONTENT_TYPE.encode()),
-                (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await methods[method](scope, receive, send)
+
+    async def reply(self, send, answer: Answer) -> None:
+        """Send ``answer`` as JSON, counting an error's kind (a ranking 200 is counted by
+        the caller, with its request)."""
+        await _send(send, answer)
+        self.engine.metrics.answered(answer)
+
+    # --- Ranking. -------------------------------------------------------------------------
+
+    async def _open_inference(self, scope, receive, send) -> None:
+        """A path under /v2: kserve.route's answer, or an infer request served as /v1/rank
+        is, read and answered by a kserve.Infer."""
+        answer = kserve.route(scope["method"], scope["path"], self.engine)
+        if answer is None:
+            await self._rank(scope, receive, send, kserve.Infer(scope["headers"]))
+        else:
+            await self.reply(send, answer)
 
     async def _rank(self, scope, receive, send, protocol=RANK_V1) -> None:
         """A ranking request, read and its answer written by ``protocol`` (RANK_V1 or a
-        kserve.Infer): checked, queued, answered."""
+        kserve.Infer): checked, its deadline set, queued, answered."""
         start = time.perf_counter()
         try:
-            request = protocol.parse(await _read_body(scope, receive, self.limits),
+            request = protocol.parse(await read_body(scope, receive, self.limits),
                                      self.limits)
+            request.deadline = deadline(start, header(scope, DEADLINE_HEADER), request,
+                                        self.limits)
         except BadRequest as err:
-            answer = Answer(400, err.body(), kind=err.kind,
-                            headers=(CLOSE,) if err.field == "body" else ())
-            self.engine.metrics.answered(answer)
-            await _send(send, protocol.render(answer))
+            await self.reply(send, protocol.render(bad_request(err)))
+            return
+        except Disconnected:
+            self.engine.metrics.disconnects.inc()
             return
         request.timings["parse"] = time.perf_counter() - start
-        loop = asyncio.get_running_loop()
-        answered = loop.create_future()
-        request.reply = lambda answer: loop.call_soon_threadsafe(_settle, answered, answer)
-        answer = self.engine.submit(request) or await answered
+        answer = await self.answer(request, receive)
+        if answer is None:
+            return
         sent = time.perf_counter()
         await _send(send, protocol.render(answer))
         done = time.perf_counter()
         request.timings["serialize"] = done - sent
         self.engine.metrics.answered(answer, request, done - start)
 
+    async def answer(self, request: Request, receive) -> Answer | None:
+        """Submit a parsed request (its ``deadline`` set) and wait for its answer: the
+        engine's (200, or an error it decided), a refusal (503), 504 deadline once the
+        deadline passes, or None once the client has gone. In the last two the request is
+        marked cancelled, and the engine drops it at its next stage."""
+        loop = asyncio.get_running_loop()
+        answered = loop.create_future()
+        request.reply = lambda answer: loop.call_soon_threadsafe(_settle, answered, answer)
+        refused = self.engine.submit(request)
+        if refused is not None:
+            return refused
+        gone = loop.create_task(_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait(
+                (answered, gone), timeout=max(0.0, request.deadline - time.perf_counter()),
+                return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if answered in done:
+            return answered.result()
+        if gone in done:
+            request.cancelled = "disconnected"
+            self.engine.metrics.disconnects.inc()
+            return None
+        request.cancelled = "deadline"
+        return expired(request)
 
-async def _read_body(scope, receive, limits: Limits) -> bytes:
-    """The request body, refused (too_large) as soon as it passes the limit."""
-    declared = dict(scope["headers"]).get(b"content-length", b"0")
+    # --- Probes and metrics. --------------------------------------------------------------
+
+    async def _livez(self, scope, receive, send) -> None:
+        await self._probe(send, alive_only=True)
+
+    async def _readyz(self, scope, receive, send) -> None:
+        await self._probe(send, alive_only=False)
+
+    async def _probe(self, send, alive_only: bool) -> None:
+        """200 or 503 with ``{"status": state, "reason", "model_step"}``: liveness fails
+        only when broken, readiness whenever the engine is not serving."""
+        state, reason = self.engine.health()
+        ok = state != "broken" if alive_only else state == "serving"
+        await self.reply(send, Answer(200 if ok else 503, {
+            "status": state, "reason": reason, "model_step": self.engine.model_step}))
+
+    async def _metrics(self, scope, receive, send) -> None:
+        body = await off_loop(self.engine.metrics.render)
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", CONTENT_TYPE.encode()),
+            (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def header(scope, name: str) -> bytes | None:
+    """The value of request header ``name`` (any case), or None."""
+    wanted = name.lower().encode()
+    return next((value for key, value in scope["headers"] if key.lower() == wanted), None)
+
+
+async def read_body(scope, receive, limits: Limits) -> bytes:
+    """The request body, refused (413 too_large) as soon as it passes the limit; raises
+    :class:`Disconnected` when the client goes away first."""
+    declared = header(scope, "content-length") or b"0"
     if declared.isdigit() and int(declared) > limits.max_body:
         raise too_large_body(limits)
     chunks, size = [], 0
     while True:
         message = await receive()
+        if message["type"] == "http.disconnect":
+            raise Disconnected
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limits.max_body:
@@ -149,14 +278,51 @@ async def _read_body(scope, receive, limits: Limits) -> bytes:
             return b"".join(chunks)
 
 
-def _settle(future: asyncio.Future, answer: Answer) -> None:
+def bad_request(err: BadRequest) -> Answer:
+    """The answer to a refused request; a body error closes the connection (its body may
+    be unread)."""
+    return Answer(err.status, err.body(), kind=err.kind,
+                  headers=(CLOSE,) if err.field == "body" else ())
+
+
+async def off_loop(function):
+    """``function()``, run in a daemon thread of its own: the event loop goes on meanwhile,
+    whatever locks it waits for, and the process's exit never waits for it."""
+    loop = asyncio.get_running_loop()
+    result = loop.create_future()
+
+    def run():
+        try:
+            value = function()
+        except BaseException as err:  # noqa: BLE001 - raised in the awaiting coroutine
+            loop.call_soon_threadsafe(_settle_error, result, err)
+        else:
+            loop.call_soon_threadsafe(_settle, result, value)
+    threading.Thread(target=run, name=getattr(function, "__name__", "off_loop"),
+                     daemon=True).start()
+    return await result
+
+
+async def _disconnect(receive) -> None:
+    """Returns once the client has gone (uvicorn's receive, after the body, waits for it)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _settle(future: asyncio.Future, value) -> None:
     if not future.done():
-        future.set_result(answer)
+        future.set_result(value)
 
 
-def _error(status: int, kind: str, field: str, message: str, fix: str) -> Answer:
+def _settle_error(future: asyncio.Future, err: BaseException) -> None:
+    if not future.done():
+        future.set_exception(err)
+
+
+def _error(status: int, kind: str, field: str | None, message: str, fix: str,
+           *headers) -> Answer:
     return Answer(status, {"error": {"kind": kind, "field": field, "message": message,
-                                     "fix": fix}}, kind=kind)
+                                     "fix": fix}}, headers=headers, kind=kind)
 
 
 async def _send(send, answer: Answer) -> None:
@@ -188,13 +354,20 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(engine: Engine, limits: Limits, port: int) -> int:
-    """Serve on 127.0.0.1:``port`` until SIGTERM / SIGINT; the exit status (0, or 1 when
-    warm-up failed)."""
-    app = App(engine, limits, on_failure=lambda: server.fail())
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on",
-                            access_log=False, log_level="warning", timeout_keep_alive=30,
-                            timeout_graceful_shutdown=DRAIN_SECONDS)
+def drain_seconds(limits: Limits) -> int:
+    """How long uvicorn waits for the requests in flight on SIGTERM: the longest deadline
+    (every accepted request is answered by its deadline however long the queue) and a
+    margin."""
+    return math.ceil(limits.deadline_ms / 1e3) + DRAIN_MARGIN
+
+
+def serve(engine: Engine, limits: Limits, host: str, port: int, route_sets=()) -> int:
+    """Serve on ``host``:``port`` until SIGTERM / SIGINT; the exit status (0, or 1 when
+    warm-up failed). ``route_sets``: as :class:`App`'s."""
+    app = App(engine, limits, on_failure=lambda: server.fail(), route_sets=route_sets)
+    config = uvicorn.Config(app, host=host, port=port, lifespan="on", access_log=False,
+                            log_level="warning", timeout_keep_alive=30,
+                            timeout_graceful_shutdown=drain_seconds(limits))
     server = _Server(config, engine)
     server.run()
     return 1 if server.failed else 0

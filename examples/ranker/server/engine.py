@@ -6,12 +6,15 @@ Accepted requests wait in a bounded queue (:class:`RequestQueue`). Two threads s
   ``max_wait`` of the oldest), merges requests with equal store keys into one row, acquires
   the rows (``HistoryStore.acquire``), scores the requests whose history the store holds
   (device or host tier) in one jitted call and answers them, and hands the misses, their
-  lease still held, to the history stage;
-* the **history** stage runs one batched history pass over a batch's misses
+  lease still held, to the history stage through an unbounded FIFO (the hand-off never
+  blocks the front stage);
+* the **history** stage runs one batched history pass over a job's misses
   (``serve.fill_misses``), scores them in one call, answers them and releases the lease.
 
-A hit therefore never waits for a miss's history pass, in its own batch or an earlier one:
-the two stages share the CPU cores and nothing else. Batching rules:
+A hit therefore never waits for a miss's history pass, in its own batch or an earlier one,
+however many jobs the history stage has queued: the two stages share the CPU cores and the
+store's lock (held for policy and dispatch, not for passes) and nothing else. Batching
+rules:
 
 * a user's second version in one batch waits for the next batch (one acquire holds one
   history per user: RA220);
@@ -50,15 +53,24 @@ from rankattn.serving.store_device import Buckets, padded
 
 from examples.ranker import serve
 from examples.ranker.config import ACTIONS
-from examples.ranker.server.metrics import Metrics
-from examples.ranker.server.schema import ID_LIMIT, Answer, Request, ranked, unavailable
+from examples.ranker.server.metrics import STORE_COUNTS, Metrics
+from examples.ranker.server.schema import (ID_LIMIT, Answer, Request, expired, ranked,
+                                           unavailable)
 from examples.ranker.world import Sessions
 
 log = logging.getLogger("examples.ranker.server")
 DEFAULT_DEVICE_PAGES = 4096
-STORE_COUNTS = ("hits", "host_hits", "prefix_hits", "misses", "invalidations", "evictions",
-                "host_evictions", "clears")
 LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # one per program built
+STATE_REASONS = {"warming": "compiling the programs traffic uses", "serving": "ready",
+                 "draining": "shutting down, answering the requests it accepted"}
+STATE_FIXES = {
+    "warming": "Retry shortly: a warming server answers once it has compiled its programs "
+               "(GET /readyz answers 200).",
+    "draining": "Send to another replica: this one is shutting down.",
+    "broken": "Send to another replica: this one must be restarted (GET /livez answers 503)."}
+OVERLOADED_FIX = ("Retry after the Retry-After seconds or on another replica, or send a later "
+                  "deadline (X-Request-Deadline-Ms or deadline_ms, at most the server's "
+                  "--deadline-ms).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +86,7 @@ class Options:
     host_pages: int = 0
     max_users: int | None = None   # store slots; default: device_pages
     cache: bool = True
+    acquire_timeout: float = 1.0   # seconds an acquire may wait for an entry to be written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +183,19 @@ class RequestQueue:
             self._cond.notify_all()
 
 
+class ServiceTime:
+    """An exponentially weighted mean of measured seconds (the newest weighs ``weight``);
+    0 until the first measurement."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight, self.mean = weight, 0.0
+        self._measured = False
+
+    def add(self, seconds: float) -> None:
+        self.mean += (self.weight if self._measured else 1.0) * (seconds - self.mean)
+        self._measured = True
+
+
 @dataclasses.dataclass
 class _Job:
     """A batch's misses handed to the history stage: its lease (every row of one acquire),
@@ -184,14 +210,13 @@ class _Job:
 class Engine:
     """The model, the store, the queue and the two stage threads (see the module docstring).
 
-    ``history_delay`` (seconds, tests only) makes the history stage sleep before each pass,
-    its pins held, so that tests can catch requests in flight and a store full of pins.
+    ``service`` holds each stage's mean seconds per batch ("front": a batch's acquire, hit
+    scoring and hand-off; "history": a job's pass, write and scoring), which admission uses.
     """
 
-    def __init__(self, preset, graphdef, params, model_step: int, options: Options,
-                 history_delay: float = 0.0):
+    def __init__(self, preset, graphdef, params, model_step: int, options: Options):
         self.graphdef, self.params, self.model_step = graphdef, params, model_step
-        self.options, self.history_delay = options, history_delay
+        self.options = options
         self.anchor = preset.model.max_position
         rows = 1 << (options.max_batch - 1).bit_length()
         self.store = serve.make_store(preset.model, options.max_history,
@@ -200,22 +225,25 @@ class Engine:
                                       host_pages=options.host_pages, max_batch=rows)
         self.shapes = Shapes.of(self.store, options)
         self.queue = RequestQueue(options.max_queue)
+        self.service = {"front": ServiceTime(), "history": ServiceTime()}
         self.metrics = Metrics(self, rows)
-        self.state = "warming"  # then "serving", then "draining"
+        self.state = "warming"  # then "serving", then "draining" (health() adds "broken")
         self._state_lock = threading.Lock()
         self._programs_built = 0      # by this process (JAX's lowerings)
         self._programs_warm = None    # ... when warm-up ended
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
-        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()  # unbounded: put never blocks
+        self._history_busy = False
         self._batches = itertools.count()  # --no-cache: each batch's own version
-        self._baseline: dict = {}
+        self._baseline: dict | None = None  # the store's stats when warm-up ended
         self._threads: list[threading.Thread] = []
+        self._stopped = False
 
     # --- Life cycle. ----------------------------------------------------------------------
 
     def pinned_batches_fit(self) -> bool:
         """Whether three full batches of the longest history fit the store (then acquire
-        never fails for want of unpinned room: no cache_full)."""
+        does not fail for want of unpinned room while the history stage keeps up)."""
         rows = self.shapes.rows[-1]
         return (3 * rows * self.store.max_pages <= self.store.num_pages
                 and 3 * rows <= self.store.num_users)
@@ -260,9 +288,8 @@ class Engine:
         with self._state_lock:
             if self.state != "warming":
                 return
-            self._threads = [threading.Thread(target=self._front, name="front", daemon=True),
-                             threading.Thread(target=self._history, name="history",
-                                              daemon=True)]
+            self._threads = [self._stage("front", self._front),
+                             self._stage("history", self._history)]
             for thread in self._threads:
                 thread.start()
             self.state = "serving"
@@ -277,11 +304,37 @@ class Engine:
         with self._state_lock:
             self.state = "draining"
             threads = self._threads
+            self._stopped = True  # the stage threads now end on purpose
         self.queue.close()
         if threads:
             threads[0].join()
             self._jobs.put(None)
             threads[1].join()
+
+    @property
+    def jobs(self) -> int:
+        """Jobs queued for the history stage (not counting the one it runs)."""
+        return self._jobs.qsize()
+
+    def health(self) -> tuple[str, str]:
+        """(state, reason): "serving" (ready), "warming", "draining", or "broken" once a
+        stage thread has died (checked on each call: the watchdog of every probe and
+        submit). Never blocks."""
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        if dead and not self._stopped:
+            return "broken", (f"the {' and '.join(dead)} stage thread died (the log has the "
+                              "traceback); this process cannot serve any more")
+        return self.state, STATE_REASONS[self.state]
+
+    def _stage(self, name: str, run) -> threading.Thread:
+        """A stage thread; its death is logged (and seen by :meth:`health`)."""
+        def logged():
+            try:
+                run()
+            except BaseException:  # noqa: BLE001 - logged; health() reports it from now on
+                log.critical("the %s stage thread died: the server answers 503 broken",
+                             name, exc_info=True)
+        return threading.Thread(target=logged, name=name, daemon=True)
 
     def _on_event(self, event: str, seconds: float, fun_name: str = "?", **_) -> None:
         if event == LOWERING_EVENT:
@@ -294,8 +347,11 @@ class Engine:
     def compiles_after_warmup(self) -> int:
         return 0 if self._programs_warm is None else self._programs_built - self._programs_warm
 
-    def store_stats(self) -> dict:
-        """The store's stats, its counts since warm-up."""
+    def store_stats(self) -> dict | None:
+        """The store's stats, its counts since warm-up; None until warm-up has ended (its
+        counts are not traffic's, and warm-up holds the store)."""
+        if self._baseline is None:
+            return None
         stats = self.store.stats()
         return {k: v - self._baseline.get(k, 0) if k in STORE_COUNTS else v
                 for k, v in stats.items()}
@@ -303,29 +359,62 @@ class Engine:
     # --- Requests. ------------------------------------------------------------------------
 
     def submit(self, request: Request) -> Answer | None:
-        """Queue ``request`` (None), or the 503 that refuses it now."""
-        if self.state == "serving" and self.queue.put(request):
-            return None
-        if self.state == "serving":
+        """Queue ``request`` (None: it is answered through ``request.reply``), or the 503
+        that refuses it now: the engine is not serving, the queue is full, or the
+        request's deadline is nearer than its estimated wait (:meth:`front_wait`)."""
+        state, reason = self.health()
+        if state != "serving":
+            return unavailable(state, f"the server is {state}: {reason}.", STATE_FIXES[state])
+        wait, left = self.front_wait(len(self.queue)), request.deadline - time.perf_counter()
+        if wait > left:
+            return unavailable("overloaded", f"the request's deadline is {1e3 * left:.0f} ms "
+                               f"away and the server estimates {1e3 * wait:.0f} ms before it "
+                               "could answer even a cached history.", OVERLOADED_FIX)
+        if not self.queue.put(request):
             return unavailable("queue_full", f"{self.queue.capacity} requests are already "
                                "queued.", "Retry after a short wait, send fewer requests at "
                                "once, or start the server with a larger --max-queue (or run "
                                "more replicas).")
-        return unavailable(self.state, f"the server is {self.state}.",
-                           "Retry shortly: a warming server answers once it has compiled "
-                           "its programs (GET /healthz answers 200); a draining one is "
-                           "shutting down (send to another replica).")
+        return None
+
+    def front_wait(self, ahead: int) -> float:
+        """Estimated seconds until a request queued behind ``ahead`` others is answered as a
+        hit: its batch's wait to fill (none when the queue fills it), then the batches
+        ahead and its own at the front stage's mean batch time."""
+        fill = 0.0 if ahead + 1 >= self.options.max_batch else self.options.max_wait
+        return fill + (ahead // self.options.max_batch + 1) * self.service["front"].mean
+
+    def _live(self, requests: list[Request], stage: str) -> list[Request]:
+        """The requests still to compute before ``stage`` ("queue": the acquire; "history":
+        the history pass; "score": a scoring call): those past their deadline are answered
+        504 deadline, those the HTTP layer gave up on are dropped, both counted; answered
+        ones (refused at the hand-off) are left out."""
+        now, live = time.perf_counter(), []
+        for request in requests:
+            if request.answered:
+                continue
+            if request.cancelled or now >= request.deadline:
+                self.metrics.dropped.labels(stage, request.cancelled or "deadline").inc()
+                request.answer(expired(request))  # ignored where the HTTP layer gave up
+            else:
+                live.append(request)
+        return live
 
     def _front(self) -> None:
         while (batch := self.queue.take(self.options.max_batch,
                                         self.options.max_wait)) is not None:
-            self.metrics.batch.observe(len(batch))
             taken = time.perf_counter()
-            groups = {}
+            self.metrics.batch.observe(len(batch))
             for request in batch:
                 request.timings["queue"] = taken - request.arrival
+            batch = self._live(batch, "queue")
+            if not batch:
+                continue
+            groups = {}
+            for request in batch:
                 groups.setdefault(request.key, []).append(request)
             _guard(batch, self._place, list(groups.values()), next(self._batches))
+            self.service["front"].add(time.perf_counter() - taken)
 
     def _place(self, groups: list[list[Request]], batch_number: int) -> None:
         """Acquire the rows (one per group of equal keys), answer the hits, hand the misses
@@ -335,22 +424,34 @@ class Engine:
             versions = [hash((v, batch_number)) & (2**63 - 1) for v in versions]
         start = time.perf_counter()
         try:
-            lease = self.store.acquire(users, versions, lengths)
+            lease = self.store.acquire(users, versions, lengths,
+                                       timeout=self.options.acquire_timeout)
         except RankattnError as err:
             if err.code != "RA222":
                 raise
+            if time.perf_counter() - start >= self.options.acquire_timeout:
+                # RA222 comes at once when what could make room is pinned, and after the
+                # timeout when an entry the rows match was never written (a fault: the
+                # front stage only takes keys that no job is writing).
+                log.error("acquire timed out; its batch is answered 503 store_timeout: %s",
+                          err)
+                _answer_all([r for g in groups for r in g], unavailable(
+                    "store_timeout", f"the history store did not place this request's batch "
+                    f"within {1e3 * self.options.acquire_timeout:.0f} ms (--acquire-timeout-"
+                    "ms): it waited for a history that was never written.", "Retry; if it "
+                    "persists the server's log has the cause (a fault: please report it)."))
+                return
             if len(groups) > 1:
                 half = len(groups) // 2
                 self._place(groups[:half], batch_number)
                 self._place(groups[half:], batch_number)
                 return
-            for request in groups[0]:
-                request.answer(unavailable(
-                    "cache_full", "the history store is full of histories that requests in "
-                    "flight are using.", "Retry after the Retry-After seconds; if this is "
-                    "frequent, start the server with more --device-pages (room for 3 * "
-                    "--max-batch of the longest histories never fills), or fewer "
-                    "--max-batch."))
+            _answer_all(groups[0], unavailable(
+                "cache_full", "the history store is full of histories that requests in "
+                "flight are using.", "Retry after the Retry-After seconds; if this is "
+                "frequent, start the server with more --device-pages (room for 3 * "
+                "--max-batch of the longest histories does not fill while the history "
+                "stage keeps up), or fewer --max-batch."))
             return
         try:
             spent = time.perf_counter() - start
@@ -363,42 +464,67 @@ class Engine:
             if hits:
                 self._score([groups[i] for i in hits], lease.slots[hits],
                             [lease.source[i] for i in hits])
-            if misses:
-                if self.options.cache:
-                    self.queue.hold(groups[i][0].key for i in misses)
-                self._jobs.put(_Job(lease, groups, misses, time.perf_counter()))
+            if misses and self._hand_off(lease, groups, misses):
                 lease = None  # the history stage releases it
         finally:
             if lease is not None:
                 self.store.release(lease)
 
+    def _hand_off(self, lease, groups: list[list[Request]], misses: list[int]) -> bool:
+        """Queue the lease's misses for the history stage (never blocking); False, and the
+        caller releases the lease, when none is left to compute: the requests that the
+        history stage cannot answer before their deadline (its jobs ahead and this one at
+        its mean job time) are refused 503 overloaded first."""
+        wait = ((self.jobs + self._history_busy + 1)
+                * self.service["history"].mean)
+        late = time.perf_counter() + wait
+        requests = [r for i in misses for r in groups[i]]
+        refused = [r for r in requests if late > r.deadline]
+        _answer_all(refused, unavailable(
+            "overloaded", f"the history stage is busy: the server estimates {1e3 * wait:.0f} "
+            "ms before it could compute this request's history, past its deadline.",
+            OVERLOADED_FIX))
+        if len(refused) == len(requests):
+            return False
+        if self.options.cache:
+            self.queue.hold(groups[i][0].key for i in misses)
+        self._jobs.put(_Job(lease, groups, misses, time.perf_counter()))
+        return True
+
     def _history(self) -> None:
         while (job := self._jobs.get()) is not None:
+            self._history_busy = True
             requests = [r for i in job.misses for r in job.groups[i]]
             _guard(requests, self._compute, job)
+            self._history_busy = False
 
     def _compute(self, job: _Job) -> None:
-        """The misses of one acquire: history pass, write, score, answer, release."""
+        """The misses of one job: history pass, write, score, answer, release; the pass is
+        skipped when none of its requests is left to answer."""
         miss_groups = [job.groups[i] for i in job.misses]
+        keys = [g[0].key for g in miss_groups] if self.options.cache else []
+        written = False
         try:
+            if not self._live([r for g in miss_groups for r in g], "history"):
+                return
             start = time.perf_counter()
-            try:
-                time.sleep(self.history_delay)
-                rows = [None] * len(job.groups)
-                for i in job.misses:
-                    rows[i] = job.groups[i][0]
-                self._history_pass(job.lease, rows)
-            finally:  # written (or to be dropped at release): the queue may take the keys
-                if self.options.cache:
-                    self.queue.free(g[0].key for g in miss_groups)
+            rows = [None] * len(job.groups)
+            for i in job.misses:
+                rows[i] = job.groups[i][0]
+            self._history_pass(job.lease, rows)
+            self.queue.free(keys)  # written: the queue may take these keys (they hit)
+            written = True
             spent = time.perf_counter() - start
             self.metrics.call("history", len(job.misses), spent)
             for group in miss_groups:
                 for request in group:
                     request.timings.update(history_wait=start - job.handed, history=spent)
             self._score(miss_groups, job.lease.slots[job.misses], ["miss"] * len(job.misses))
+            self.service["history"].add(time.perf_counter() - start)
         finally:
             self.store.release(job.lease)
+            if not written:  # released unwritten, the entries are dropped: the keys miss
+                self.queue.free(keys)
 
     def _history_pass(self, lease, rows: list[Request | None]) -> None:
         """The history pass of the lease rows that miss (``rows[i]``: row i's request, None
@@ -412,8 +538,13 @@ class Engine:
             request.shapes.append(shape)
 
     def _score(self, groups: list[list[Request]], slots, sources: list[str]) -> None:
-        """Score every request of ``groups`` (group i reads cache slot ``slots[i]``) in one
-        call, and answer each."""
+        """Score the live requests of ``groups`` (group i reads cache slot ``slots[i]``) in
+        one call, and answer each."""
+        kept = [(live, slot, source) for group, slot, source in zip(groups, slots, sources)
+                if (live := self._live(group, "score"))]
+        if not kept:
+            return
+        groups, slots, sources = zip(*kept)
         requests = [r for g in groups for r in g]
         row_slots = np.repeat(np.asarray(slots, np.int32), [len(g) for g in groups])
         start = time.perf_counter()
@@ -438,6 +569,11 @@ class Engine:
         slots = padded(np.asarray(slots, np.int32), rows, 0, slots[0])
         return serve.score_rows(self.store, self.graphdef, self.params, sessions, slots,
                                 self.anchor)
+
+
+def _answer_all(requests: list[Request], answer: Answer) -> None:
+    for request in requests:
+        request.answer(answer)
 
 
 def _guard(requests: list[Request], step, *args) -> None:

@@ -1,16 +1,19 @@
 """The server's metrics, in Prometheus' text format (GET /metrics).
 
 Counters and histograms are recorded as requests are answered; the queue depth, the model
-step, the store's stats (counts since warm-up) and the programs compiled after warm-up are
-read when /metrics is scraped.
+step, readiness, the stages' mean batch times, the store's stats (counts since warm-up,
+exported once warm-up has ended) and the programs compiled after warm-up are read when
+/metrics is scraped, with the process, platform and garbage collector metrics of
+prometheus_client's default collectors. Every count is a counter (``_total``).
 """
 
 from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram,
+                               PlatformCollector, ProcessCollector, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SECONDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -23,6 +26,9 @@ STAGES = ("parse",         # JSON, checks, the history digest
           "history",       # misses: the batch's history pass and store.write
           "score",         # the scoring call that held the request
           "serialize")     # the answer's JSON, and sending it
+# HistoryStore.stats() entries that count events (exported as counters, since warm-up).
+STORE_COUNTS = ("hits", "host_hits", "prefix_hits", "misses", "invalidations", "evictions",
+                "host_evictions", "clears")
 
 
 class Metrics:
@@ -31,11 +37,23 @@ class Metrics:
     def __init__(self, engine, max_batch: int):
         self.engine = engine
         registry = self.registry = CollectorRegistry()
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=registry)
+        self.responses = Counter("ranker_responses", "HTTP answers by route (the path, or "
+                                 "\"other\" when no route has it) and status",
+                                 ["route", "status"], registry=registry)
         self.requests = Counter("ranker_requests", "Ranking requests answered 200, by where "
                                 "the history came from (device, host, miss, off)", ["cache"],
                                 registry=registry)
         self.errors = Counter("ranker_errors", "Requests answered with an error, by kind",
                               ["kind"], registry=registry)
+        self.dropped = Counter("ranker_dropped", "Accepted requests dropped before a stage "
+                               "(queue: the acquire; history: the history pass; score: a "
+                               "scoring call), by reason (deadline: past it, answered 504; "
+                               "disconnected: the client went away)", ["stage", "reason"],
+                               registry=registry)
+        self.disconnects = Counter("ranker_client_disconnects", "Ranking requests whose "
+                                   "client went away before their answer", registry=registry)
         self.latency = Histogram("ranker_request_seconds", "Seconds from a ranking request's "
                                  "first byte to its answer sent, 200s only, by cache source and "
                                  "by whether its batch held misses (hits do not wait for them)",
@@ -59,25 +77,40 @@ class Metrics:
         registry.register(self)
 
     def collect(self):
-        """The gauges read at scrape time (prometheus_client calls this)."""
+        """The metrics read at scrape time (prometheus_client calls this)."""
         engine = self.engine
         yield GaugeMetricFamily("ranker_queue_depth", "Requests accepted and not yet taken "
                                 "into a batch", value=len(engine.queue))
+        yield GaugeMetricFamily("ranker_history_jobs", "Jobs (a batch's misses) handed to "
+                                "the history stage and not yet started", value=engine.jobs)
         yield GaugeMetricFamily("ranker_model_step", "The checkpoint step served",
                                 value=engine.model_step)
-        yield GaugeMetricFamily("ranker_ready", "1 once warm-up is done and until draining",
-                                value=float(engine.state == "serving"))
-        yield GaugeMetricFamily("ranker_compiles_after_warmup", "Programs built after warm-up "
-                                "(0: warm-up compiled every shape traffic uses)",
-                                value=engine.compiles_after_warmup)
-        for name, value in engine.store_stats().items():
-            yield GaugeMetricFamily(f"ranker_store_{name}", f"HistoryStore.stats()['{name}'] "
-                                    "(counts since warm-up)", value=value)
+        yield GaugeMetricFamily("ranker_ready", "1 while /readyz answers 200 (warm, every "
+                                "stage thread alive, not draining)",
+                                value=float(engine.health()[0] == "serving"))
+        service = GaugeMetricFamily("ranker_service_seconds", "Each stage's mean seconds per "
+                                    "batch (exponentially weighted), which admission uses",
+                                    labels=["stage"])
+        for stage, time in engine.service.items():
+            service.add_metric([stage], time.mean)
+        yield service
+        yield CounterMetricFamily("ranker_compiles_after_warmup", "Programs built after "
+                                  "warm-up (0: warm-up compiled every shape traffic uses)",
+                                  value=engine.compiles_after_warmup)
+        stats = engine.store_stats()
+        for name, value in (stats or {}).items():
+            family = CounterMetricFamily if name in STORE_COUNTS else GaugeMetricFamily
+            yield family(f"ranker_store_{name}", f"HistoryStore.stats()['{name}']"
+                         + (" since warm-up" if name in STORE_COUNTS else ""), value=value)
 
     def answered(self, answer, request=None, seconds: float = 0.0) -> None:
-        """Count an answer; a 200's latency and stages too."""
+        """Count an answer: an error's kind, or a ranking 200's cache source, latency and
+        stages (``request``: the ranking request it answers)."""
         if answer.status != 200:
-            self.errors.labels(answer.kind).inc()
+            if answer.kind:
+                self.errors.labels(answer.kind).inc()
+            return
+        if request is None:
             return
         self.requests.labels(answer.cache).inc()
         batch = "with_misses" if request.batch_had_misses else "hits_only"

@@ -4,12 +4,19 @@ POST /v1/rank takes one JSON object::
 
     {"user": int, "context": int, "history_version": int (optional),
      "history_item": [int], "history_author": [int], "history_actions": [[0/1 per action]],
-     "cand_item": [int], "cand_author": [int], "request_id": str (optional)}
+     "cand_item": [int], "cand_author": [int], "request_id": str (optional),
+     "deadline_ms": number (optional)}
 
-A request that breaks a rule gets HTTP 400 and ``{"error": {"kind", "field", "message",
-"fix"}}``, kind one of :data:`KINDS`. The store key's version is the server's own digest of
-the context and the history arrays (:func:`serve.history_digest`); ``history_version`` is
-hashed into it as a hint (a new hint forces a recomputation) and never trusted alone.
+A request that breaks a rule gets HTTP 400 (413 for a body over the limit) and
+``{"error": {"kind", "field", "message", "fix"}}``, kind one of :data:`KINDS`. The store
+key's version is the server's own digest of the context and the history arrays
+(:func:`serve.history_digest`); ``history_version`` is hashed into it as a hint (a new hint
+forces a recomputation) and never trusted alone.
+
+A request's deadline (:func:`deadline`) is the nearest of the ``X-Request-Deadline-Ms``
+header, the ``deadline_ms`` field and the server's ``--deadline-ms`` (the default, and the
+longest a request may ask for), counted from its first byte; past it the server answers
+504 deadline.
 """
 
 from __future__ import annotations
@@ -30,16 +37,19 @@ VERSION_LIMIT = 2**63     # history_version is in [0, VERSION_LIMIT)
 REQUEST_ID_CHARS = 200
 REQUIRED = ("user", "context", "history_item", "history_author", "history_actions",
             "cand_item", "cand_author")
-OPTIONAL = ("history_version", "request_id")
+OPTIONAL = ("history_version", "request_id", "deadline_ms")
+DEADLINE_HEADER = "X-Request-Deadline-Ms"
 WEIGHTS = np.array([SCORE_WEIGHTS[a] for a in ACTIONS])
 
 
 class BadRequest(Exception):
-    """A request the server refuses with HTTP 400: what was wrong and what to send instead."""
+    """A request the server refuses with HTTP ``status`` (400, or 413 for a body over the
+    limit): what was wrong and what to send instead."""
 
-    def __init__(self, kind: str, field: str, message: str, fix: str):
+    def __init__(self, kind: str, field: str, message: str, fix: str, status: int = 400):
         super().__init__(message)
         self.kind, self.field, self.message, self.fix = kind, field, message, fix
+        self.status = status
 
     def body(self) -> dict:
         return {"error": {"kind": self.kind, "field": self.field, "message": self.message,
@@ -49,12 +59,14 @@ class BadRequest(Exception):
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What a request may hold: contexts in [0, contexts), at most ``max_history`` events and
-    ``max_candidates`` candidates, a body of at most ``max_body`` bytes."""
+    ``max_candidates`` candidates, a body of at most ``max_body`` bytes, a deadline of at
+    most ``deadline_ms`` (also the default)."""
 
     contexts: int
     max_history: int
     max_candidates: int
     max_body: int
+    deadline_ms: float = 5000.0
 
     @staticmethod
     def body_bytes(max_history: int, max_candidates: int) -> int:
@@ -72,7 +84,11 @@ class Request:
     HTTP layer and called once, from any thread, with an :class:`Answer`; ``timings`` holds
     the seconds each stage took for this request (metrics.STAGES); ``batch_had_misses``
     whether the acquire that placed it also placed misses; ``shapes`` the bucket shapes of
-    the programs that computed its answer (the X-Ranker-Shapes header).
+    the programs that computed its answer (the X-Ranker-Shapes header). ``deadline_ms`` is
+    the body's field; ``deadline`` the ``time.perf_counter()`` the answer is due by (set by
+    the HTTP layer, :func:`deadline`), ``cancelled`` why the HTTP layer stopped waiting
+    ("deadline": it answered 504 itself; "disconnected": the client went away), after which
+    the engine drops the request.
     """
 
     user: int
@@ -90,6 +106,9 @@ class Request:
     batch_had_misses: bool = False
     shapes: list = dataclasses.field(default_factory=list)
     answered: bool = False
+    deadline_ms: float | None = None
+    deadline: float = float("inf")
+    cancelled: str | None = None
 
     def answer(self, answer: "Answer") -> None:
         """Reply, once: later calls do nothing (a failed batch answers what it left)."""
@@ -131,6 +150,35 @@ def unavailable(kind: str, message: str, fix: str, retry_after: int = 1) -> Answ
                   headers=((b"retry-after", str(retry_after).encode()),), kind=kind)
 
 
+def expired(request: Request) -> Answer:
+    """The 504 of a request whose deadline passed before its answer was computed."""
+    return Answer(504, {"error": {
+        "kind": "deadline", "field": None, "message": "the request's deadline passed before "
+        "the server could answer it.", "fix": f"Send a later deadline ({DEADLINE_HEADER} or "
+        "deadline_ms, at most the server's --deadline-ms), or retry on a less loaded "
+        "replica."}}, kind="deadline")
+
+
+def deadline(start: float, header: bytes | None, request: Request, limits: Limits) -> float:
+    """The ``time.perf_counter()`` a request that arrived at ``start`` is due by: the nearest
+    of its ``X-Request-Deadline-Ms`` header, its ``deadline_ms`` field and the server's
+    ``limits.deadline_ms``; raises :class:`BadRequest` for a header that is not a positive
+    number of milliseconds."""
+    budgets = [limits.deadline_ms]
+    if request.deadline_ms is not None:
+        budgets.append(request.deadline_ms)
+    if header is not None:
+        try:
+            budgets.append(float(header.decode("latin-1")))
+        except ValueError:
+            budgets.append(float("nan"))
+        if not 0 < budgets[-1] < float("inf"):
+            raise BadRequest("bad_value", DEADLINE_HEADER, f"the {DEADLINE_HEADER} header is "
+                             f"{header.decode('latin-1')[:60]!r}.", "Send the milliseconds the "
+                             "server may take as a positive number, e.g. 250.")
+    return start + min(budgets) / 1e3
+
+
 def parse(body: bytes, limits: Limits) -> Request:
     """The request in ``body``, checked; raises :class:`BadRequest` naming the first problem."""
     return checked(decoded(body, limits), limits)
@@ -145,6 +193,10 @@ def decoded(body: bytes, limits: Limits) -> dict:
     except (ValueError, UnicodeDecodeError) as err:
         raise BadRequest("bad_json", "body", f"the body is not valid JSON: {err}.",
                          "Send one JSON object in UTF-8, e.g. " + EXAMPLE) from None
+    except RecursionError:
+        raise BadRequest("bad_json", "body", "the body nests arrays or objects deeper than "
+                         "the server parses.", "Send one JSON object whose values nest at "
+                         "most two levels (history_actions), e.g. " + EXAMPLE) from None
     if not isinstance(data, dict):
         raise BadRequest("bad_json", "body", f"the body is a JSON {type(data).__name__}, not "
                          "an object.", "Send one JSON object, e.g. " + EXAMPLE)
@@ -180,16 +232,24 @@ def checked(data: dict, limits: Limits) -> Request:
     cand_item = _ids(data, "cand_item", limits.max_candidates, "--max-candidates")
     cand_author = _ids(data, "cand_author", limits.max_candidates, "--max-candidates")
     _same_length("cand_author", cand_author, "cand_item", cand_item)
+    deadline_ms = data.get("deadline_ms")
+    if deadline_ms is not None and not (isinstance(deadline_ms, (int, float))
+                                        and not isinstance(deadline_ms, bool)
+                                        and 0 < deadline_ms < float("inf")):
+        raise BadRequest("bad_value", "deadline_ms", f"deadline_ms is {_show(deadline_ms)}.",
+                         "Send the milliseconds the server may take as a positive number, "
+                         "or leave it out (the server's --deadline-ms).")
     version = serve.history_digest(context, items, authors, actions, hint)
     return Request(user, context, items, authors, actions, cand_item, cand_author, request_id,
-                   version)
+                   version, deadline_ms=deadline_ms)
 
 
 def too_large_body(limits: Limits) -> BadRequest:
+    """The 413 of a body over ``limits.max_body``."""
     return BadRequest("too_large", "body", f"the body is longer than {limits.max_body} bytes.",
                       f"Send at most {limits.max_history} history events and "
                       f"{limits.max_candidates} candidates (the server's --max-history and "
-                      "--max-candidates).")
+                      "--max-candidates).", status=413)
 
 
 EXAMPLE = ('{"user": 7, "context": 0, "history_item": [3, 9], "history_author": [1, 2], '

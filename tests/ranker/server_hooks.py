@@ -1,0 +1,105 @@
+"""The ranking server with fault hooks, for tests only: ``python tests/ranker/server_hooks.py``
+takes the server's flags (``python -m examples.ranker server``'s) and these:
+
+* ``--history-delay-ms X``: the history stage sleeps X ms before each job, its pins held
+  (outside its measured job time), so that tests catch requests in flight, a busy history
+  stage and a store full of pins;
+* ``--hold-warmup``: warm-up holds the store's lock, as ``HistoryStore.warmup`` does through
+  its compile, until ``POST /_test/release-warmup`` (at most :data:`HOLD_LIMIT` seconds).
+
+and these routes:
+
+* ``POST /_test/release-warmup``: ends the hold;
+* ``POST /_test/leak`` (a /v1/rank body): acquires its store key and never writes or releases
+  it, as a lost lease or a failed copy leaves an entry pinned and unwritten;
+* ``POST /_test/kill-history``: the history stage's next job raises a BaseException, which
+  ends its thread (as a bug outside the per-batch error handling would);
+* ``GET /_test/raise``: a handler that raises.
+
+The production command has none of these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import sys
+import threading
+import time
+
+from examples.ranker import server
+from examples.ranker.server.app import read_body
+from examples.ranker.server.engine import Engine
+from examples.ranker.server.schema import Answer, parse
+
+HOLD_LIMIT = 120.0
+
+
+class StageKilled(BaseException):
+    """Raised in a stage thread by /_test/kill-history: not an Exception, so that it ends the
+    thread instead of answering its batch 500."""
+
+
+class HookedEngine(Engine):
+    """The engine with the hooks above."""
+
+    def __init__(self, *args, history_delay: float, hold_warmup: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.history_delay = history_delay
+        self.warmup_released = threading.Event()
+        if not hold_warmup:
+            self.warmup_released.set()
+        self.kill_history = False
+        self.leases = []  # leaked: never written, never released
+
+    def warmup(self) -> int:
+        with self.store._lock:  # as HistoryStore.warmup holds it through its compile
+            self.warmup_released.wait(HOLD_LIMIT)
+        return super().warmup()
+
+    def _compute(self, job) -> None:
+        if self.kill_history:
+            raise StageKilled("killed by POST /_test/kill-history")
+        time.sleep(self.history_delay)
+        super()._compute(job)
+
+
+def hook_routes(app) -> dict:
+    """The /_test routes of ``app`` (whose engine is a :class:`HookedEngine`)."""
+    engine = app.engine
+
+    async def release_warmup(scope, receive, send):
+        engine.warmup_released.set()
+        await app.reply(send, Answer(200, {"released": True}))
+
+    async def leak(scope, receive, send):
+        request = parse(await read_body(scope, receive, app.limits), app.limits)
+        lease = await asyncio.to_thread(engine.store.acquire, *zip(request.key))
+        engine.leases.append(lease)
+        await app.reply(send, Answer(200, {"source": lease.source[0]}))
+
+    async def kill_history(scope, receive, send):
+        engine.kill_history = True
+        await app.reply(send, Answer(200, {"kill_history": True}))
+
+    async def fail(scope, receive, send):
+        raise RuntimeError("GET /_test/raise raises")
+
+    return {"/_test/release-warmup": {"POST": release_warmup}, "/_test/leak": {"POST": leak},
+            "/_test/kill-history": {"POST": kill_history}, "/_test/raise": {"GET": fail}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    server.add_arguments(parser)
+    parser.add_argument("--history-delay-ms", type=float, default=0.0)
+    parser.add_argument("--hold-warmup", action="store_true")
+    args = parser.parse_args()
+    engine = functools.partial(HookedEngine, history_delay=args.history_delay_ms / 1e3,
+                               hold_warmup=args.hold_warmup)
+    return server.main(args, parser, engine_class=engine, route_sets=(hook_routes,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
