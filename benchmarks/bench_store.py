@@ -7,11 +7,13 @@ Three measurements on the reference ranker's small preset (examples/ranker; fres
 initialised weights: speed does not depend on them), 64 candidates per request:
 
 1. A request stream: Zipf(1.1) popularity over ten times more users than the store's
-   device slots, 10% of requests carrying a changed history (one new event), served one
-   request at a time through the store. Its hit rate is compared with an offline LRU
-   simulation of the same trace (the store's rules, run sequentially, so the two must be
-   equal) and with Belady's MIN (evict the entry used furthest in the future; optimal only
-   for entries of equal size). Per-request latency by source, and the compiled programs.
+   device slots, with fewer device pages than the slots' longest histories need and a host
+   tier, 10% of requests carrying a changed history (one new event), served one request at
+   a time through the store. Each request's source (device hit, host restore, miss) is
+   compared with an offline simulation of the same trace (a model of the store's rules,
+   run sequentially, so the two must agree request by request), and the hit rate with
+   Belady's MIN (evict the entry used furthest in the future; optimal only for entries of
+   equal size). Per-request latency by source, and the compiled programs.
 2. Per-request time, interleaved rounds on one user: a hit, a miss (history pass + write),
    and the store turned off (history pass + a fresh cache every request).
 3. A host-tier restore against recomputing the same user's history (history pass + write),
@@ -44,8 +46,12 @@ from examples.ranker.world import World  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_store.py  # from the repository root"
 OUT = Path(__file__).with_name("STORE.md")
-SMOKE = dict(users=40, device_users=4, requests=24, rounds=1, history=60, candidates=4)
-FULL = dict(users=1000, device_users=100, requests=2000, rounds=15, history=None, candidates=64)
+# device_pages: a quarter (smoke: half) of the room for every slot's longest history, so pages
+# run out before slots do; host_pages: a host tier that fills and drops its oldest spills.
+SMOKE = dict(users=40, device_users=4, device_pages=8, host_pages=8, requests=48, rounds=1,
+             history=60, candidates=4)
+FULL = dict(users=1000, device_users=100, device_pages=1600, host_pages=3200, requests=2000,
+            rounds=15, history=None, candidates=64)
 ZIPF, CHANGED = 1.1, 0.10
 
 
@@ -116,34 +122,59 @@ def keys_of(sessions, order, changed, seed: int = 1):
     return keys
 
 
-def simulate(keys, slots: int, pages: int, page_size: int, policy: str) -> dict:
-    """Hits and misses of a store of ``slots`` entries and ``pages`` pages serving ``keys`` one
-    at a time: "lru" (the store's rule) or "min" (Belady: the entry next used furthest away,
-    never for a replaced version)."""
-    cached: dict[int, tuple] = {}            # user -> (version, length); dict order = LRU
+def simulate(keys, slots: int, pages: int, page_size: int, policy: str,
+             host_pages: int = 0) -> dict:
+    """Each request's source ("device", "host" or "miss") in a store of ``slots`` entries,
+    ``pages`` device pages and ``host_pages`` host pages serving ``keys`` one at a time, by a
+    model of the policy written here from its rules (docs/serving.md), not from the store's
+    code: a changed history drops the user's entry; room is made by evicting "lru" (the
+    store's rule: the least recently used) or "min" (Belady: the entry next used furthest
+    away) until a slot and the pages are free; an evicted entry moves to the host tier when
+    it fits beside the entry this request restores, which drops its oldest spills for it;
+    the same key comes back from there. Also counts the evictions made while a slot was
+    free (the pages ran out)."""
+    device: dict[int, tuple] = {}  # user -> (version, length); dict order: least recent first
+    host: dict[int, tuple] = {}    # user -> (version, length); dict order: oldest spill first
     next_use = collections.defaultdict(collections.deque)
     for t, key in enumerate(keys):
         next_use[key].append(t)
-    used = hits = 0
-    for t, key in enumerate(keys):
-        user, version, length = key
-        next_use[key].popleft()
-        need = -(-length // page_size)
-        if cached.get(user) == (version, length):
-            hits += 1
-            cached[user] = cached.pop(user)  # most recently used
+
+    def size(entries) -> int:
+        return sum(-(-length // page_size) for _, length in entries.values())
+
+    sources, page_evictions = [], 0
+    for user, version, length in keys:
+        next_use[(user, version, length)].popleft()
+        if device.get(user) == (version, length):
+            sources.append("device")
+            device[user] = device.pop(user)  # the most recent
             continue
-        if user in cached:                   # a stale version: dropped
-            used -= -(-cached.pop(user)[1] // page_size)
-        while len(cached) + 1 > slots or used + need > pages:
+        device.pop(user, None)  # a changed history: dropped, never spilled
+        restoring = host.get(user) == (version, length)
+        if not restoring:
+            host.pop(user, None)
+        need = -(-length // page_size)
+        kept = need if restoring else 0  # host pages the restore holds until it is placed
+        while len(device) + 1 > slots or size(device) + need > pages:
+            page_evictions += len(device) < slots
             if policy == "lru":
-                victim = next(iter(cached))
+                victim = next(iter(device))
             else:
-                victim = max(cached, key=lambda u: (next_use[(u, *cached[u])] or [len(keys)])[0])
-            used -= -(-cached.pop(victim)[1] // page_size)
-        cached[user] = (version, length)
-        used += need
-    return dict(hits=hits, misses=len(keys) - hits, hit_rate=hits / len(keys))
+                victim = max(device, key=lambda u: (next_use[(u, *device[u])] or [len(keys)])[0])
+            spilled = device.pop(victim)
+            pages_of = -(-spilled[1] // page_size)
+            if pages_of <= host_pages - kept:
+                while size(host) + pages_of > host_pages:
+                    del host[next(u for u in host if u != user)]
+                host[victim] = spilled
+        if restoring:
+            del host[user]
+        device[user] = (version, length)
+        sources.append("host" if restoring else "miss")
+    counts = collections.Counter(sources)
+    return dict(sources=sources, hits=counts["device"], host_hits=counts["host"],
+                misses=counts["miss"], hit_rate=counts["device"] / len(keys),
+                page_evictions=page_evictions)
 
 
 # --- Measurements. -----------------------------------------------------------------------------
@@ -154,33 +185,41 @@ def stream(s: Setup, cfg: dict) -> dict:
     sessions, order, changed = make_trace(s, cfg["users"], cfg["requests"])
     keys = keys_of(sessions, order, changed)
     history_max = s.preset.world.history_max
-    store = serve.make_store(s.preset.model, history_max, users=cfg["device_users"])
+    store = serve.make_store(s.preset.model, history_max, users=cfg["device_users"],
+                             device_pages=cfg["device_pages"], host_pages=cfg["host_pages"])
     warm = store.warmup()
     live = dataclasses.replace(sessions, **{
         f: getattr(sessions, f).copy() for f in ("history_item", "history_author",
                                                  "history_actions", "history_len")})
     rng = np.random.default_rng(1)
     times = collections.defaultdict(list)
+    sources = []
     compile_calls = 3  # the first hit / miss compile the ranker's programs: untimed
     for i, change in zip(order, changed):
         if change:
             new_event(live, i, rng)
         one = live.take(np.array([i]))
         start = time.perf_counter()
-        _, sources = serve.store_logits(store, s.graphdef, s.params, one, s.anchor)
+        _, got = serve.store_logits(store, s.graphdef, s.params, one, s.anchor)
         elapsed = time.perf_counter() - start
+        sources.append(got[0])
         if compile_calls:
             compile_calls -= 1
             continue
-        times[sources[0]].append(elapsed)
+        times[got[0]].append(elapsed)
     stats = store.stats()
-    page = serve.PAGE_SIZE
-    args = (cfg["device_users"], store.num_pages, page)
+    args = (cfg["device_users"], store.num_pages, serve.PAGE_SIZE)
+    lru = simulate(keys, *args, "lru", store.host_capacity)
+    differ = [i for i, (a, b) in enumerate(zip(sources, lru["sources"])) if a != b]
     return dict(requests=len(keys), users=cfg["users"], device_users=cfg["device_users"],
-                device_pages=store.num_pages, hits=stats["hits"], misses=stats["misses"],
+                device_pages=store.num_pages, room=cfg["device_users"] * store.max_pages,
+                host_pages=store.host_capacity, hits=stats["hits"],
+                host_hits=stats["host_hits"], misses=stats["misses"],
                 invalidations=stats["invalidations"], evictions=stats["evictions"],
-                hit_rate=stats["hits"] / len(keys), lru=simulate(keys, *args, "lru"),
-                belady=simulate(keys, *args, "min"),
+                host_evictions=stats["host_evictions"], hit_rate=stats["hits"] / len(keys),
+                sources=sources, lru=lru, agree=len(keys) - len(differ),
+                first_difference=differ[0] if differ else None,
+                belady=simulate(keys, *args, "min", store.host_capacity),
                 median_ms={k: 1e3 * float(np.median(v)) for k, v in times.items()},
                 timed={k: len(v) for k, v in times.items()},
                 programs_after_warmup=warm, programs_after_stream=stats["compiled_programs"],
@@ -300,21 +339,30 @@ def report(results: dict) -> str:
         "## 1. A request stream",
         "",
         f"{a['requests']} requests, one at a time, Zipf({ZIPF}) popularity over {a['users']} "
-        f"users, a store of {a['device_users']} device slots ({a['device_pages']} pages: room "
-        f"for every slot's longest history), {int(CHANGED * 100)}% of requests carrying a "
-        "changed history (one new event).",
+        f"users, {int(CHANGED * 100)}% of requests carrying a changed history (one new "
+        f"event). A store of {a['device_users']} device slots and {a['device_pages']} device "
+        f"pages ({a['device_pages'] / a['room']:.0%} of the {a['room']} that every slot's "
+        f"longest history needs: {a['lru']['page_evictions']} of the {a['evictions']} "
+        "evictions were made with a slot free, because the pages ran out), and a host tier "
+        f"of {a['host_pages']} pages.",
         "",
-        "| | hits | misses | hit rate |",
-        "|---|---|---|---|",
-        f"| the store | {a['hits']} | {a['misses']} | {a['hit_rate']:.3f} |",
-        f"| offline LRU simulation of the same trace | {a['lru']['hits']} | "
-        f"{a['lru']['misses']} | {a['lru']['hit_rate']:.3f} |",
-        f"| Belady's MIN (the bound for equal sizes) | {a['belady']['hits']} | "
-        f"{a['belady']['misses']} | {a['belady']['hit_rate']:.3f} |",
+        "| | device hits | host restores | misses | device hit rate |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in (("the store", a), ("offline simulation of the store's rules", a["lru"]),
+                    ("Belady's MIN (the bound on device hits for equal sizes)", a["belady"])):
+        lines.append(f"| {name} | {r['hits']} | {r['host_hits']} | {r['misses']} | "
+                     f"{r['hit_rate']:.3f} |")
+    differ = ("" if a["first_difference"] is None else
+              f" (the first that differs: request {a['first_difference']}, the store "
+              f"{a['sources'][a['first_difference']]}, the simulation "
+              f"{a['lru']['sources'][a['first_difference']]})")
+    lines += [
         "",
-        f"The store equals the simulation: **{a['hits'] == a['lru']['hits']}**. "
+        f"Request by request, the store's source (device, host or miss) equals the "
+        f"simulation's for **{a['agree']} of {a['requests']}** requests{differ}. "
         f"Invalidations (changed histories dropped): {a['invalidations']}; evictions: "
-        f"{a['evictions']}.",
+        f"{a['evictions']}; host-tier evictions: {a['host_evictions']}.",
         "",
         "Median latency per request by source (the first requests, which compile the ranker's "
         "programs, untimed):",
@@ -325,8 +373,11 @@ def report(results: dict) -> str:
     lines += [f"| {k} | {a['timed'][k]} | {v:.1f} |" for k, v in sorted(a["median_ms"].items())]
     lines += [
         "",
-        f"Compiled device programs of the store: {a['programs_after_warmup']} after `warmup()`, "
-        f"{a['programs_after_stream']} after the stream (bound: {a['program_bound']}); the "
+        f"Programs JAX built for the store's calls (`stats()[\"compiled_programs\"]`): "
+        f"{a['programs_after_warmup']} after `warmup()` (its device updates: at most "
+        f"{a['program_bound']}), {a['programs_after_stream']} after the stream. Those built "
+        "during the stream take the rows of the history pass's K/V, a jax array, on the "
+        "device (one small program per token bucket: shapes warm-up cannot know); the "
         "ranker's history pass and scoring take one shape each here (one request at a time).",
         "",
         "## 2. Per request: a hit, a miss, the store turned off",

@@ -161,7 +161,7 @@ def rows_of(x, index: np.ndarray, tokens: int):
     :func:`write` takes from a caller's K/V. numpy stays numpy; a jax array stays on its device
     (one small program per input shape and bucket)."""
     if isinstance(x, jax.Array):
-        return _device_rows_of(x, jnp.asarray(index), tokens)
+        return _device_rows_of(x, index, tokens)  # index as numpy: no program to move it
     return padded(np.asarray(x)[:, index, :tokens], tokens, 2, 0)
 
 
