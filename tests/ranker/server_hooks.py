@@ -14,6 +14,8 @@ and these routes:
   it, as a lost lease or a failed copy leaves an entry pinned and unwritten;
 * ``POST /_test/kill-history``: the history stage's next job raises a BaseException, which
   ends its thread (as a bug outside the per-batch error handling would);
+* ``POST /_test/fail-next-pass``: the next history pass fails with RA224, as the store's write
+  does when its device update fails (e.g. out of memory);
 * ``GET /_test/raise``: a handler that raises.
 
 The production command has none of these.
@@ -27,6 +29,8 @@ import functools
 import sys
 import threading
 import time
+
+from rankattn.errors import fail
 
 from examples.ranker import server
 from examples.ranker.server.app import read_body
@@ -51,6 +55,7 @@ class HookedEngine(Engine):
         if not hold_warmup:
             self.warmup_released.set()
         self.kill_history = False
+        self.fail_next_pass = False
         self.leases = []  # leaked: never written, never released
 
     def warmup(self) -> int:
@@ -63,6 +68,12 @@ class HookedEngine(Engine):
             raise StageKilled("killed by POST /_test/kill-history")
         time.sleep(self.history_delay)
         super()._compute(job)
+
+    def _history_pass(self, lease, rows) -> None:
+        if self.fail_next_pass:
+            self.fail_next_pass = False
+            raise fail("RA224", "the store's write failed (POST /_test/fail-next-pass)")
+        super()._history_pass(lease, rows)
 
 
 def hook_routes(app) -> dict:
@@ -83,11 +94,16 @@ def hook_routes(app) -> dict:
         engine.kill_history = True
         await app.reply(send, Answer(200, {"kill_history": True}))
 
-    async def fail(scope, receive, send):
+    async def fail_next_pass(scope, receive, send):
+        engine.fail_next_pass = True
+        await app.reply(send, Answer(200, {"fail_next_pass": True}))
+
+    async def raises(scope, receive, send):
         raise RuntimeError("GET /_test/raise raises")
 
     return {"/_test/release-warmup": {"POST": release_warmup}, "/_test/leak": {"POST": leak},
-            "/_test/kill-history": {"POST": kill_history}, "/_test/raise": {"GET": fail}}
+            "/_test/kill-history": {"POST": kill_history},
+            "/_test/fail-next-pass": {"POST": fail_next_pass}, "/_test/raise": {"GET": raises}}
 
 
 def main() -> int:

@@ -440,6 +440,18 @@ def test_a_request_whose_client_leaves_is_dropped(server_a, sessions):
     assert history_passes(after) == history_passes(before)
 
 
+def test_a_failed_store_write_answers_503_and_a_retry_recomputes(server_a, model, sessions):
+    """A history pass whose store write fails (RA224, as on an allocation failure; injected by
+    /_test/fail-next-pass) answers its request 503 store_failed, not 500; the retry is a miss,
+    recomputed and correct."""
+    request = body(sessions, 35, events=10, user=7 * 10**6 + 2)
+    assert server_a.request("POST", "/_test/fail-next-pass")[0] == 200
+    status, headers, answer = server_a.rank(request)
+    assert status == 503 and answer["error"]["kind"] == "store_failed", answer
+    assert "retry-after" in headers
+    assert_answer(model, request, *server_a.rank(request)[0::2], cache="miss")
+
+
 def inference_request(request: dict, nested: bool = False, actions: str = "INT64",
                       **extra) -> dict:
     """``request`` (a /v1/rank body) as an Open Inference request: one input per field,

@@ -577,17 +577,26 @@ def _answer_all(requests: list[Request], answer: Answer) -> None:
 
 
 def _guard(requests: list[Request], step, *args) -> None:
-    """Run ``step``; if it fails, answer the requests it left unanswered with a 500 (the
-    traceback goes to the log), so that no accepted request goes without an answer."""
+    """Run ``step``; if it fails, answer the requests it left unanswered (the traceback goes
+    to the log), so that no accepted request goes without an answer: 503 store_failed when a
+    store copy or update failed (RA224, e.g. out of memory: the store dropped the entries, a
+    retry recomputes them), else 500 internal (a bug)."""
     try:
         step(*args)
-    except Exception:  # noqa: BLE001 - answered, logged, and the stage goes on
+    except Exception as err:  # noqa: BLE001 - answered, logged, and the stage goes on
         log.exception("serving a batch failed")
-        for request in requests:
-            request.answer(Answer(500, {"error": {
+        if isinstance(err, RankattnError) and err.code == "RA224":
+            answer = unavailable("store_failed", "the history store failed to copy or write "
+                                 "this request's history (the log has why, e.g. out of "
+                                 "memory) and dropped it.", "Retry: the history is then "
+                                 "recomputed. If it recurs, give the server more memory or a "
+                                 "smaller store (--device-pages, --host-pages).")
+        else:
+            answer = Answer(500, {"error": {
                 "kind": "internal", "field": None, "message": "the server failed on this "
                 "request's batch.", "fix": "Retry; the server's log has the traceback (a "
-                "bug: please report it)."}}, kind="internal"))
+                "bug: please report it)."}}, kind="internal")
+        _answer_all(requests, answer)
 
 
 def _sessions(requests: list[Request | None], rows: int, events: int,
