@@ -7,7 +7,8 @@
                (--smoke: the smallest shapes, 1 round, to check it end to end)
   report       rewrite the results block of examples/ranker/README.md from DIR/*.json
                (and the bench.json of each --also DIR)
-  server       the ranking server on 127.0.0.1:PORT (POST /v1/rank, /healthz, /metrics)
+  server       the ranking server on HOST:PORT (POST /v1/rank, /livez, /readyz, /metrics,
+               the Open Inference Protocol under /v2)
   loadtest     an open-loop load generator for the server; writes --report FILE
   serverbench  latency against offered load, store against --no-cache and batch 8 against
                1; writes benchmarks/SERVER.md (--smoke: tiny, into DIR)
