@@ -530,12 +530,14 @@ def test_open_inference_metadata_and_health(server_a):
 
 
 def test_open_inference_health_follows_the_engine():
-    """While warming (or draining) the server is live and not ready, as /healthz says."""
+    """The v2 probes answer as /livez and /readyz in every state of Engine.health: live
+    unless broken, ready only when serving."""
     from examples.ranker.server import kserve
 
-    for state, ready in (("warming", 503), ("serving", 200), ("draining", 503)):
-        engine = SimpleNamespace(state=state, model_step=STEP)
-        assert kserve.route("GET", "/v2/health/live", engine).status == 200
+    for state, live, ready in (("warming", 200, 503), ("serving", 200, 200),
+                               ("draining", 200, 503), ("broken", 503, 503)):
+        engine = SimpleNamespace(health=lambda state=state: (state, "why"), model_step=STEP)
+        assert kserve.route("GET", "/v2/health/live", engine).status == live
         assert kserve.route("GET", "/v2/health/ready", engine).status == ready
         assert kserve.route("GET", "/v2/models/ranker/ready", engine).status == ready
 
@@ -568,7 +570,8 @@ def bad_inference_requests(sessions) -> list[tuple[str, str, object]]:
             ("bad_value", "user", changed("user", data=[1.5])),
             ("bad_value", "id", dict(good, id=5)),
             ("bad_value", "inputs", dict(good, inputs={})),
-            ("bad_value", "colour", dict(good, parameters={"colour": 1}))]
+            ("bad_value", "colour", dict(good, parameters={"colour": 1})),
+            ("bad_value", "timeout", dict(good, parameters={"timeout": -5}))]
 
 
 def test_open_inference_bad_requests_get_400_and_service_continues(server_a, model,
@@ -587,7 +590,8 @@ def test_open_inference_bad_requests_get_400_and_service_continues(server_a, mod
 
 def test_tritonclient_ranks_through_open_inference(server_a, sessions):
     """Triton's own HTTP client (binary input data, its default), driven by the metadata:
-    live, ready, an answer equal to /v1/rank's, an error as its exception with status 400."""
+    live, ready, an answer equal to /v1/rank's, an error as its exception with status 400, and
+    its timeout as the request's deadline (1 us: refused at once, 503 overloaded)."""
     import tritonclient.http as triton
     from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
@@ -609,7 +613,7 @@ def test_tritonclient_ranks_through_open_inference(server_a, sessions):
             return out
 
         request = body(sessions, 23, events=7, candidates=4, user=5 * 10**6)
-        result = client.infer("ranker", tensors(request), request_id="t-1")
+        result = client.infer("ranker", tensors(request), request_id="t-1", timeout=10**7)
         answer = result.get_response()
         assert answer["id"] == "t-1" and answer["parameters"]["cache"] == "miss"
         status, _, ranked = server_a.rank(request)
@@ -620,6 +624,9 @@ def test_tritonclient_ranks_through_open_inference(server_a, sessions):
             client.infer("ranker", tensors(dict(request, cand_item=[1] * 9,
                                                 cand_author=[1] * 9)))
         assert err.value.status() == "400"
+        with pytest.raises(InferenceServerException, match="overloaded") as err:
+            client.infer("ranker", tensors(request), timeout=1)
+        assert err.value.status() == "503"
     finally:
         client.close()
 
@@ -727,7 +734,8 @@ def test_an_acquire_that_waits_for_a_leaked_pin_answers_503(server_b, model, ses
 def test_a_dead_stage_thread_fails_readiness_and_liveness(server_b, sessions):
     """(Last on server B.) The history stage's thread dies on its next job: that job's request
     gets 504 at its deadline, then /readyz, /healthz and /livez answer 503 broken naming the
-    stage, a ranking request 503 broken at once, and SIGTERM still exits 0."""
+    stage (and /v2/health/live and /ready 503), a ranking request 503 broken at once, and
+    SIGTERM still exits 0."""
     assert server_b.request("POST", "/_test/kill-history")[0] == 200
     request = body(sessions, 34, events=10, user=8 * 10**6 + 2)
     status, _, answer = server_b.rank(dict(request, deadline_ms=1000))
@@ -736,6 +744,8 @@ def test_a_dead_stage_thread_fails_readiness_and_liveness(server_b, sessions):
         status, answer = probe(server_b, path)
         assert status == 503 and answer["status"] == "broken", (path, answer)
         assert "history stage thread died" in answer["reason"]
+    for path, key in (("/v2/health/live", "live"), ("/v2/health/ready", "ready")):
+        assert probe(server_b, path) == (503, {key: False})  # as /livez and /readyz
     status, _, answer = server_b.rank(request)
     assert status == 503 and answer["error"]["kind"] == "broken", answer
     assert server_b.stop() == 0

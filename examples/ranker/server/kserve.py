@@ -1,11 +1,11 @@
 """The Open Inference Protocol (KServe v2, as Triton's and KServe's clients speak it) beside
 POST /v1/rank: the same model, checks, engine and statuses.
 
-App._http hands every path under /v2 to :func:`route`:
+The app hands every path under /v2 to :func:`route`:
 
 * ``GET /v2``: the server's metadata;
-* ``GET /v2/health/live`` and ``GET /v2/health/ready``: 200 while the process serves HTTP
-  (warming included), and 200 once warm (503 while warming or draining);
+* ``GET /v2/health/live`` and ``GET /v2/health/ready``: as ``/livez`` and ``/readyz``
+  (:func:`live`, :func:`ready`): 200 or 503, from ``Engine.health``;
 * ``GET /v2/models/ranker[/versions/STEP]``: the model's metadata (:data:`INPUTS`,
   :data:`OUTPUTS`; -1 marks a variable dimension); STEP is the checkpoint step served;
 * ``GET /v2/models/ranker[/versions/STEP]/ready``;
@@ -14,7 +14,9 @@ App._http hands every path under /v2 to :func:`route`:
 
 Infer reads the inputs into the fields a /v1/rank body holds and checks them with
 ``schema.checked``: every 400 of /v1/rank, with its kind and message. Errors are the
-protocol's ``{"error": "KIND: message fix"}``, with the status /v1/rank would answer.
+protocol's ``{"error": "KIND: message fix"}``, with the status /v1/rank would answer. A
+request's deadline is the ``X-Request-Deadline-Ms`` header, as for /v1/rank, or Triton's
+``timeout`` parameter (microseconds; /v1/rank's ``deadline_ms``), and the server's default.
 
 Tensor data: ``data`` flat (row-major) or nested, or binary (Triton's binary tensor data
 extension, what tritonclient sends by default: the JSON's length in the
@@ -73,14 +75,14 @@ EXAMPLE = ('{"id": "1", "inputs": [{"name": "user", "datatype": "INT64", "shape"
            '{"name": "cand_author", "datatype": "INT64", "shape": [2], "data": [1, 1]}]}')
 
 
-def serves(path: str) -> bool:
-    """Whether ``path`` is this protocol's (App._http hands it to :func:`route`)."""
-    return path == "/v2" or path.startswith("/v2/")
+def live(engine) -> bool:
+    """Whether the process can serve (/livez's 200): every stage thread alive."""
+    return engine.health()[0] != "broken"
 
 
 def ready(engine) -> bool:
-    """Whether the engine takes requests: warm, and not draining."""
-    return engine.state == "serving"
+    """Whether the engine takes requests (/readyz's 200): warm, whole, not draining."""
+    return engine.health()[0] == "serving"
 
 
 def route(method: str, path: str, engine) -> Answer | None:
@@ -92,9 +94,9 @@ def route(method: str, path: str, engine) -> Answer | None:
         if path == "/v2":
             return Answer(200, {"name": SERVER, "version": rankattn.__version__,
                                 "extensions": []})
-        if path == "/v2/health/live":  # answered: the process serves HTTP
-            return Answer(200, {"live": True})
-        return Answer(200 if ready(engine) else 503, {"ready": ready(engine)})
+        if path == "/v2/health/live":
+            return _probe(live(engine), {"live": live(engine)})
+        return _probe(ready(engine), {"ready": ready(engine)})
     match = MODEL_PATH.fullmatch(path)
     if match is None:
         return _error(404, "not_found", f"no route {path}.", "Use GET /v2, GET "
@@ -114,7 +116,7 @@ def route(method: str, path: str, engine) -> Answer | None:
     if method != "GET":
         return _bad_method(method, path, "GET")
     if action == "/ready":
-        return Answer(200 if ready(engine) else 503, {"name": MODEL, "ready": ready(engine)})
+        return _probe(ready(engine), {"name": MODEL, "ready": ready(engine)})
     return Answer(200, {"name": MODEL, "versions": [step], "platform": "jax",
                         "inputs": [t.metadata() for t in INPUTS],
                         "outputs": [t.metadata() for t in OUTPUTS]})
@@ -148,8 +150,8 @@ class Infer:
                              f"string of at most {REQUEST_ID_CHARS} characters, or leave it "
                              "out.")
         # binary_data_output (tritonclient sends it): answered in JSON all the same.
-        _only(_object(data.get("parameters", {}), "parameters"), "parameters",
-              ("binary_data_output",))
+        parameters = _only(_object(data.get("parameters", {}), "parameters"), "parameters",
+                           ("binary_data_output", "timeout"))
         if "outputs" in data:
             self.outputs = _requested(data["outputs"])
         inputs = data.get("inputs")
@@ -164,6 +166,8 @@ class Infer:
                 raise BadRequest("bad_value", name, f"the request has two inputs {name!r}.",
                                  "Send each input once.")
             fields[name] = value
+        if "timeout" in parameters:
+            fields["deadline_ms"] = _timeout(parameters["timeout"]) / 1e3
         if offset != len(binary):
             raise BadRequest("bad_value", "binary_data_size", f"the body has {len(binary)} "
                              f"bytes after its JSON; the inputs' binary_data_size take "
@@ -287,6 +291,19 @@ def _requested(outputs) -> list[str]:
         _only(_object(output.get("parameters", {}), f"output {output['name']}'s parameters"),
               f"output {output['name']}'s parameters", ("binary_data",))
     return [name for name in names if any(o["name"] == name for o in outputs)]
+
+
+def _timeout(timeout) -> int:
+    """Triton's ``timeout`` parameter (microseconds), checked."""
+    if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 0:
+        return timeout
+    raise BadRequest("bad_value", "timeout", f"parameters.timeout is {_show(timeout)}.",
+                     "Send the microseconds the server may take as a positive integer, or "
+                     "leave it out (the server's --deadline-ms).")
+
+
+def _probe(ok: bool, body: dict) -> Answer:
+    return Answer(200 if ok else 503, body)
 
 
 def _object(x, where: str) -> dict:
