@@ -11,6 +11,14 @@ scratch; the largest of the three kernels) and SMEM (the scalar-prefetch plan li
 against the chip's capacity (``pltpu.get_tpu_info_for_chip``), and the block sizes.
 No TPU runs anything here: speed is not measured.
 
+A second table (issue 37) compiles the same program at production shapes, 20 / 4 heads,
+D = 128, bf16, a soft cap, one session per row (history, then 64 candidates): B=16 S=1088
+bidirectional and causal, B=4 S=4096 and B=1 S=32896 causal. Per row: the arguments' and
+XLA's temp HBM (``memory_analysis()``) and their ratio, the per-row vectors padded to 128
+lanes (distinct f32 / s32 / pred shapes ``[..., S, 1]`` in ``compiled.as_text()``), the
+kernels' grid steps (all calls of the program) and the steps that compute (the plan's counts
+for those segment ids, times the kv heads), and VMEM / SMEM as above.
+
 libtpu (the version jax's ``tpu`` extra pins: 0.0.42.* for jax 0.10.2, about 680 MB
 installed) is installed on first use into ``~/.cache/rankattn/libtpu-<jax version>``
 with pip's ``--no-deps --target``, never into the project's environment; each
@@ -19,6 +27,7 @@ generation compiles in a child process with that folder on its path and
 
     python benchmarks/tpu_compile.py            # every generation and configuration (~10 min)
     python benchmarks/tpu_compile.py --quick    # one configuration per generation
+    python benchmarks/tpu_compile.py --memory --no-write --src DIR  # another tree's src/
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import importlib.metadata
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -45,6 +55,13 @@ GENERATIONS = {"v5e": ("v5e:2x2", "TPU_V5E"), "v6e": ("v6e:2x2", "TPU_V6E"),
                "tpu7x": ("tpu7x:2x2x1", "TPU_7X")}
 # The production ranker's row: 2 + 1022 history tokens and 64 candidates; 2 rows, 4 kv heads.
 BATCH, SEQ, KV_HEADS, HISTORY = 2, 1088, 4, 1024
+# The memory table: (B, S, causal) at 20 / 4 heads, D = 128, bf16, cap 30; every row one
+# session of S - CANDIDATES history tokens and CANDIDATES candidates.
+MEMORY_SHAPES = [(16, 1088, False), (16, 1088, True), (4, 4096, True), (1, 32896, True)]
+MEMORY_HEADS, CANDIDATES = (20, 4), 64
+# A per-row vector in a compiled program's text: an f32 / s32 / pred array whose last dim is
+# 1 after a sequence-sized one (TPU tiles the last two dims (8, 128): 128 times its bytes).
+PADDED_ROW = re.compile(r"\b(?:f32|s32|pred)\[(?:[0-9]+,)*[0-9]{3,},1\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +113,10 @@ def libtpu_dir(install: bool = True) -> str | None:
     return user_cache.install_once(libtpu_folder(), [libtpu_requirement()])
 
 
-def child_env(libtpu: str) -> dict:
+def child_env(libtpu: str, src: str | None = None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [libtpu, os.path.join(ROOT, "src")]
+        [libtpu, src or os.path.join(ROOT, "src")]
         + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     # libtpu holds /tmp/libtpu_lockfile for the life of a process that loads it: without
     # ALLOW_MULTIPLE_LIBTPU_LOAD a second child (a test worker, another user's run) aborts.
@@ -108,15 +125,18 @@ def child_env(libtpu: str) -> dict:
     return env
 
 
-def compile_generation(generation: str, cfgs: list[Config], libtpu: str,
-                       timeout: int = 1800) -> list[dict]:
-    """Rows of one generation, compiled in a child process (libtpu on its path)."""
+def compile_generation(generation: str, cfgs: list[Config] | None, libtpu: str,
+                       timeout: int = 1800, src: str | None = None) -> list[dict]:
+    """Rows of one generation, compiled in a child process (libtpu on its path): one per
+    configuration, or with ``cfgs`` None the memory table's (MEMORY_SHAPES). ``src``: the
+    folder to import rankattn from (default this checkout's src)."""
+    what = "memory" if cfgs is None else json.dumps([dataclasses.asdict(c) for c in cfgs])
+    expected = len(MEMORY_SHAPES) if cfgs is None else len(cfgs)
     result = subprocess.run(
-        [sys.executable, __file__, "--child", generation,
-         json.dumps([dataclasses.asdict(c) for c in cfgs])],
-        env=child_env(libtpu), capture_output=True, text=True, timeout=timeout)
+        [sys.executable, __file__, "--child", generation, what],
+        env=child_env(libtpu, src), capture_output=True, text=True, timeout=timeout)
     lines = [line for line in result.stdout.splitlines() if line.startswith("ROW ")]
-    if result.returncode or len(lines) != len(cfgs):
+    if result.returncode or len(lines) != expected:
         tail = "\n".join(result.stderr.strip().splitlines()[-15:])
         raise RuntimeError(f"the {generation} child failed (exit {result.returncode}):\n{tail}")
     return [json.loads(line[4:]) for line in lines]
@@ -140,7 +160,8 @@ def tile_bytes(shape, dtype) -> int:
 
 def kernel_memory(jaxpr) -> list[dict]:
     """Per pallas_call in ``jaxpr`` (any depth): its name, planned VMEM bytes (blocks
-    double-buffered, plus scratch) and SMEM bytes (the scalar-prefetch operands)."""
+    double-buffered, plus scratch), SMEM bytes (the scalar-prefetch operands) and grid
+    steps."""
     import numpy as np
     kernels = []
 
@@ -156,7 +177,8 @@ def kernel_memory(jaxpr) -> list[dict]:
                 smem = sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
                            for v in eqn.invars[:mapping.num_index_operands])
                 name = eqn.params["jaxpr"].debug_info.func_src_info.split(" ")[0]
-                kernels.append(dict(kernel=name, vmem=vmem, smem=smem))
+                kernels.append(dict(kernel=name, vmem=vmem, smem=smem,
+                                    steps=int(np.prod(mapping.grid, dtype=np.int64))))
             for param in eqn.params.values():
                 for sub in (param if isinstance(param, (list, tuple)) else [param]):
                     inner = getattr(sub, "jaxpr", sub)
@@ -167,7 +189,68 @@ def kernel_memory(jaxpr) -> list[dict]:
     return kernels
 
 
-def child(generation: str, cfgs_json: str) -> None:
+def attention_grad(impl, causal: bool, softcap: float | None):
+    """value_and_grad over q, k, v of issue 37's program: sum(out as float32) plus 1e-3 times
+    the sum of the finite lse, with segment ids as a fourth argument."""
+    import jax
+    import jax.numpy as jnp
+
+    import rankattn
+
+    def loss(q, k, v, seg):
+        out, lse = rankattn.attention(q, k, v, segment_ids=seg, causal=causal, softcap=softcap,
+                                      return_lse=True, impl=impl)
+        return out.astype(jnp.float32).sum() + 1e-3 * jnp.where(jnp.isfinite(lse), lse, 0).sum()
+
+    return jax.value_and_grad(loss, (0, 1, 2))
+
+
+def compile_row(generation: str, impl, grad, args, info) -> dict:
+    """One compiled program's row: Mosaic's verdict, planned VMEM / SMEM and grid steps per
+    kernel, and XLA's HBM (arguments, temp) and padded per-row vectors where it compiles."""
+    import jax
+
+    kernels = kernel_memory(jax.make_jaxpr(grad)(*args).jaxpr)
+    steps = {}
+    for k in kernels:
+        steps[k["kernel"]] = steps.get(k["kernel"], 0) + k["steps"]
+    row = dict(generation=generation, vmem=max(k["vmem"] for k in kernels),
+               smem=max(k["smem"] for k in kernels), vmem_capacity=info.vmem_capacity_bytes,
+               smem_capacity=info.smem_capacity_bytes, kernels=sorted(steps), grid_steps=steps)
+    try:
+        compiled = jax.jit(grad).trace(*args).lower().compile()
+        memory = compiled.memory_analysis()
+        row.update(compiles=True, error=None, hbm_temp=memory.temp_size_in_bytes,
+                   hbm_args=memory.argument_size_in_bytes,
+                   padded_rows=sorted(set(PADDED_ROW.findall(compiled.as_text()))))
+    except Exception as error:  # noqa: BLE001 - the report records Mosaic's verdict
+        first = next((line for line in str(error).splitlines() if line.strip()), "")
+        row.update(compiles=False, error=first[:200], hbm_temp=None)
+    return row
+
+
+def phoenix_rows(batch: int, seq: int):
+    """Segment ids [B, S]: one session a row, S - CANDIDATES history tokens, then candidates."""
+    import numpy as np
+    return np.broadcast_to(np.where(np.arange(seq) < seq - CANDIDATES, 1, -1).astype(np.int32),
+                           (batch, seq))
+
+
+def visited_steps(impl, seg, causal: bool, kv_heads: int) -> dict:
+    """The grid steps that compute, per kernel, for concrete segment ids: the plan's counts
+    (forward and dq over key blocks, dk / dv over query blocks) times the kv heads."""
+    import numpy as np
+
+    from rankattn.blocks import segments_and_plan
+
+    batch, seq = seg.shape
+    _, _, plan = segments_and_plan(seg, batch, seq, seq, impl.sizes(seq), causal)
+    per_query, per_key = (int(np.asarray(c).sum()) * kv_heads for c in (plan.count, plan.q_count))
+    return dict(rankattn_tpu_forward=per_query, rankattn_tpu_dq=per_query,
+                rankattn_tpu_dkv=per_key)
+
+
+def child(generation: str, what: str) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -175,7 +258,6 @@ def child(generation: str, cfgs_json: str) -> None:
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    import rankattn
     from rankattn.backends import PallasTpu
 
     topology, chip = GENERATIONS[generation]
@@ -186,49 +268,89 @@ def child(generation: str, cfgs_json: str) -> None:
     info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, chip), 1)
     one_chip = NamedSharding(Mesh(np.array(topo.devices[:1]), ("x",)), PartitionSpec())
     impl = PallasTpu(target=generation)
-    for cfg in (Config(**c) for c in json.loads(cfgs_json)):
-        dtype, hq = jnp.dtype(cfg.dtype), KV_HEADS * cfg.group
-        shapes = [(BATCH, SEQ, hq, cfg.head_dim), (BATCH, SEQ, KV_HEADS, cfg.head_dim),
-                  (BATCH, SEQ, KV_HEADS, cfg.head_dim)]
-        args = [jax.ShapeDtypeStruct(s, dtype, sharding=one_chip) for s in shapes]
-        args.append(jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=one_chip))
 
-        def loss(q, k, v, seg, cfg=cfg):
-            out, lse = rankattn.attention(q, k, v, segment_ids=seg, causal=cfg.causal,
-                                          softcap=cfg.softcap, return_lse=True, impl=impl)
-            return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
+    def arguments(batch, seq, hq, hkv, d, dtype):
+        shapes = [(batch, seq, hq, d), (batch, seq, hkv, d), (batch, seq, hkv, d)]
+        return [jax.ShapeDtypeStruct(s, dtype, sharding=one_chip) for s in shapes] + [
+            jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=one_chip)]
 
-        grad = jax.value_and_grad(loss, (0, 1, 2))
-        kernels = kernel_memory(jax.make_jaxpr(grad)(*args).jaxpr)
-        row = dict(generation=generation, config=dataclasses.asdict(cfg),
-                   blocks=list(dataclasses.astuple(impl.sizes(SEQ))),
-                   vmem=max(k["vmem"] for k in kernels), smem=max(k["smem"] for k in kernels),
-                   vmem_capacity=info.vmem_capacity_bytes, smem_capacity=info.smem_capacity_bytes,
-                   kernels=sorted(k["kernel"] for k in kernels))
-        try:
-            compiled = jax.jit(grad).trace(*args).lower().compile()
-            row.update(compiles=True, error=None,
-                       hbm_temp=compiled.memory_analysis().temp_size_in_bytes)
-        except Exception as error:  # noqa: BLE001 - the report records Mosaic's verdict
-            first = next((line for line in str(error).splitlines() if line.strip()), "")
-            row.update(compiles=False, error=first[:200], hbm_temp=None)
+    if what == "memory":
+        hq, hkv = MEMORY_HEADS
+        for batch, seq, causal in MEMORY_SHAPES:
+            args = arguments(batch, seq, hq, hkv, 128, jnp.bfloat16)
+            row = compile_row(generation, impl, attention_grad(impl, causal, 30.0), args, info)
+            row.update(batch=batch, seq=seq, causal=causal,
+                       blocks=list(dataclasses.astuple(impl.sizes(seq))),
+                       visited_steps=visited_steps(impl, phoenix_rows(batch, seq), causal, hkv))
+            print("ROW " + json.dumps(row), flush=True)
+        return
+    for cfg in (Config(**c) for c in json.loads(what)):
+        hq = KV_HEADS * cfg.group
+        args = arguments(BATCH, SEQ, hq, KV_HEADS, cfg.head_dim, jnp.dtype(cfg.dtype))
+        row = compile_row(generation, impl, attention_grad(impl, cfg.causal, cfg.softcap),
+                          args, info)
+        row.update(config=dataclasses.asdict(cfg),
+                   blocks=list(dataclasses.astuple(impl.sizes(SEQ))))
         print("ROW " + json.dumps(row), flush=True)
 
 
 # --- The report. ----------------------------------------------------------------------
 
 
-def run(generations: list[str], quick: bool) -> dict:
+def run(generations: list[str], quick: bool, memory_only: bool = False,
+        src: str | None = None) -> dict:
+    """The report: the configurations' rows (none with ``memory_only``) and the memory
+    table's, per generation, importing rankattn from ``src`` (default this checkout's)."""
     import jax
     libtpu = libtpu_dir()
-    rows = [row for g in generations for row in compile_generation(g, configs(quick), libtpu)]
+    rows = [] if memory_only else [
+        row for g in generations for row in compile_generation(g, configs(quick), libtpu, src=src)]
+    memory = [row for g in generations for row in compile_generation(g, None, libtpu, src=src)]
     return dict(jax=jax.__version__, libtpu=libtpu_requirement(),
                 date=datetime.date.today().isoformat(), batch=BATCH, seq=SEQ,
-                kv_heads=KV_HEADS, rows=rows)
+                kv_heads=KV_HEADS, rows=rows, memory=memory)
 
 
 def mib(x: int) -> str:
     return f"{x / 2**20:.2f} MiB"
+
+
+KERNEL_ORDER = ("rankattn_tpu_forward", "rankattn_tpu_dq", "rankattn_tpu_dkv")
+
+
+def memory_markdown(rows: list[dict]) -> list[str]:
+    """The memory table (issue 37): HBM, padded per-row vectors and grid steps per shape."""
+    hq, hkv = MEMORY_HEADS
+    lines = [
+        "## HBM and grid steps at production shapes",
+        "",
+        f"jit(value_and_grad) of sum(out) + 1e-3 sum(lse) over q, k, v; {hq} / {hkv} heads, "
+        f"D=128, bf16, cap 30, segment ids (one session a row: S - {CANDIDATES} history "
+        f"tokens, then {CANDIDATES} candidates). HBM from `compiled.memory_analysis()`; "
+        "padded row vectors: distinct f32 / s32 / pred shapes `[..., S, 1]` in "
+        "`compiled.as_text()` (TPU tiles them (8, 128): 128 times their bytes). Grid steps: "
+        "every step of the program's forward / dq / dk-dv calls; computing: the steps the "
+        "plan visits for those segment ids (the rest issue no DMA but pay the pipeline's "
+        "per-step overhead).",
+        "",
+        "| generation | B | S | mask | blocks (q x k) | compiles | args | HBM temp | temp / args "
+        "| padded row vectors | grid steps fwd / dq / dkv | computing fwd / dq / dkv "
+        "| VMEM | SMEM |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        steps = " / ".join(f"{r['grid_steps'][k]:,}" for k in KERNEL_ORDER)
+        visited = " / ".join(f"{r['visited_steps'][k]:,}" for k in KERNEL_ORDER)
+        if r["compiles"]:
+            hbm = (f"yes | {mib(r['hbm_args'])} | {mib(r['hbm_temp'])} | "
+                   f"{r['hbm_temp'] / r['hbm_args']:.2f} | {len(r['padded_rows'])}")
+        else:
+            hbm = f"no: {r['error']} | | | |"
+        lines.append(
+            f"| {r['generation']} | {r['batch']} | {r['seq']} | "
+            f"{'causal' if r['causal'] else 'full'} | {r['blocks'][0]} x {r['blocks'][1]} | "
+            f"{hbm} | {steps} | {visited} | {mib(r['vmem'])} | {r['smem'] / 1024:.1f} KiB |")
+    return lines + [""]
 
 
 def markdown(report: dict) -> str:
@@ -270,7 +392,7 @@ def markdown(report: dict) -> str:
               "VMEM only, which the VMEM column counts). float16 is declined by the backend: "
               "Mosaic fails to compile its kernels on every generation here (`Invalid vector "
               "type for load`).", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + memory_markdown(report["memory"]))
 
 
 def main():
@@ -278,6 +400,10 @@ def main():
     parser.add_argument("--generations", nargs="+", default=list(GENERATIONS),
                         choices=list(GENERATIONS))
     parser.add_argument("--quick", action="store_true", help="one configuration per generation")
+    parser.add_argument("--memory", action="store_true",
+                        help="only the memory table (with --no-write: a before / after check)")
+    parser.add_argument("--src", help="import rankattn from this folder (another tree's src/, "
+                                      "e.g. `git archive REF src | tar -x -C DIR`); --no-write")
     parser.add_argument("--child", nargs=2, metavar=("GENERATION", "CONFIGS_JSON"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--no-write", action="store_true",
@@ -285,8 +411,10 @@ def main():
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
-    report = run(args.generations, args.quick)
-    text = markdown(report)
+    if (args.memory or args.src) and not args.no_write:
+        parser.error("--memory and --src make a partial report: pass --no-write")
+    report = run(args.generations, args.quick, args.memory, args.src)
+    text = markdown(report) if not args.memory else "\n".join(memory_markdown(report["memory"]))
     if args.no_write:
         print(text)
         return

@@ -252,6 +252,45 @@ def test_the_per_shard_kernel_lowers_for_tpu():
     assert len(mosaic_modules(lowered)) == 3
 
 
+def kernel_operand_types(lowered) -> set[str]:
+    """The tensor types among the TPU kernels' operands and results in a lowered program."""
+    return {t for line in lowered.as_text().splitlines() if "tpu_custom_call" in line
+            for t in re.findall(r"tensor<[^>]*>", line)}
+
+
+def test_no_kernel_operand_is_a_row_vector_padded_to_128_lanes():
+    """Issue 37: TPU tiles an array's last two dims by (8, 128), so a per-row vector
+    [..., S, 1] (lse, delta, segment ids, positions, poison, the logit multiplier) takes 128
+    times its bytes in HBM and in the kernels' buffers (v5e compile: temp HBM 9.6x the
+    arguments at B=16, S=1088). Every kernel's operands and results are lane-dense rows
+    [..., 1, S] / [..., G, S] instead: own keys and a multiplier, and the per-shard kernels
+    (positions)."""
+    from rankattn.phoenix import ranker_attention_v2 as v2
+
+    impl = PallasTpu(target="v5e")
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((2, 300, 10, 128), jnp.bfloat16), ((2, 300, 2, 128), jnp.bfloat16),
+        ((2, 300, 2, 128), jnp.bfloat16), ((2, 300), jnp.int32), ((2, 300, 10), jnp.float32),
+        ((2, 300), jnp.float32))]
+
+    def own_keys(q, k, v, seg, mult, temp):
+        out, lse = rankattn.attention(q, k, v, segment_ids=seg, causal=True, return_lse=True,
+                                      logit_multiplier=mult, impl=impl)
+        return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
+
+    def per_shard(q, k, v, seg, mult, temp):
+        return v2.mha(q, k, v, temp, seg, causal=True, cap=30.0, impl=impl).astype(
+            jnp.float32).sum()
+
+    for loss in (own_keys, per_shard):
+        lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(*args).lower(
+            lowering_platforms=("tpu",))
+        types = kernel_operand_types(lowered)
+        assert any("x1x300" in t or "x1x384" in t for t in types), types  # rows are there
+        padded = sorted(t for t in types if re.fullmatch(r"tensor<[0-9x]*x1x(f32|i32|i1)>", t))
+        assert not padded, (loss.__name__, padded)
+
+
 def test_float32_dots_ask_for_full_precision_and_16_bit_dots_do_not():
     """Mosaic's default for float32 dots is one bf16 MXU pass; the kernels ask for fp32."""
     for dtype, want in ((jnp.float32, {"fp32"}), (jnp.bfloat16, set())):

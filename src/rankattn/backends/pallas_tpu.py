@@ -31,8 +31,11 @@ are XLA ops outside the kernels (part of any timing). Head dims are never padded
 spans the whole head dim, legal whatever its size, and Mosaic pads the lanes in VMEM only,
 so D = 64 moves and multiplies 64 columns, not 128 (deviceless compiles for v5e, v6e and
 TPU7x pass at D = 8, 48, 64, 80, 96, 128, 200 and 256).
-Per-row vectors are [rows, 1] columns and per-key vectors [1, keys] rows (Mosaic's
-vectors are 2-D): segment ids as [B, S, 1] / [B, 1, S], lse as [B, Hkv, G, S, 1].
+Per-position vectors are lane-dense rows in HBM and in the pipeline's buffers: segment ids
+[B, 1, S], key poison [B, Hkv, 1, S], lse, delta and the logit multiplier [B, Hkv, G, S]
+(a [S, 1] column would be tiled (8, 128) on TPU: 128 times its size). Where a kernel needs
+one value per logit row it turns its block's row into a column in VMEM
+(:func:`_column`, :func:`_group_column`); the forward writes lse back as rows.
 
 Numerics: float32 operands are multiplied at ``precision=HIGHEST`` (Mosaic's default for
 float32 is one bf16 MXU pass); bfloat16 operands feed the MXU with float32 accumulation.
@@ -45,8 +48,8 @@ and ds to the query / key dtype for the dq / dk products. Rows that see no key g
 The candidates' own key is one extra logit per row, never a visited block. Under
 ``rankattn.Sharding`` the kernels run per batch / heads shard, and as the per-shard kernel
 of context sharding (``takes_shard_mask``: a :class:`rankattn.semantics.ShardMask` brings
-the keys' segment ids and every token's position, read as [B, S, 1] / [B, 1, S] vectors in
-place of the indices); Phoenix's causal drop-ins go through that path.
+the keys' segment ids and every token's position, read as [B, 1, S] rows in place of the
+indices); Phoenix's causal drop-ins go through that path.
 
 JAX: built and tested with 0.10.2. It needs ``pltpu.PrefetchScalarGridSpec``,
 ``pltpu.CompilerParams`` and ``pltpu.InterpretParams`` (older JAX spelled the last two
@@ -93,7 +96,7 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 class TpuTarget:
     """The TPU generation the kernels are configured for.
 
-    ``block_sizes``: query x key blocks (block_q a multiple of 8, block_k of 128).
+    ``block_sizes``: query x key blocks (multiples of 128: both index lane-dense rows).
     ``smem_budget``: bytes of scalar prefetch (the plan lists) one kernel call may hold;
     larger batches are split into calls of fewer rows (:func:`rows_per_call`), longer rows
     into calls over ranges of blocks (:func:`_call`).
@@ -216,16 +219,36 @@ def visited_block(index_ref, count_ref, b, i, t):
     return index_ref[b, i, jnp.minimum(t, last)].astype(jnp.int32)
 
 
+def _column(row):
+    """A lane-dense row [1, n] as the column [n, 1] that broadcasts against [n, keys]
+    logits (a relayout in VMEM: HBM and the pipeline's buffers hold the row)."""
+    return row[0][:, None]
+
+
+def _head_columns(rows):
+    """The group's per-row values [G, n] (one lane-dense row per head) as columns
+    [G, n, 1], against the group's [G, n, c] blocks."""
+    return rows[:, :, None]
+
+
+def _group_column(rows):
+    """The group's per-row values [G, n] as the column [G * n, 1] of the group's logit
+    rows (:func:`_rows`): head by head (Mosaic casts [n] to [n, 1], but not [G, n, 1] to
+    [G * n, 1])."""
+    return jnp.concatenate([row[:, None] for row in rows], axis=0)
+
+
 def _mask(st: _Static, r: dict, q_start, k_start):
     """The history part of the mask (rankattn.semantics) for a block pair, bool [bq, bk],
-    from the kernel's segment-id refs seg_q [bq, 1] and seg_k [1, bk] and either the
-    position refs pos_q / pos_k (a ShardMask's) or the blocks' first indices."""
+    from the kernel's segment-id refs seg_q [1, bq] and seg_k [1, bk] (lane-dense rows) and
+    either the position refs pos_q / pos_k (a ShardMask's) or the blocks' first indices."""
     if st.positions:
-        pos_q, pos_k = r["pos_q"][...], r["pos_k"][...]
+        pos_q, pos_k = _column(r["pos_q"][...]), r["pos_k"][...]
     else:
         pos_q = q_start + jax.lax.broadcasted_iota(jnp.int32, (st.block_q, 1), 0)
         pos_k = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)
-    return semantics.sees_history(r["seg_q"][...], r["seg_k"][...], pos_q, pos_k, st.causal)
+    return semantics.sees_history(_column(r["seg_q"][...]), r["seg_k"][...], pos_q, pos_k,
+                                  st.causal)
 
 
 def _segment_names(st: _Static) -> list[str]:
@@ -234,10 +257,10 @@ def _segment_names(st: _Static) -> list[str]:
 
 
 def _segment_specs(st: _Static, seg, queries_visited: bool):
-    """(BlockSpecs, arrays) of ``seg`` (seg_q [B, S, 1], seg_k [B, 1, S] and, with
-    st.positions, pos_q / pos_k alike): the query side at the program's own block and the
-    key side at the visited one, or the other way round (dk / dv)."""
-    q_side = _spec(st, "seg_col", st.block_q, visited=queries_visited)
+    """(BlockSpecs, arrays) of ``seg`` (seg_q and seg_k [B, 1, S] and, with st.positions,
+    pos_q / pos_k alike): the query side at the program's own block and the key side at the
+    visited one, or the other way round (dk / dv)."""
+    q_side = _spec(st, "seg_row", st.block_q, visited=queries_visited)
     k_side = _spec(st, "seg_row", st.block_k, visited=not queries_visited)
     return [q_side, k_side] * (len(seg) // 2), list(seg)
 
@@ -270,14 +293,15 @@ def _visits(full, count, visit):
 
 # The operands' layouts (module docstring): name -> (the block shape holding ``rows``
 # sequence positions of ``width`` features, the block indices of batch row b, kv head h and
-# sequence block n).
+# sequence block n). Per-position vectors are lane-dense rows (``*_row``): TPU tiles an
+# array's last two dims by (8, 128), so a [S, 1] column would take 128 times its size.
 LAYOUTS = {
-    "seg_col": (lambda st, rows, width: (None, rows, 1),      # [B, S, 1]
-                lambda b, h, n: (b, n, 0)),
     "seg_row": (lambda st, rows, width: (None, 1, rows),      # [B, 1, S]
                 lambda b, h, n: (b, 0, n)),
     "group": (lambda st, rows, width: (None, None, st.group, rows, width),  # [B, Hkv, G, S, C]
               lambda b, h, n: (b, h, 0, n, 0)),
+    "group_row": (lambda st, rows, width: (None, None, st.group, rows),  # [B, Hkv, G, S]
+                  lambda b, h, n: (b, h, 0, n)),
     "kv": (lambda st, rows, width: (None, None, rows, width),  # [B, Hkv, S, C]
            lambda b, h, n: (b, h, n, 0)),
     "kv_row": (lambda st, rows, width: (None, None, 1, rows),  # [B, Hkv, 1, S]
@@ -305,20 +329,22 @@ def _spec(st: _Static, layout: str, rows: int, width: int = 1, visited: bool = F
 
 
 def _call(st: _Static, kernel, name: str, plan_lists, grid, in_specs, out_specs, out_shape,
-          scratch, args):
+          scratch, args, row_axes=None):
     """pallas_call over ``grid`` (b, kv head, own block, visit) with the plan lists and the
     first own block's index as scalar prefetch. The lists of all own blocks may exceed
     ``st.smem_budget``: then it runs one call per range of own blocks whose lists fit, each
-    writing its rows, and concatenates the outputs (their rows on the second-to-last axis,
-    ``out_shape`` sized for every own block)."""
+    writing its rows, and concatenates the outputs (``out_shape`` sized for every own block;
+    their rows on the axes ``row_axes``, by default each output's second to last)."""
+    row_axes = [x.ndim - 2 for x in out_shape] if row_axes is None else row_axes
     batch, n_own, n_visits = plan_lists[0].shape
     per_block = batch * list_bytes(1, n_visits, plan_lists[0].dtype)
     per_call = max(1, min(n_own, st.smem_budget // per_block))
     parts = []
     for start in range(0, n_own, per_call):
         count = min(per_call, n_own - start)
-        shapes = [jax.ShapeDtypeStruct(x.shape[:-2] + (x.shape[-2] // n_own * count, x.shape[-1]),
-                                       x.dtype) for x in out_shape]
+        shapes = [jax.ShapeDtypeStruct(x.shape[:a] + (x.shape[a] // n_own * count,)
+                                       + x.shape[a + 1:], x.dtype)
+                  for x, a in zip(out_shape, row_axes)]
         lists = [x[:, start:start + count] for x in plan_lists]
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4, grid=grid[:2] + (count, grid[3]), in_specs=in_specs,
@@ -326,7 +352,7 @@ def _call(st: _Static, kernel, name: str, plan_lists, grid, in_specs, out_specs,
         parts.append(pl.pallas_call(functools.partial(kernel, st=st), grid_spec=grid_spec,
                                     out_shape=shapes, **st.launch(name))(
             *lists, jnp.array([start], jnp.int32), *args))
-    return [jnp.concatenate(outs, axis=-2) for outs in zip(*parts)]
+    return [jnp.concatenate(outs, axis=a) for outs, a in zip(zip(*parts), row_axes)]
 
 
 # --- Forward. -----------------------------------------------------------------------
@@ -338,7 +364,7 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _S
     names += ["out", "lse"] + ["visits"] * st.count_visits + ["m", "l", "acc"]
     r = _named(names, refs)
     b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    mult = _rows(r["mult"][...]) if st.multiplied else None  # [G * bq, 1]
+    mult = _group_column(r["mult"][...]) if st.multiplied else None  # [G * bq, 1]
 
     @pl.when(t == 0)
     def _():
@@ -369,15 +395,16 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _S
         if st.own_key:  # the own-key logit joins the softmax as one more column
             q = r["q"][...]  # [G, bq, D]
             s_own, _ = flash_math.own_logits(
-                st, q, r["k_own"][...], r["seg_q"][...], r["poison_own"][...],
-                None if mult is None else r["mult"][...], keepdims=True)  # [G, bq, 1]
+                st, q, r["k_own"][...], _column(r["seg_q"][...]),
+                _column(r["poison_own"][...]),
+                _head_columns(r["mult"][...]) if st.multiplied else None, keepdims=True)
             v_own = jnp.broadcast_to(r["v_own"][...].astype(jnp.float32)[None],
                                      (st.group,) + r["v_own"].shape)
             acc, m, l = flash_math.online_softmax_step(_rows(s_own), _rows(v_own), m, l, acc,
                                                        lambda p, v: p * v)
         out, lse = flash_math.finish(acc, m, l)
         r["out"][...] = out.reshape(r["out"].shape).astype(r["out"].dtype)
-        r["lse"][...] = lse.reshape(r["lse"].shape)
+        r["lse"][...] = lse.reshape(r["lse"].shape)  # [G * bq, 1] -> rows [G, bq]
 
 
 def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
@@ -388,31 +415,32 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
     dv = v.shape[-1]
     n_q, n_k = plan.kv_index.shape[1:]
     bq, bk = st.block_q, st.block_k
-    poison_row, poison_col = poison
     in_specs, args = _segment_specs(st, seg, queries_visited=False)
     in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
                  _spec(st, "kv", bk, dv, visited=True), _spec(st, "kv_row", bk, visited=True)]
-    args += [q, k, v, poison_row]
+    args += [q, k, v, poison]
     if st.own_key:  # the keys, values and poison at the query block's own positions
-        in_specs += [_spec(st, "kv", bq, d), _spec(st, "kv", bq, dv), _spec(st, "kv", bq)]
-        args += [k, v, poison_col]
+        in_specs += [_spec(st, "kv", bq, d), _spec(st, "kv", bq, dv), _spec(st, "kv_row", bq)]
+        args += [k, v, poison]
     if st.multiplied:
-        in_specs.append(_spec(st, "group", bq))
+        in_specs.append(_spec(st, "group_row", bq))
         args.append(multiplier)
     rows = n_q * bq
-    out_specs = [_spec(st, "group", bq, dv, output=True), _spec(st, "group", bq, output=True)]
+    out_specs = [_spec(st, "group", bq, dv, output=True),
+                 _spec(st, "group_row", bq, output=True)]
     out_shape = [jax.ShapeDtypeStruct((b, hkv, g, rows, dv), q.dtype),
-                 jax.ShapeDtypeStruct((b, hkv, g, rows, 1), jnp.float32)]
+                 jax.ShapeDtypeStruct((b, hkv, g, rows), jnp.float32)]
+    row_axes = [3, 3]
     if st.count_visits:
         out_specs.append(pl.BlockSpec((None, None, 1, 1), lambda b_, h, i, t, *_: (b_, h, i, 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, hkv, n_q, 1), jnp.int32))
+        row_axes.append(2)
     scratch = [pltpu.VMEM((g * bq, 1), jnp.float32), pltpu.VMEM((g * bq, 1), jnp.float32),
                pltpu.VMEM((g * bq, dv), jnp.float32)]
     results = _call(st, _forward_kernel, "rankattn_tpu_forward",
                     (plan.kv_index, plan.full_count, plan.count), (b, hkv, n_q, n_k),
-                    in_specs, out_specs, out_shape, scratch, args)
-    out, lse = results[0], results[1][..., 0]
-    return (out, lse, results[2]) if st.count_visits else (out, lse)
+                    in_specs, out_specs, out_shape, scratch, args, row_axes)
+    return tuple(results)
 
 
 # --- Backward: dq. ------------------------------------------------------------------
@@ -423,7 +451,7 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
     names += ["k_own", "v_own"] * st.own_key + ["mult"] * st.multiplied + ["dq", "acc"]
     r = _named(names, refs)
     b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    mult = _rows(r["mult"][...]) if st.multiplied else None  # [G * bq, 1]
+    mult = _group_column(r["mult"][...]) if st.multiplied else None  # [G * bq, 1]
 
     @pl.when(t == 0)
     def _():
@@ -438,9 +466,9 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
         if masked:
             s2 = _masked(st, s2, _mask(st, r, (offset_ref[0] + i) * st.block_q,
                                        j * st.block_k))
-        p = jnp.exp2(s2 - flash_math.lse2(_rows(r["lse"][...])))
+        p = jnp.exp2(s2 - flash_math.lse2(_group_column(r["lse"][...])))
         dp = _dot(_rows(r["do"][...]), v, NT)
-        ds = flash_math.logit_grads(st, p, dp, _rows(r["delta"][...]), s, mult)
+        ds = flash_math.logit_grads(st, p, dp, _group_column(r["delta"][...]), s, mult)
         r["acc"][...] += _dot(ds.astype(k.dtype), k, NN)
 
     _visits(full_ref[b, i].astype(jnp.int32), count_ref[b, i].astype(jnp.int32), visit)
@@ -450,18 +478,19 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
         dq = r["acc"][...].reshape(r["dq"].shape)
         if st.own_key:
             k_own, v_own = (r[n][...].astype(jnp.float32) for n in ("k_own", "v_own"))
-            mult3 = r["mult"][...] if st.multiplied else None  # [G, bq, 1]
-            s2, s = flash_math.own_logits(st, r["q"][...], k_own, r["seg_q"][...],
+            mult3 = _head_columns(r["mult"][...]) if st.multiplied else None  # [G, bq, 1]
+            s2, s = flash_math.own_logits(st, r["q"][...], k_own, _column(r["seg_q"][...]),
                                           multiplier=mult3, keepdims=True)
-            p = jnp.exp2(s2 - flash_math.lse2(r["lse"][...]))
+            p = jnp.exp2(s2 - flash_math.lse2(_head_columns(r["lse"][...])))
             dp = (r["do"][...].astype(jnp.float32) * v_own).sum(-1, keepdims=True)
-            dq = dq + flash_math.logit_grads(st, p, dp, r["delta"][...], s, mult3) * k_own
+            dq = dq + flash_math.logit_grads(st, p, dp, _head_columns(r["delta"][...]), s,
+                                             mult3) * k_own
         r["dq"][...] = dq.astype(r["dq"].dtype)
 
 
 def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
-    """dq [B, Hkv, G, nQ * bq, D]; d_out, lse and delta (lse, delta as [..., S, 1]) padded
-    to the inputs' length."""
+    """dq [B, Hkv, G, nQ * bq, D]; d_out, lse and delta (lse, delta as rows [..., S])
+    padded to the inputs' length."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
     n_q, n_k = plan.kv_index.shape[1:]
@@ -469,13 +498,13 @@ def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplie
     in_specs, args = _segment_specs(st, seg, queries_visited=False)
     in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
                  _spec(st, "kv", bk, dv, visited=True), _spec(st, "group", bq, dv),
-                 _spec(st, "group", bq), _spec(st, "group", bq)]
+                 _spec(st, "group_row", bq), _spec(st, "group_row", bq)]
     args += [q, k, v, d_out, lse, delta]
     if st.own_key:
         in_specs += [_spec(st, "kv", bq, d), _spec(st, "kv", bq, dv)]
         args += [k, v]
     if st.multiplied:
-        in_specs.append(_spec(st, "group", bq))
+        in_specs.append(_spec(st, "group_row", bq))
         args.append(multiplier)
     return _call(st, _dq_kernel, "rankattn_tpu_dq", (plan.kv_index, plan.full_count, plan.count),
                  (b, hkv, n_q, n_k), in_specs, [_spec(st, "group", bq, d, output=True)],
@@ -505,15 +534,16 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
     def visit(masked: bool):
         i = q_index_ref[b, j, t].astype(jnp.int32)
         q, do = _rows(r["q"][...]), _rows(r["do"][...])
-        mult = _rows(r["mult"][...]) if st.multiplied else None
+        mult = _group_column(r["mult"][...]) if st.multiplied else None
         s2, s = flash_math.capped_logits(st, _dot(q, k, NT))  # [G * bq, bk]
         s2 = flash_math.times(s2, mult)
         if masked:
             s2 = _masked(st, s2, _mask(st, r, i * st.block_q,
                                        (offset_ref[0] + j) * st.block_k))
-        p = jnp.exp2(s2 - flash_math.lse2(_rows(r["lse"][...])))
+        p = jnp.exp2(s2 - flash_math.lse2(_group_column(r["lse"][...])))
         r["dv_acc"][...] += _dot(p.astype(do.dtype), do, TN)
-        ds = flash_math.logit_grads(st, p, _dot(do, v, NT), _rows(r["delta"][...]), s, mult)
+        ds = flash_math.logit_grads(st, p, _dot(do, v, NT), _group_column(r["delta"][...]), s,
+                                    mult)
         r["dk_acc"][...] += _dot(ds.astype(q.dtype), q, TN)
 
     _visits(full_ref[b, j].astype(jnp.int32), count_ref[b, j].astype(jnp.int32), visit)
@@ -524,13 +554,13 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
         if st.own_key:  # [G, bk, ...]: the group's heads at this block's positions
             q_own = r["q_own"][...].astype(jnp.float32)
             do_own = r["do_own"][...].astype(jnp.float32)
-            mult3 = r["mult_own"][...] if st.multiplied else None
-            s2, s = flash_math.own_logits(st, q_own, k, r["seg_own"][...], multiplier=mult3,
-                                          keepdims=True)
-            p = jnp.exp2(s2 - flash_math.lse2(r["lse_own"][...]))
+            mult3 = _head_columns(r["mult_own"][...]) if st.multiplied else None
+            s2, s = flash_math.own_logits(st, q_own, k, _column(r["seg_own"][...]),
+                                          multiplier=mult3, keepdims=True)
+            p = jnp.exp2(s2 - flash_math.lse2(_head_columns(r["lse_own"][...])))
             dv = dv + (p * do_own).sum(0)
             dp = (do_own * v.astype(jnp.float32)).sum(-1, keepdims=True)
-            ds = flash_math.logit_grads(st, p, dp, r["delta_own"][...], s, mult3)
+            ds = flash_math.logit_grads(st, p, dp, _head_columns(r["delta_own"][...]), s, mult3)
             dk = dk + (ds * q_own).sum(0)
         r["dk"][...] = dk.astype(r["dk"].dtype)
         r["dv"][...] = dv.astype(r["dv"].dtype)
@@ -545,17 +575,19 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multipli
     in_specs, args = _segment_specs(st, seg, queries_visited=True)
     in_specs += [_spec(st, "group", bq, d, visited=True), _spec(st, "kv", bk, d),
                  _spec(st, "kv", bk, dv), _spec(st, "group", bq, dv, visited=True),
-                 _spec(st, "group", bq, visited=True), _spec(st, "group", bq, visited=True)]
+                 _spec(st, "group_row", bq, visited=True),
+                 _spec(st, "group_row", bq, visited=True)]
     args += [q, k, v, d_out, lse, delta]
     if st.multiplied:
-        in_specs.append(_spec(st, "group", bq, visited=True))
+        in_specs.append(_spec(st, "group_row", bq, visited=True))
         args.append(multiplier)
     if st.own_key:
-        in_specs += [_spec(st, "seg_col", bk), _spec(st, "group", bk, d),
-                     _spec(st, "group", bk, dv), _spec(st, "group", bk), _spec(st, "group", bk)]
+        in_specs += [_spec(st, "seg_row", bk), _spec(st, "group", bk, d),
+                     _spec(st, "group", bk, dv), _spec(st, "group_row", bk),
+                     _spec(st, "group_row", bk)]
         args += [seg[0], q, d_out, lse, delta]
         if st.multiplied:
-            in_specs.append(_spec(st, "group", bk))
+            in_specs.append(_spec(st, "group_row", bk))
             args.append(multiplier)
     rows = n_k * bk
     return _call(st, _dkv_kernel, "rankattn_tpu_dkv",
@@ -587,7 +619,7 @@ def _attention_bwd(st, residuals, cotangents):
     # rows (own keys), up to the padded length.
     length = q.shape[3]
     d_out = _pad_rows(d_out, length)
-    lse, delta = (_pad_rows(x[..., None], length) for x in (lse, delta))
+    lse, delta = (_pad_rows(x, length, axis=-1) for x in (lse, delta))
     dq = _dq(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
     dk, dv = _dkv(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
     return (_pad_rows(dq, length), _pad_rows(dk, length), _pad_rows(dv, length),
@@ -597,10 +629,11 @@ def _attention_bwd(st, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _pad_rows(x, length: int):
-    """Zero-pad the sequence axis (second to last) to ``length``."""
-    extra = length - x.shape[-2]
-    return x if not extra else jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, 0)])
+def _pad_rows(x, length: int, axis: int = -2):
+    """Zero-pad the sequence axis (second to last, or ``axis``) to ``length``."""
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return x if x.shape[axis] == length else jnp.pad(x, widths)
 
 
 def _group_major(x, hkv: int, length: int):
@@ -608,6 +641,13 @@ def _group_major(x, hkv: int, length: int):
     b, s, hq, c = x.shape
     x = pad_axis1(x, length) if length > s else x
     return x.reshape(b, length, hkv, hq // hkv, c).transpose(0, 2, 3, 1, 4)
+
+
+def _head_rows(x, hkv: int, length: int):
+    """Per-position values [B, S, H] -> lane-dense rows [B, Hkv, H / Hkv, length]."""
+    b, s, h = x.shape
+    x = pad_axis1(x, length) if length > s else x
+    return x.transpose(0, 2, 1).reshape(b, hkv, h // hkv, length)
 
 
 def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
@@ -646,12 +686,12 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
                                   mode="edge")
                           for p in (shard_mask.q_positions, shard_mask.kv_positions))
     (q, q_poison), (k, k_poison), (v, v_poison) = map(semantics.split_nonfinite, (q, k, v))
-    poison = _group_major((k_poison + v_poison)[..., None], hkv, length)[:, :, 0]  # [B,Hkv,S,1]
+    poison = _head_rows(k_poison + v_poison, hkv, length)  # [B, Hkv, 1, length]
     q_h = _group_major(q, hkv, length)
     k_h, v_h = (_group_major(x, hkv, length)[:, :, 0] for x in (k, v))
     multiplier = None
     if logit_multiplier is not None:
-        multiplier = _group_major(logit_multiplier[..., None], hkv, length)
+        multiplier = _head_rows(logit_multiplier, hkv, length)
     st = _Static(causal=causal, scale=scale, softcap=softcap, softcap_method=softcap_method,
                  own_key=segment_ids is not None and shard_mask is None,
                  positions=shard_mask is not None, multiplied=multiplier is not None,
@@ -665,14 +705,13 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
     results = []
     for start in range(0, b, chunk):
         rows = slice(start, start + chunk)
-        seg = (seg_q[rows, :, None], seg_k[rows, None, :])
+        seg = (seg_q[rows, None, :], seg_k[rows, None, :])
         if positions:
-            seg += (positions[0][rows, :, None], positions[1][rows, None, :])
-        poison_rows = (poison[rows].transpose(0, 1, 3, 2), poison[rows])
+            seg += (positions[0][rows, None, :], positions[1][rows, None, :])
         mult = None if multiplier is None else multiplier[rows]
         plan = jax.tree.map(lambda x: x[rows], block_plan)
         core = _forward if count_visits else _attention
-        results.append(core(st, q_h[rows], k_h[rows], v_h[rows], seg, plan, poison_rows, mult))
+        results.append(core(st, q_h[rows], k_h[rows], v_h[rows], seg, plan, poison[rows], mult))
     out, lse, *visits = (jnp.concatenate(parts) for parts in zip(*results))
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, -1, hq, out.shape[-1])[:, :sq, :, :dv]
     lse = lse.reshape(b, hq, -1)[:, :, :sq]
@@ -687,8 +726,8 @@ class PallasTpu(Backend):
     budget of the plan lists, the VMEM limit) the kernels take: None (default) reads it from
     the device on a TPU machine and uses ``PORTABLE_TARGET`` (v5e's) elsewhere; or "v5e",
     "v6e", "tpu7x", a :class:`TpuTarget`. ``block_sizes`` overrides the target's blocks
-    (block_q a multiple of 8, block_k of 8, one dividing the other; on a TPU block_k must
-    be a multiple of 128 unless a call's keys fit one block).
+    (block_q a multiple of 8, block_k of 8, one dividing the other; on a TPU both must be
+    multiples of 128, since both index lane-dense rows, unless a call fits one block).
 
     ``interpret``: False (default) compiles for the TPU; True runs the same kernels in
     Pallas' generic interpreter on any backend (CPU included; slow, for tests); a
