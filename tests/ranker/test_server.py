@@ -10,19 +10,22 @@ kind, a flood past the queue, a store full of pins, hits answered while the hist
 busy, deadlines (admission, 504, a client that leaves), the Open Inference Protocol, the
 metrics, and last SIGTERM with requests in flight. Server B (server_hooks.py, --hold-warmup)
 restarts on the same run directory: probes while its warm-up holds the store, an empty cache
-with the same answers, an acquire that waits for a leaked pin, and last a stage thread that
-dies. Server C runs the production command with --no-cache and the load generator against
-it. The servers share a persistent compilation cache; each test bounds its requests and
+with the same answers, serverbench's smoke size (its store configuration; server C its
+baseline), an acquire that waits for a leaked pin, and last a stage thread that dies. Server
+C runs the production command with --no-cache and the load generator against it. The servers
+share a persistent compilation cache; each test bounds its requests and
 waits.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import http.client
 import json
 import os
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -714,6 +717,42 @@ def test_a_restart_starts_empty_and_answers_the_same(server_b, model, sessions):
     for i in (0, 1, 2):
         request = body(sessions, i)
         assert_answer(model, request, *server_b.rank(request)[0::2], cache="miss")
+
+
+def test_serverbench_measures_capacity_and_the_bound_and_reports(server_b, server_c,
+                                                                   tmp_path):
+    """serverbench's smoke size, two runs on server C (the --no-cache baseline) and server B
+    (the store): per server a fill, the low rate, an overload, a bisection step; s, h and m
+    per stage thread from /metrics; the report with each run's figures."""
+    servers = {serverbench.BASELINE: server_c, serverbench.STORE: server_b}
+    size = serverbench.SMOKE
+    results = serverbench.write(
+        "tiny", str(tmp_path), size, True, {name: s.args for name, s in servers.items()},
+        lambda name, flags: contextlib.nullcontext(servers[name]))
+    assert [list(run["configs"]) for run in results["runs"]] == [list(servers)] * size.runs
+    for run in results["runs"]:
+        for name, measured in run["configs"].items():
+            capacity, low = measured["capacity"], measured["low"]
+            kinds = [p["kind"] for p in measured["points"]]
+            top = max(capacity["client"]["window_qps"], low["qps"])
+            lo, hi = measured["bracket"]
+            if serverbench.within(low, results["bound_ms"]):  # each step halves the bracket
+                assert kinds.count("bisection") == size.bisections, kinds
+                assert hi - lo == pytest.approx((top - low["qps"]) / 2**size.bisections)
+            else:
+                assert "bisection" not in kinds and (lo, hi) == (low["qps"], top), kinds
+            model = capacity["model"]
+            assert model["h_ms"] > 0 and model["s_history_ms"] > 0, (name, model)
+            assert measured["compiles_after_warmup"] == 0
+        store = run["configs"][serverbench.STORE]["capacity"]["model"]
+        assert 0 < store["m"] < 1 and store["s_front_ms"] > 0, store  # hits on the front
+        assert run["configs"][serverbench.BASELINE]["capacity"]["model"]["m"] == 1
+    text = (tmp_path / "SERVER.md").read_text()
+    for section in ("## Targets", "## Method", "## Capacity", "## Throughput at the p99 bound",
+                    "## s, h and m by load", "## Where the time goes"):
+        assert section in text, section
+    rows = [line for line in text.splitlines() if line.startswith(f"| {serverbench.STORE} | ")]
+    assert re.search(r"\| [\d.]+ / [\d.]+ \|", rows[1]), rows[1]  # capacity, both runs
 
 
 def test_an_acquire_that_waits_for_a_leaked_pin_answers_503(server_b, model, sessions):
