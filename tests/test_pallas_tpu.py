@@ -10,8 +10,9 @@
   with the fix; RA116 for bad options.
 * SMEM: calls split over batch rows and block ranges give the same bits.
 * Lowering for TPU without a TPU, at the table's blocks, every generation x dtype x head
-  dim (and the per-shard kernels); the float32 dots ask Mosaic for fp32 precision; the
-  lowering rejects what interpret mode accepts.
+  dim (and the per-shard kernels); the float32 dots ask Mosaic for fp32 precision; no
+  kernel operand is a per-row vector padded to 128 lanes and no product contracts a
+  transposed lhs (issue 37); the lowering rejects what interpret mode accepts.
 * Block skipping: the forward's visit counter equals the plan's counts; past the count the
   index map repeats the last entry. The TPU simulator's race detector on two cores finds
   nothing in the forward, dq and dk / dv kernels.
@@ -301,6 +302,17 @@ def test_float32_dots_ask_for_full_precision_and_16_bit_dots_do_not():
         assert set(re.findall(r"contract_precision<(\w+)>", text)) == want, dtype
 
 
+def test_no_kernel_product_contracts_a_transposed_lhs():
+    """Issue 37: the dk / dv kernel works key-major (s^T = k q^T, dv = p^T dO and dk = ds^T
+    q as plain products), so no MXU product in any kernel contracts its lhs' first axis
+    (a transpose per product before)."""
+    lowered = lower_for_tpu(PallasTpu(), 1, 300, 10, 2, 128, jnp.bfloat16, causal=True,
+                            softcap=5.0)
+    dims = re.findall(r"tpu.matmul.*dimension_numbers = #tpu.dot_dimension_numbers<\[(\d)\]",
+                      "\n".join(mosaic_modules(lowered)))
+    assert len(dims) == 2 * (2 + 3 + 4) and set(dims) == {"1"}, dims
+
+
 def test_lowering_catches_what_interpret_mode_accepts():
     """The lowering tests have teeth: 16 x 16 blocks (fine in interpret mode) break the (8,
     128) rule on keys once a sequence spans several blocks."""
@@ -328,6 +340,32 @@ def test_each_query_block_computes_exactly_its_listed_key_blocks():
     want = rankattn.attention(q, k, v, segment_ids=seg, causal=True, scale=0.5,
                               impl="reference", return_lse=True)
     assert_close_f32(out, want[0], "out")
+
+
+def test_a_prepared_plan_runs_a_grid_of_its_longest_list():
+    """Issue 37: a plan prepared from concrete segment ids and closed over has known counts,
+    so each kernel's last grid axis is its longest list instead of every block (here 4 key
+    blocks for the forward and dq, 3 query blocks for dk / dv, of 5); passed as a jit
+    argument (traced) it keeps all 5. Results and gradients are the same bits either way."""
+    q, k, v, w = random_qkv(17, 2, 70, 4, 2, 8)
+    seg = jnp.asarray(random_segments(18, 2, 70, "packed"))
+    plan = rankattn.plan(segment_ids=seg, causal=True, impl=SMALL_TPU)
+    counts = plan.block_plan(BlockSizes(16, 16))
+    longest = {int(np.max(counts.count)), int(np.max(counts.q_count))}
+
+    def results(q, k, v, plan):
+        def f(q, k, v):
+            return rankattn.attention(q, k, v, plan=plan, impl=SMALL_TPU, return_lse=True)
+        (out, lse), pullback = jax.vjp(f, q, k, v)
+        return [out, lse, *pullback((jnp.asarray(w), jnp.ones_like(lse)))]
+
+    prepared = functools.partial(results, plan=plan)
+    grids = [{int(n) for n in re.findall(r"grid=\(\d+, \d+, \d+, (\d+)\)", str(jaxpr))}
+             for jaxpr in (jax.make_jaxpr(prepared)(q, k, v),
+                           jax.make_jaxpr(results)(q, k, v, plan))]
+    assert grids == [longest, {5}] and longest == {4, 3}, (grids, longest)
+    for name, a, b in zip(FIELDS, jax.jit(prepared)(q, k, v), jax.jit(results)(q, k, v, plan)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
 
 
 def test_past_the_count_the_index_map_repeats_the_last_entry():

@@ -14,7 +14,9 @@ whose lists exceed the generation's SMEM budget run as several calls of fewer ro
 * dq, the same grid and lists, recomputing p from the saved log-sum-exp.
 * dk / dv, grid (b, kv head, key block j, visit t) over the transposed lists
   ``q_index[b, j]`` (the query blocks that see key block j): each program owns its key
-  block's dk and dv, so there are no atomics and the result is deterministic.
+  block's dk and dv, so there are no atomics and the result is deterministic. It works
+  key-major, ``s^T = k q^T`` (as splash attention does), so no product contracts a
+  transposed operand.
 
 Past a list's count the index maps repeat the last visited entry (:func:`visited_block`):
 the block index does not change between steps, so the pipeline issues no DMA for them,
@@ -71,7 +73,7 @@ from rankattn.backends import flash_math
 from rankattn.backends.base import Backend
 from rankattn.blocks import BlockPlan, BlockSizes, pad_axis1, round_up, segments_and_plan
 from rankattn.errors import fail
-from rankattn.validate import AttentionCall
+from rankattn.validate import AttentionCall, concrete
 
 # Pallas TPU names moved between JAX versions (TPUCompilerParams became CompilerParams); the
 # backend declines with the missing names rather than failing at import.
@@ -202,13 +204,14 @@ class _Static:
 def _dot(a, b, contract):
     """2-D dot with float32 accumulation; float32 operands at HIGHEST precision (the MXU's
     exact float32 passes, not Mosaic's default single bf16 pass). ``contract``: the
-    contracted axes of a and b, (1, 0) for a b, (1, 1) for a b^T, (0, 0) for a^T b."""
+    contracted axes of a and b, (1, 0) for a b, (1, 1) for a b^T (no kernel contracts a
+    transposed lhs: the dk / dv kernel works key-major instead)."""
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
                                precision=precision, preferred_element_type=jnp.float32)
 
 
-NN, NT, TN = (1, 0), (1, 1), (0, 0)
+NN, NT = (1, 0), (1, 1)
 
 
 def visited_block(index_ref, count_ref, b, i, t):
@@ -238,17 +241,31 @@ def _group_column(rows):
     return jnp.concatenate([row[:, None] for row in rows], axis=0)
 
 
-def _mask(st: _Static, r: dict, q_start, k_start):
+def _group_row(rows):
+    """The group's per-row values [G, n] as one row [1, G * n], the lanes of the dk / dv
+    kernel's transposed logits (head by head, as :func:`_rows` stacks them)."""
+    return jnp.concatenate([rows[g:g + 1] for g in range(rows.shape[0])], axis=1)
+
+
+def _mask(st: _Static, r: dict, q_start, k_start, keys_major: bool = False):
     """The history part of the mask (rankattn.semantics) for a block pair, bool [bq, bk],
     from the kernel's segment-id refs seg_q [1, bq] and seg_k [1, bk] (lane-dense rows) and
-    either the position refs pos_q / pos_k (a ShardMask's) or the blocks' first indices."""
+    either the position refs pos_q / pos_k (a ShardMask's) or the blocks' first indices.
+    ``keys_major``: the transposed mask of the group, [bk, G * bq] (keys on rows, the
+    queries of each head on lanes), built at that width: Mosaic cannot concatenate bool
+    vectors at lane offsets that are not multiples of 128."""
     if st.positions:
-        pos_q, pos_k = _column(r["pos_q"][...]), r["pos_k"][...]
+        pos_q, pos_k = r["pos_q"][...], r["pos_k"][...]
     else:
-        pos_q = q_start + jax.lax.broadcasted_iota(jnp.int32, (st.block_q, 1), 0)
+        pos_q = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, st.block_q), 1)
         pos_k = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)
-    return semantics.sees_history(_column(r["seg_q"][...]), r["seg_k"][...], pos_q, pos_k,
-                                  st.causal)
+    seg_q, seg_k = r["seg_q"][...], r["seg_k"][...]
+    if keys_major:
+        def tiled(row):
+            return jnp.concatenate([row] * st.group, axis=1)
+        return semantics.sees_history(tiled(seg_q), _column(seg_k), tiled(pos_q),
+                                      _column(pos_k), st.causal)
+    return semantics.sees_history(_column(seg_q), seg_k, _column(pos_q), pos_k, st.causal)
 
 
 def _segment_names(st: _Static) -> list[str]:
@@ -413,7 +430,7 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
     the key blocks each query block computed, int32 [B, Hkv, nQ, 1]."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
-    n_q, n_k = plan.kv_index.shape[1:]
+    n_q, n_visits = plan.kv_index.shape[1:]  # n_visits: the longest list (visited_lists)
     bq, bk = st.block_q, st.block_k
     in_specs, args = _segment_specs(st, seg, queries_visited=False)
     in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
@@ -438,7 +455,7 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
     scratch = [pltpu.VMEM((g * bq, 1), jnp.float32), pltpu.VMEM((g * bq, 1), jnp.float32),
                pltpu.VMEM((g * bq, dv), jnp.float32)]
     results = _call(st, _forward_kernel, "rankattn_tpu_forward",
-                    (plan.kv_index, plan.full_count, plan.count), (b, hkv, n_q, n_k),
+                    (plan.kv_index, plan.full_count, plan.count), (b, hkv, n_q, n_visits),
                     in_specs, out_specs, out_shape, scratch, args, row_axes)
     return tuple(results)
 
@@ -493,7 +510,7 @@ def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplie
     padded to the inputs' length."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
-    n_q, n_k = plan.kv_index.shape[1:]
+    n_q, n_visits = plan.kv_index.shape[1:]  # n_visits: the longest list (visited_lists)
     bq, bk = st.block_q, st.block_k
     in_specs, args = _segment_specs(st, seg, queries_visited=False)
     in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
@@ -507,7 +524,7 @@ def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplie
         in_specs.append(_spec(st, "group_row", bq))
         args.append(multiplier)
     return _call(st, _dq_kernel, "rankattn_tpu_dq", (plan.kv_index, plan.full_count, plan.count),
-                 (b, hkv, n_q, n_k), in_specs, [_spec(st, "group", bq, d, output=True)],
+                 (b, hkv, n_q, n_visits), in_specs, [_spec(st, "group", bq, d, output=True)],
                  [jax.ShapeDtypeStruct((b, hkv, g, n_q * bq, d), q.dtype)],
                  [pltpu.VMEM((g * bq, d), jnp.float32)], args)[0]
 
@@ -533,18 +550,21 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
 
     def visit(masked: bool):
         i = q_index_ref[b, j, t].astype(jnp.int32)
+        # Key-major: s^T = k q^T [bk, G * bq], so dv = p^T dO and dk = ds^T q are plain
+        # products and the queries' lse / delta / multiplier are lane-dense rows.
         q, do = _rows(r["q"][...]), _rows(r["do"][...])
-        mult = _group_column(r["mult"][...]) if st.multiplied else None
-        s2, s = flash_math.capped_logits(st, _dot(q, k, NT))  # [G * bq, bk]
+        mult = _group_row(r["mult"][...]) if st.multiplied else None
+        s2, s = flash_math.capped_logits(st, _dot(k, q, NT))
         s2 = flash_math.times(s2, mult)
         if masked:
-            s2 = _masked(st, s2, _mask(st, r, i * st.block_q,
-                                       (offset_ref[0] + j) * st.block_k))
-        p = jnp.exp2(s2 - flash_math.lse2(_group_column(r["lse"][...])))
-        r["dv_acc"][...] += _dot(p.astype(do.dtype), do, TN)
-        ds = flash_math.logit_grads(st, p, _dot(do, v, NT), _group_column(r["delta"][...]), s,
+            mask = _mask(st, r, i * st.block_q, (offset_ref[0] + j) * st.block_k,
+                         keys_major=True)
+            s2 = jnp.where(mask, s2, -jnp.inf)
+        p = jnp.exp2(s2 - flash_math.lse2(_group_row(r["lse"][...])))
+        r["dv_acc"][...] += _dot(p.astype(do.dtype), do, NN)
+        ds = flash_math.logit_grads(st, p, _dot(v, do, NT), _group_row(r["delta"][...]), s,
                                     mult)
-        r["dk_acc"][...] += _dot(ds.astype(q.dtype), q, TN)
+        r["dk_acc"][...] += _dot(ds.astype(q.dtype), q, NN)
 
     _visits(full_ref[b, j].astype(jnp.int32), count_ref[b, j].astype(jnp.int32), visit)
 
@@ -570,7 +590,7 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multipli
     """dk [B, Hkv, nK * bk, D] and dv [B, Hkv, nK * bk, Dv]; other arguments as :func:`_dq`."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
-    n_k, n_q = plan.q_index.shape[1:]
+    n_k, n_visits = plan.q_index.shape[1:]
     bq, bk = st.block_q, st.block_k
     in_specs, args = _segment_specs(st, seg, queries_visited=True)
     in_specs += [_spec(st, "group", bq, d, visited=True), _spec(st, "kv", bk, d),
@@ -591,7 +611,8 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multipli
             args.append(multiplier)
     rows = n_k * bk
     return _call(st, _dkv_kernel, "rankattn_tpu_dkv",
-                 (plan.q_index, plan.q_full_count, plan.q_count), (b, hkv, n_k, n_q), in_specs,
+                 (plan.q_index, plan.q_full_count, plan.q_count), (b, hkv, n_k, n_visits),
+                 in_specs,
                  [_spec(st, "kv", bk, d, output=True), _spec(st, "kv", bk, dv, output=True)],
                  [jax.ShapeDtypeStruct((b, hkv, rows, d), k.dtype),
                   jax.ShapeDtypeStruct((b, hkv, rows, dv), v.dtype)],
@@ -650,6 +671,19 @@ def _head_rows(x, hkv: int, length: int):
     return x.transpose(0, 2, 1).reshape(b, hkv, h // hkv, length)
 
 
+def visited_lists(plan: BlockPlan) -> BlockPlan:
+    """The plan with its lists cut to the longest list's count where the counts are known
+    now (a plan prepared by :func:`rankattn.plan` and closed over, or an eager call), so the
+    grids' last axis ends where every list has ended; a traced plan (made or passed under
+    jit) keeps the worst case, every key / query block."""
+    counts = concrete(plan.count), concrete(plan.q_count)
+    if counts[0] is None or counts[1] is None:
+        return plan
+    longest = [max(1, int(c.max(initial=0))) for c in counts]
+    return plan._replace(kv_index=plan.kv_index[:, :, :longest[0]],
+                         q_index=plan.q_index[:, :, :longest[1]])
+
+
 def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
                   softcap_method: str, block_sizes: BlockSizes, block_plan: BlockPlan | None = None,
                   interpret=False, logit_multiplier=None, shard_mask=None,
@@ -700,7 +734,8 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
                  count_visits=count_visits)
 
     n_q, n_k = block_plan.kv_index.shape[1:]
-    block_plan = jax.tree.map(lambda x: x.astype(list_dtype(n_q, n_k)), block_plan)
+    block_plan = jax.tree.map(lambda x: x.astype(list_dtype(n_q, n_k)),
+                              visited_lists(block_plan))
     chunk = rows_per_call(b, n_q, n_k, smem_budget)
     results = []
     for start in range(0, b, chunk):
