@@ -69,11 +69,11 @@ class HookedEngine(Engine):
         time.sleep(self.history_delay)
         super()._compute(job)
 
-    def _history_pass(self, lease, rows) -> None:
+    def _history_pass(self, lease, rows, model) -> None:
         if self.fail_next_pass:
             self.fail_next_pass = False
             raise fail("RA224", "the store's write failed (POST /_test/fail-next-pass)")
-        super()._history_pass(lease, rows)
+        super()._history_pass(lease, rows, model)
 
 
 def hook_routes(app) -> dict:
@@ -86,7 +86,8 @@ def hook_routes(app) -> dict:
 
     async def leak(scope, receive, send):
         request = parse(await read_body(scope, receive, app.limits), app.limits)
-        lease = await asyncio.to_thread(engine.store.acquire, *zip(request.key))
+        keys = engine.store_keys([request.key], engine.model, 0)  # as a batch's acquire
+        lease = await asyncio.to_thread(engine.store.acquire, *keys)
         engine.leases.append(lease)
         await app.reply(send, Answer(200, {"source": lease.source[0]}))
 

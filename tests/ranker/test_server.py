@@ -9,12 +9,13 @@ invariance, a reused history_version with a changed history, malformed requests 
 kind, a flood past the queue, a store full of pins, hits answered while the history stage is
 busy, deadlines (admission, 504, a client that leaves), the Open Inference Protocol, the
 metrics, and last SIGTERM with requests in flight. Server B (server_hooks.py, --hold-warmup)
-restarts on the same run directory: probes while its warm-up holds the store, an empty cache
-with the same answers, serverbench's smoke size (its store configuration; server C its
-baseline), an acquire that waits for a leaked pin, and last a stage thread that dies. Server
-C runs the production command with --no-cache and the load generator against it. The servers
-share a persistent compilation cache; each test bounds its requests and
-waits.
+restarts on the same checkpoint (in a run directory of its own): probes while its warm-up
+holds the store, an empty cache with the same answers, serverbench's smoke size (its store
+configuration; server C its baseline), an acquire that waits for a leaked pin, a hot model
+swap under load (a second checkpoint saved into its run directory), and last a stage thread
+that dies. Server C runs the production command with --no-cache and the load generator
+against it. The servers share a persistent compilation cache; each test bounds its requests
+and waits. Two tests call the reload route and Engine.swap without a server.
 """
 
 from __future__ import annotations
@@ -114,13 +115,32 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, model):
-    out = str(tmp_path_factory.mktemp("run"))
-    params = model[1]
+def next_model():
+    """(graphdef, params) of the checkpoint a hot swap loads: step STEP + 1, other weights."""
+    return init(PRESET.model, len(ACTIONS), PRESET.world.contexts, seed=12)
+
+
+def save(out: str, step: int, params) -> None:
+    """Save a checkpoint of ``params`` at ``step`` into the run directory ``out``, as train
+    does."""
     manager = train.checkpoints(PRESET, out)
-    manager.save(STEP, args=ocp.args.StandardSave(
+    manager.save(step, args=ocp.args.StandardSave(
         dict(params=params, opt_state=train.optimizer(PRESET).init(params))))
     manager.wait_until_finished()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, model):
+    out = str(tmp_path_factory.mktemp("run"))
+    save(out, STEP, model[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_dir_b(tmp_path_factory, model):
+    """Server B's run directory: the same checkpoint as run_dir's, and the hot swap's."""
+    out = str(tmp_path_factory.mktemp("run_b"))
+    save(out, STEP, model[1])
     return out
 
 
@@ -143,11 +163,11 @@ def server_a(run_dir, env, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server_b(run_dir, env, tmp_path_factory):
+def server_b(run_dir_b, env, tmp_path_factory):
     """Server B, started (after server A's SIGTERM: its first test comes after that one) with
     its warm-up holding the store until the first test releases it."""
     log = str(tmp_path_factory.mktemp("logs") / "b.log")
-    server = Server(run_dir, LIMITS + SMALL_STORE + ["--hold-warmup"], env, log, hooks=True,
+    server = Server(run_dir_b, LIMITS + SMALL_STORE + ["--hold-warmup"], env, log, hooks=True,
                     ready=False)
     yield server
     if server.process.poll() is None:
@@ -208,16 +228,17 @@ def full_forward(model, request: dict) -> np.ndarray:
     return logits[batch.candidate[0] >= 0]
 
 
-def assert_answer(model, request: dict, status: int, answer: dict, cache: str | None = None):
-    """A 200 whose logits equal the full forward pass (1e-5) and whose scores are the
-    preset's weighted score of them."""
+def assert_answer(model, request: dict, status: int, answer: dict, cache: str | None = None,
+                  step: int = STEP):
+    """A 200 of model step ``step`` (``model``'s) whose logits equal the full forward pass
+    (1e-5) and whose scores are the preset's weighted score of them."""
     assert status == 200, answer
     logits = np.asarray(answer["logits"], np.float32)
     np.testing.assert_allclose(logits, full_forward(model, request), atol=1e-5, rtol=0)
     weights = np.array([SCORE_WEIGHTS[a] for a in ACTIONS])
     scores = (weights / (1 + np.exp(-logits.astype(float)))).sum(-1)
     np.testing.assert_allclose(answer["scores"], scores, rtol=1e-6)
-    assert answer["actions"] == list(ACTIONS) and answer["model_step"] == STEP
+    assert answer["actions"] == list(ACTIONS) and answer["model_step"] == step
     if cache is not None:
         assert answer["cache"] == cache
 
@@ -768,6 +789,184 @@ def test_an_acquire_that_waits_for_a_leaked_pin_answers_503(server_b, model, ses
     other = body(sessions, 33, events=10, user=8 * 10**6 + 1)
     assert_answer(model, other, *server_b.rank(other)[0::2], cache="miss")
     assert probe(server_b, "/readyz")[0] == 200
+
+
+def test_a_hot_swap_under_load_answers_with_one_models_forward(server_b, run_dir_b, model,
+                                                              next_model, sessions):
+    """Three clients send requests of two users each, one at a time; once every user has had
+    a miss and a hit, a checkpoint of other weights (step STEP + 1) is saved into server B's
+    run directory and POST /admin/reload (202) swaps it in under that load. /readyz answers
+    200 throughout; every answer equals the full forward pass of the model of the step it
+    reports; each client sees the old step, then the new one only; each user's first answer
+    of the new step is a miss (no K/V of the old model serves the new one's scoring) and its
+    next a hit; nothing compiles; a second reload answers 200, current."""
+    models = {STEP: model, STEP + 1: next_model}
+    users = [[body(sessions, 2 * c + k, events=10, user=9 * 10**6 + 2 * c + k)
+              for k in range(2)] for c in range(3)]
+    sent = [[] for _ in users]  # per client: (request, status, answer), in order
+    give_up = time.monotonic() + 60  # 3x a quiet run's bound; each client sends <= 300
+
+    def client(c: int) -> None:
+        for i in range(300):
+            request = users[c][i % 2]
+            sent[c].append((request, *server_b.rank(request)[0::2]))
+            new = sum(answer.get("model_step") == STEP + 1 for _, _, answer in sent[c])
+            if new >= 4 or sent[c][-1][1] != 200 or time.monotonic() > give_up:
+                return
+
+    with concurrent.futures.ThreadPoolExecutor(len(users)) as pool:
+        clients = [pool.submit(client, c) for c in range(len(users))]
+        while min(map(len, sent)) < 4:  # every user missed, then hit
+            assert time.monotonic() < give_up and not any(f.done() for f in clients), sent
+            time.sleep(0.01)
+        save(run_dir_b, STEP + 1, next_model[1])
+        status, _, raw = server_b.request("POST", "/admin/reload")
+        assert (status, json.loads(raw)) == (202, {"model_step": STEP, "loading": STEP + 1,
+                                                   "status": "loading"})
+        ready = []
+        while not ready or ready[-1] != (200, STEP + 1):
+            assert time.monotonic() < give_up, ready[-3:]
+            status, answer = probe(server_b, "/readyz")
+            ready.append((status, answer.get("model_step")))
+        for future in clients:
+            future.result()
+    assert {status for status, _ in ready} == {200}, ready
+    for c, answers in enumerate(sent):
+        for request, status, answer in answers:
+            assert status == 200, (c, answer)
+            assert_answer(models[answer["model_step"]], request, status, answer,
+                          step=answer["model_step"])
+        steps = [answer["model_step"] for _, _, answer in answers]
+        assert steps == sorted(steps) and set(steps) == {STEP, STEP + 1}, (c, steps)
+        for user in users[c]:
+            caches = {step: [a["cache"] for r, _, a in answers
+                             if r is user and a["model_step"] == step] for step in models}
+            assert caches[STEP][:2] == ["miss", "device"], (c, caches)
+            assert caches[STEP + 1][:2] == ["miss", "device"], (c, caches)
+    samples = server_b.metrics()
+    assert count(samples, "ranker_model_step") == STEP + 1
+    assert count(samples, "ranker_reloads_total", outcome="swapped") == 1
+    assert count(samples, "ranker_compiles_after_warmup_total") == 0
+    status, _, raw = server_b.request("POST", "/admin/reload")
+    assert (status, json.loads(raw)) == (200, {"model_step": STEP + 1, "status": "current"})
+
+
+class FakeReloadEngine:
+    """What the app and the reloader read of an engine: health, the step, swap, metrics."""
+
+    def __init__(self):
+        from examples.ranker.server.metrics import Metrics
+
+        self.state, self.model_step, self.metrics = "serving", STEP, Metrics(self, 4)
+
+    def health(self):
+        return self.state, "why"
+
+    def swap(self, model):
+        self.model_step = model.step
+
+
+class FakeCheckpoints:
+    """A run directory whose newest step the test sets; ``restore`` waits for ``loaded``
+    and raises when ``broken``."""
+
+    out = "/runs/fake"
+
+    def __init__(self):
+        self.step, self.broken, self.loaded = None, False, threading.Event()
+
+    def latest_step(self):
+        return self.step
+
+    def restore(self):
+        from examples.ranker.server.engine import Model
+
+        self.loaded.wait(10)
+        if self.broken:
+            raise OSError("a checkpoint that does not read")
+        return Model(self.step, None, None)
+
+
+def test_admin_reload_answers_loopback_clients_one_reload_at_a_time():
+    """POST /admin/reload through the ASGI app (no server): a client off the loopback
+    addresses gets 403 forbidden; a warming engine 503; no checkpoint 404 no_checkpoint; the
+    served step 200 current; a newer step 202, and 409 reload_in_progress until it is
+    swapped in; a load that fails is counted and the served step stays."""
+    import asyncio
+
+    from examples.ranker.server.app import App
+    from examples.ranker.server.reload import Reloader
+
+    engine, checkpoints = FakeReloadEngine(), FakeCheckpoints()
+    reloader = Reloader(engine, checkpoints)
+    app = App(engine, None, None, reloader=reloader)
+
+    def reload(client="127.0.0.1"):
+        messages = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            messages.append(message)
+
+        asyncio.run(app({"type": "http", "method": "POST", "path": "/admin/reload",
+                         "headers": [], "client": (client, 50000)}, receive, send))
+        answer = json.loads(messages[1]["body"])
+        return messages[0]["status"], answer.get("error", {}).get("kind", answer)
+
+    def loaded():
+        deadline = time.monotonic() + 10
+        while reloader.loading is not None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    checkpoints.step = STEP + 1
+    for client in ("10.0.0.5", "192.168.1.2", "::ffff:10.0.0.5", None):
+        assert reload(client) == (403, "forbidden"), client
+    engine.state = "warming"
+    assert reload() == (503, "warming")
+    engine.state = "serving"
+    checkpoints.step = None
+    assert reload("::1") == (404, "no_checkpoint")
+    checkpoints.step = STEP
+    assert reload() == (200, {"model_step": STEP, "status": "current"})
+    checkpoints.step = STEP + 1
+    assert reload() == (202, {"model_step": STEP, "loading": STEP + 1, "status": "loading"})
+    assert reload("::ffff:127.0.0.1") == (409, "reload_in_progress")
+    checkpoints.loaded.set()
+    loaded()
+    assert engine.model_step == STEP + 1
+    assert reload() == (200, {"model_step": STEP + 1, "status": "current"})
+    checkpoints.step, checkpoints.broken = STEP + 2, True
+    assert reload()[0] == 202
+    loaded()
+    assert engine.model_step == STEP + 1
+    reloads = {sample.labels["outcome"]: sample.value
+               for sample in engine.metrics.reloads.collect()[0].samples
+               if sample.name == "ranker_reloads_total"}
+    assert reloads == {"swapped": 1, "failed": 1}
+
+
+def test_a_swap_refuses_a_model_of_other_shapes(model):
+    """Engine.swap takes only a model with the served graph, parameter shapes and dtypes
+    (the compiled programs'), and says which parameters differ."""
+    import jax
+
+    from examples.ranker.server.engine import Engine, Model, Options
+
+    engine = Engine(PRESET, Model(STEP, *model),
+                    Options(max_history=MAX_HISTORY, max_candidates=MAX_CANDIDATES,
+                            device_pages=8))
+    graphdef, params = model
+    wider = jax.tree.map(lambda x: np.zeros(x.shape[:-1] + (x.shape[-1] + 1,), x.dtype),
+                         params)
+    with pytest.raises(ValueError, match="differ in shape or dtype"):
+        engine.swap(Model(STEP + 1, graphdef, wider))
+    other = init(PRESETS["small"].model, len(ACTIONS), PRESET.world.contexts, seed=11)
+    with pytest.raises(ValueError, match="another model graph"):
+        engine.swap(Model(STEP + 1, *other))
+    assert engine.model_step == STEP
 
 
 def test_a_dead_stage_thread_fails_readiness_and_liveness(server_b, sessions):

@@ -7,7 +7,8 @@
   health;
 * app.py: the ASGI application run by uvicorn (its route table, probes, deadlines and
   disconnects), start-up and drain;
-* metrics.py: GET /metrics.
+* metrics.py: GET /metrics;
+* reload.py: hot model swaps (POST /admin/reload, SIGHUP).
 
 examples/ranker/README.md, "The ranking server", documents it, every flag included.
 """
@@ -16,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
-
-from examples.ranker import serve, train
+from examples.ranker import serve
 from examples.ranker.config import ACTIONS, PRESETS
 from examples.ranker.model import init
-from examples.ranker.server.engine import DEFAULT_DEVICE_PAGES, Engine, Options
+from examples.ranker.server.engine import DEFAULT_DEVICE_PAGES, Engine, Model, Options
+from examples.ranker.server.reload import Checkpoints, Reloader
 from examples.ranker.server.schema import Limits
 
 log = logging.getLogger("examples.ranker.server")
@@ -34,7 +32,8 @@ log = logging.getLogger("examples.ranker.server")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", required=True, help="the run directory whose newest "
-                        "checkpoint is served (as train writes them)")
+                        "checkpoint is served (as train writes them; POST /admin/reload or "
+                        "SIGHUP swaps in a newer one)")
     parser.add_argument("--port", type=int, required=True, help="listens on HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on "
                         "(0.0.0.0: every interface, e.g. in a container); default "
@@ -109,13 +108,14 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
         parser.error(f"--device-pages {args.device_pages} cannot hold one history of "
                      f"--max-history {max_history} events ({per_user} pages); pass at least "
                      f"{per_user}")
-    step, graphdef, params = load(preset, args.out, args.random_weights, parser)
+    checkpoints = Checkpoints(preset, args.out)
+    model = load(preset, checkpoints, args.random_weights, parser)
     options = Options(max_history=max_history, max_candidates=args.max_candidates,
                       max_batch=args.max_batch, max_wait=args.max_wait_ms / 1e3,
                       max_queue=args.max_queue, device_pages=args.device_pages,
                       host_pages=args.host_pages, max_users=args.max_users,
                       cache=not args.no_cache, acquire_timeout=args.acquire_timeout_ms / 1e3)
-    engine = engine_class(preset, graphdef, params, step, options)
+    engine = engine_class(preset, model, options)
     if not engine.pinned_batches_fit():
         log.warning("the store holds fewer than 3 * --max-batch histories of --max-history "
                     "events: requests may get 503 cache_full while batches are in flight")
@@ -125,25 +125,20 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
                                                                       args.max_candidates),
                     deadline_ms=args.deadline_ms)
     log.info("model step %d; listening on http://%s:%d (warming up: /readyz answers 503 "
-             "until every program is compiled)", step, args.host, args.port)
-    return app.serve(engine, limits, args.host, args.port, route_sets)
+             "until every program is compiled)", model.step, args.host, args.port)
+    return app.serve(engine, limits, args.host, args.port, route_sets,
+                     Reloader(engine, checkpoints))
 
 
-def load(preset, out: str, random_weights: bool, parser):
-    """(step, graphdef, params) of the newest checkpoint in ``out``, or of a fresh model
-    with ``random_weights`` when there is none."""
-    if os.path.isdir(os.path.join(out, "checkpoints")):
-        manager = train.checkpoints(preset, out)
-        if manager.latest_step() is not None:
-            step, graphdef, params, _ = train.restore(preset, manager)
-            # Orbax restores arrays committed to a device, and a committed input makes a
-            # program's outputs committed: the store's cache would change signature after
-            # warm-up and its programs compile again. Uncommitted, as a fresh model's.
-            return step, graphdef, jax.tree.map(jnp.asarray, jax.device_get(params))
+def load(preset, checkpoints: Checkpoints, random_weights: bool, parser) -> Model:
+    """The newest of ``checkpoints``, or a fresh model (step 0) with ``random_weights``
+    when there is none."""
+    if checkpoints.latest_step() is not None:
+        return checkpoints.restore()
     if not random_weights:
-        parser.error(f"{out} has no checkpoint: train one first (python -m examples.ranker "
-                     f"train --preset ... --out {out}), or pass --random-weights to serve "
-                     "freshly initialised weights")
+        parser.error(f"{checkpoints.out} has no checkpoint: train one first (python -m "
+                     f"examples.ranker train --preset ... --out {checkpoints.out}), or pass "
+                     "--random-weights to serve freshly initialised weights")
     graphdef, params = init(preset.model, len(ACTIONS), preset.world.contexts,
                             preset.train.seed)
-    return 0, graphdef, params
+    return Model(0, graphdef, params)

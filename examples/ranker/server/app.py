@@ -6,7 +6,9 @@ everything under it -> handler; ``serve(route_sets=...)`` adds more): ``POST /v1
 included; 503 once a stage thread has died); ``GET /readyz`` and its older name
 ``GET /healthz`` (200 when warm, every stage thread alive and not draining; else 503 with
 the state and reason); ``GET /metrics`` (Prometheus' text format); under /v2 the Open
-Inference Protocol (kserve.py), whose infer requests are served as /v1/rank's are.
+Inference Protocol (kserve.py), whose infer requests are served as /v1/rank's are;
+``POST /admin/reload`` (with a reloader: reload.py's hot model swap, answered only to
+clients on a loopback address, others 403 ``forbidden``; SIGHUP does the same).
 
 The event loop reads and checks requests, queues them (Engine.submit) and awaits their
 answers, which the engine's threads hand back with ``call_soon_threadsafe``; it never runs
@@ -31,6 +33,7 @@ engine answers every queued one, and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import math
@@ -45,7 +48,8 @@ from examples.ranker.server import kserve
 from examples.ranker.server.engine import Engine
 from examples.ranker.server.metrics import CONTENT_TYPE
 from examples.ranker.server.schema import (DEADLINE_HEADER, Answer, BadRequest, Limits,
-                                           Request, deadline, expired, parse, too_large_body)
+                                           Request, deadline, error, expired, parse,
+                                           too_large_body)
 
 log = logging.getLogger("examples.ranker.server")
 DRAIN_MARGIN = 2  # seconds uvicorn waits past the longest deadline for answers to go out
@@ -65,13 +69,19 @@ class App:
 
     ``route_sets``: functions of the app returning more routes ({path: {method: handler}},
     a handler ``async (scope, receive, send)``), added to the table after the app's own.
+    ``reloader`` (a reload.Reloader) serves ``POST /admin/reload``; without one there is no
+    such route.
     """
 
-    def __init__(self, engine: Engine, limits: Limits, on_failure, route_sets=()):
+    def __init__(self, engine: Engine, limits: Limits, on_failure, route_sets=(),
+                 reloader=None):
         self.engine, self.limits, self.on_failure = engine, limits, on_failure
+        self.reloader = reloader
         self.routes = {"/v1/rank": {"POST": self._rank}, "/livez": {"GET": self._livez},
                        "/readyz": {"GET": self._readyz}, "/healthz": {"GET": self._readyz},
                        "/metrics": {"GET": self._metrics}}
+        if reloader is not None:
+            self.routes["/admin/reload"] = {"POST": self._reload}
         self.subtrees = {"/v2": self._open_inference}
         for routes in route_sets:
             self.routes.update(routes(self))
@@ -128,7 +138,7 @@ class App:
         except Exception:  # noqa: BLE001 - logged and answered; the server goes on
             log.exception("%s %s failed", scope["method"], scope["path"])
             if status is None:
-                await self.reply(counted, _error(
+                await self.reply(counted, error(
                     500, "internal", None, "the server failed on this request.", "Retry; the "
                     "server's log has the traceback (a bug: please report it)."))
         finally:
@@ -149,11 +159,11 @@ class App:
             await self.subtrees[self._route_name(path)](scope, receive, send)
         elif methods is None:
             listed = ", ".join(f"{m} {p}" for p, ms in self.routes.items() for m in ms)
-            await self.reply(send, _error(404, "not_found", "path", f"no route {path}.",
+            await self.reply(send, error(404, "not_found", "path", f"no route {path}.",
                                           f"Use {listed}."))
         elif method not in methods:
             allowed = ", ".join(methods)
-            await self.reply(send, _error(405, "bad_method", "method", f"{path} takes "
+            await self.reply(send, error(405, "bad_method", "method", f"{path} takes "
                                           f"{allowed}, not {method}.", f"Send {allowed} "
                                           f"{path}.", (b"allow", allowed.encode())))
         else:
@@ -244,12 +254,36 @@ class App:
         await self.reply(send, Answer(200 if ok else 503, {
             "status": state, "reason": reason, "model_step": self.engine.model_step}))
 
+    # --- Administration. ------------------------------------------------------------------
+
+    async def _reload(self, scope, receive, send) -> None:
+        """POST /admin/reload: the reloader's answer, for a client on a loopback address
+        only (the TCP peer: a proxy on this machine must not forward /admin)."""
+        client = (scope.get("client") or (None,))[0]
+        if not loopback(client):
+            await self.reply(send, error(
+                403, "forbidden", None, f"/admin/reload answers only clients on this "
+                f"machine (a loopback address); this one is {client}.", "Send it from the "
+                "server's machine to 127.0.0.1 (or send the process SIGHUP)."))
+            return
+        await self.reply(send, await off_loop(self.reloader.request))
+
     async def _metrics(self, scope, receive, send) -> None:
         body = await off_loop(self.engine.metrics.render)
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", CONTENT_TYPE.encode()),
             (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def loopback(host: str | None) -> bool:
+    """Whether ``host`` (an ASGI scope's client address) is a loopback address (an IPv4
+    one mapped into IPv6 included)."""
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 def header(scope, name: str) -> bytes | None:
@@ -319,12 +353,6 @@ def _settle_error(future: asyncio.Future, err: BaseException) -> None:
         future.set_exception(err)
 
 
-def _error(status: int, kind: str, field: str | None, message: str, fix: str,
-           *headers) -> Answer:
-    return Answer(status, {"error": {"kind": kind, "field": field, "message": message,
-                                     "fix": fix}}, headers=headers, kind=kind)
-
-
 async def _send(send, answer: Answer) -> None:
     body = json.dumps(answer.body).encode()
     await send({"type": "http.response.start", "status": answer.status, "headers": [
@@ -361,10 +389,16 @@ def drain_seconds(limits: Limits) -> int:
     return math.ceil(limits.deadline_ms / 1e3) + DRAIN_MARGIN
 
 
-def serve(engine: Engine, limits: Limits, host: str, port: int, route_sets=()) -> int:
+def serve(engine: Engine, limits: Limits, host: str, port: int, route_sets=(),
+          reloader=None) -> int:
     """Serve on ``host``:``port`` until SIGTERM / SIGINT; the exit status (0, or 1 when
-    warm-up failed). ``route_sets``: as :class:`App`'s."""
-    app = App(engine, limits, on_failure=lambda: server.fail(), route_sets=route_sets)
+    warm-up failed). ``route_sets`` and ``reloader``: as :class:`App`'s; with a reloader
+    SIGHUP reloads too (in a thread: a signal handler must not wait)."""
+    app = App(engine, limits, on_failure=lambda: server.fail(), route_sets=route_sets,
+              reloader=reloader)
+    if reloader is not None:
+        signal.signal(signal.SIGHUP, lambda sig, frame: threading.Thread(
+            target=reloader.on_signal, name="sighup", daemon=True).start())
     config = uvicorn.Config(app, host=host, port=port, lifespan="on", access_log=False,
                             log_level="warning", timeout_keep_alive=30,
                             timeout_graceful_shutdown=drain_seconds(limits))

@@ -33,12 +33,19 @@ once, so traffic compiles nothing (``compiles_after_warmup`` counts what it woul
 ``--no-cache`` (``Options.cache=False``) keys every batch's rows with a version of their
 own: nothing is reused across batches, every history is recomputed (``"cache": "off"``),
 through the same code.
+
+Hot swaps (:meth:`Engine.swap`, driven by reload.py): the front stage takes the served
+:class:`Model` once per batch and that batch's rows are placed, computed and scored with it,
+in both stages, whatever is swapped in meanwhile; the store versions fold the model in
+(:func:`store_version`), so K/V one model computed never serve another's scoring: after a
+swap the old entries stop hitting and age out of the store.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 import logging
 import queue
@@ -87,6 +94,19 @@ class Options:
     max_users: int | None = None   # store slots; default: device_pages
     cache: bool = True
     acquire_timeout: float = 1.0   # seconds an acquire may wait for an entry to be written
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A served checkpoint: its ``step``, graph and parameters, and ``serial``, the models
+    this engine served before it (0: the first; :meth:`Engine.swap` sets it). The store
+    versions fold in both: a step number reused by another training run (a rewritten run
+    directory) cannot serve K/V of the model it replaced either."""
+
+    step: int
+    graphdef: object
+    params: object
+    serial: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +225,7 @@ class _Job:
     groups: list[list[Request]]
     misses: list[int]
     handed: float
+    model: Model  # the model that placed the batch: it computes and scores the misses
 
 
 class Engine:
@@ -214,8 +235,8 @@ class Engine:
     scoring and hand-off; "history": a job's pass, write and scoring), which admission uses.
     """
 
-    def __init__(self, preset, graphdef, params, model_step: int, options: Options):
-        self.graphdef, self.params, self.model_step = graphdef, params, model_step
+    def __init__(self, preset, model: Model, options: Options):
+        self.model = model  # replaced whole by swap(); each batch reads it once
         self.options = options
         self.anchor = preset.model.max_position
         rows = 1 << (options.max_batch - 1).bit_length()
@@ -272,15 +293,58 @@ class Engine:
                         raise
                     continue
                 with lease:
-                    self._history_pass(lease, made_up)
+                    self._history_pass(lease, made_up, self.model)
             for candidates in self.shapes.candidates:
                 made_up = [_made_up(i, 0, candidates, 0) for i in range(rows)]
-                self._logits(made_up, np.zeros(rows, np.int32))
+                self._logits(made_up, np.zeros(rows, np.int32), self.model)
         self.store.clear()
         jax.block_until_ready(self.store.cache)
         self._baseline = self.store.stats()
         self._programs_warm = self._programs_built
         return self._programs_warm - before
+
+    def swap(self, model: Model) -> None:
+        """Serve ``model`` from the next batch on (batches already taken finish with the
+        model they started with). It must have the served model's graph and parameter
+        shapes and dtypes, so that it runs the programs warm-up compiled (a ValueError
+        otherwise, naming the difference); one scoring call runs it first, off the stages,
+        and a program it built (none should be) is logged and counted in
+        ``compiles_after_warmup``."""
+        served = self.model
+        if model.graphdef != served.graphdef:
+            raise ValueError(f"checkpoint step {model.step} has another model graph than "
+                             f"the served step {served.step} (another preset?): restart the "
+                             "server with the matching --preset to serve it.")
+        new, old = _signature(model.params), _signature(served.params)
+        if new != old:
+            changed = [f"{jax.tree_util.keystr(a[0])}: {a[1:]} for {b[1:]}"
+                       for a, b in zip(new, old) if a != b]
+            raise ValueError(f"checkpoint step {model.step}'s parameters differ in shape or "
+                             f"dtype from the served step {served.step}'s ({changed[:3]}): "
+                             "restart the server to serve it (its programs must be compiled "
+                             "anew).")
+        model = dataclasses.replace(model, serial=served.serial + 1)
+        built = self._programs_built
+        self._logits([_made_up(0, 0, 1, 0)], np.zeros(1, np.int32), model)
+        if self._programs_built != built:
+            log.warning("warming model step %d built %d programs", model.step,
+                        self._programs_built - built)
+        self.model = model
+        log.info("swapped model step %d for step %d", served.step, model.step)
+
+    @property
+    def model_step(self) -> int:
+        """The checkpoint step served (the next batch's)."""
+        return self.model.step
+
+    def store_keys(self, keys, model: Model, batch_number: int) -> tuple[tuple, list, tuple]:
+        """(users, versions, lengths) to acquire for request ``keys`` (user, version,
+        length) in batch ``batch_number`` under ``model``: each version folded with the
+        model (:func:`store_version`) and, with ``--no-cache``, the batch number too (a
+        version no other batch has: nothing is reused)."""
+        users, versions, lengths = zip(*keys)
+        salt = (model.step, model.serial) + (() if self.options.cache else (batch_number,))
+        return users, [store_version(v, *salt) for v in versions], lengths
 
     def start(self) -> None:
         """Start the two stages (after :meth:`warmup`) and take requests, unless the
@@ -413,15 +477,15 @@ class Engine:
             groups = {}
             for request in batch:
                 groups.setdefault(request.key, []).append(request)
-            _guard(batch, self._place, list(groups.values()), next(self._batches))
+            _guard(batch, self._place, list(groups.values()), next(self._batches),
+                   self.model)
             self.service["front"].add(time.perf_counter() - taken)
 
-    def _place(self, groups: list[list[Request]], batch_number: int) -> None:
-        """Acquire the rows (one per group of equal keys), answer the hits, hand the misses
-        on; split on RA222."""
-        users, versions, lengths = zip(*(g[0].key for g in groups))
-        if not self.options.cache:  # a version no other batch has: nothing is reused
-            versions = [hash((v, batch_number)) & (2**63 - 1) for v in versions]
+    def _place(self, groups: list[list[Request]], batch_number: int, model: Model) -> None:
+        """Acquire the rows (one per group of equal keys) under ``model``'s store versions,
+        answer the hits, hand the misses on; split on RA222."""
+        users, versions, lengths = self.store_keys([g[0].key for g in groups], model,
+                                                   batch_number)
         start = time.perf_counter()
         try:
             lease = self.store.acquire(users, versions, lengths,
@@ -443,8 +507,8 @@ class Engine:
                 return
             if len(groups) > 1:
                 half = len(groups) // 2
-                self._place(groups[:half], batch_number)
-                self._place(groups[half:], batch_number)
+                self._place(groups[:half], batch_number, model)
+                self._place(groups[half:], batch_number, model)
                 return
             _answer_all(groups[0], unavailable(
                 "cache_full", "the history store is full of histories that requests in "
@@ -463,14 +527,15 @@ class Engine:
             hits = [i for i, source in enumerate(lease.source) if source != "miss"]
             if hits:
                 self._score([groups[i] for i in hits], lease.slots[hits],
-                            [lease.source[i] for i in hits])
-            if misses and self._hand_off(lease, groups, misses):
+                            [lease.source[i] for i in hits], model)
+            if misses and self._hand_off(lease, groups, misses, model):
                 lease = None  # the history stage releases it
         finally:
             if lease is not None:
                 self.store.release(lease)
 
-    def _hand_off(self, lease, groups: list[list[Request]], misses: list[int]) -> bool:
+    def _hand_off(self, lease, groups: list[list[Request]], misses: list[int],
+                  model: Model) -> bool:
         """Queue the lease's misses for the history stage (never blocking); False, and the
         caller releases the lease, when none is left to compute: the requests that the
         history stage cannot answer before their deadline (its jobs ahead and this one at
@@ -488,7 +553,7 @@ class Engine:
             return False
         if self.options.cache:
             self.queue.hold(groups[i][0].key for i in misses)
-        self._jobs.put(_Job(lease, groups, misses, time.perf_counter()))
+        self._jobs.put(_Job(lease, groups, misses, time.perf_counter(), model))
         return True
 
     def _history(self) -> None:
@@ -511,7 +576,7 @@ class Engine:
             rows = [None] * len(job.groups)
             for i in job.misses:
                 rows[i] = job.groups[i][0]
-            self._history_pass(job.lease, rows)
+            self._history_pass(job.lease, rows, job.model)
             self.queue.free(keys)  # written: the queue may take these keys (they hit)
             written = True
             spent = time.perf_counter() - start
@@ -519,27 +584,31 @@ class Engine:
             for group in miss_groups:
                 for request in group:
                     request.timings.update(history_wait=start - job.handed, history=spent)
-            self._score(miss_groups, job.lease.slots[job.misses], ["miss"] * len(job.misses))
+            self._score(miss_groups, job.lease.slots[job.misses], ["miss"] * len(job.misses),
+                        job.model)
             self.service["history"].add(time.perf_counter() - start)
         finally:
             self.store.release(job.lease)
             if not written:  # released unwritten, the entries are dropped: the keys miss
                 self.queue.free(keys)
 
-    def _history_pass(self, lease, rows: list[Request | None]) -> None:
-        """The history pass of the lease rows that miss (``rows[i]``: row i's request, None
-        for rows that hit), in the token bucket of the longest, and their write."""
+    def _history_pass(self, lease, rows: list[Request | None], model: Model) -> None:
+        """The history pass (by ``model``) of the lease rows that miss (``rows[i]``: row
+        i's request, None for rows that hit), in the token bucket of the longest, and their
+        write."""
         missing = [r for r in rows if r is not None]
         tokens = Buckets.fit(max(r.key[2] for r in missing), self.shapes.tokens)
         sessions = _sessions(rows, len(rows), tokens - 1, 0)
-        serve.fill_misses(self.store, lease, self.graphdef, self.params, sessions, self.anchor)
+        serve.fill_misses(self.store, lease, model.graphdef, model.params, sessions,
+                          self.anchor)
         shape = f"history {1 << (len(missing) - 1).bit_length()}x{tokens}"  # fill_misses' rows
         for request in missing:
             request.shapes.append(shape)
 
-    def _score(self, groups: list[list[Request]], slots, sources: list[str]) -> None:
+    def _score(self, groups: list[list[Request]], slots, sources: list[str],
+               model: Model) -> None:
         """Score the live requests of ``groups`` (group i reads cache slot ``slots[i]``) in
-        one call, and answer each."""
+        one call by ``model``, and answer each (with its step)."""
         kept = [(live, slot, source) for group, slot, source in zip(groups, slots, sources)
                 if (live := self._live(group, "score"))]
         if not kept:
@@ -548,7 +617,7 @@ class Engine:
         requests = [r for g in groups for r in g]
         row_slots = np.repeat(np.asarray(slots, np.int32), [len(g) for g in groups])
         start = time.perf_counter()
-        logits = self._logits(requests, row_slots)
+        logits = self._logits(requests, row_slots, model)
         spent = time.perf_counter() - start
         self.metrics.call("score", len(requests), spent)
         row_sources = [s for g, s in zip(groups, sources) for _ in g]
@@ -558,17 +627,33 @@ class Engine:
             request.shapes.append(shape)
             cache = source if self.options.cache else "off"
             request.answer(ranked(request, row[:len(request.cand_item)], cache,
-                                  self.model_step))
+                                  model.step))
 
-    def _logits(self, requests: list[Request], slots: np.ndarray) -> np.ndarray:
-        """Logits [rows, C, A] of the requests' candidates against cache slots ``slots``,
-        rows and candidates padded to their buckets (padding rows read the first slot)."""
+    def _logits(self, requests: list[Request], slots: np.ndarray,
+                model: Model) -> np.ndarray:
+        """Logits [rows, C, A] by ``model`` of the requests' candidates against cache slots
+        ``slots``, rows and candidates padded to their buckets (padding rows read the first
+        slot)."""
         rows = Buckets.fit(len(requests), self.shapes.rows)
         width = Buckets.fit(max(len(r.cand_item) for r in requests), self.shapes.candidates)
         sessions = _sessions(requests, rows, 0, width)
         slots = padded(np.asarray(slots, np.int32), rows, 0, slots[0])
-        return serve.score_rows(self.store, self.graphdef, self.params, sessions, slots,
+        return serve.score_rows(self.store, model.graphdef, model.params, sessions, slots,
                                 self.anchor)
+
+
+def store_version(version: int, *salt: int) -> int:
+    """``version`` (a request's history digest) folded with ``salt`` (a model's step and
+    serial, and with --no-cache a batch number): a 63-bit digest, the store's version."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(np.array((version,) + salt, np.uint64).tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def _signature(params) -> list:
+    """(path, shape, dtype) of every parameter array: what the compiled programs key on."""
+    return [(path, x.shape, x.dtype) for path, x in
+            jax.tree_util.tree_leaves_with_path(params)]
 
 
 def _answer_all(requests: list[Request], answer: Answer) -> None:

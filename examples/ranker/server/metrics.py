@@ -52,6 +52,9 @@ class Metrics:
                                "scoring call), by reason (deadline: past it, answered 504; "
                                "disconnected: the client went away)", ["stage", "reason"],
                                registry=registry)
+        self.reloads = Counter("ranker_reloads", "Hot model swaps by outcome (swapped; "
+                               "failed: the served model stayed, the log has why)",
+                               ["outcome"], registry=registry)
         self.disconnects = Counter("ranker_client_disconnects", "Ranking requests whose "
                                    "client went away before their answer", registry=registry)
         self.latency = Histogram("ranker_request_seconds", "Seconds from a ranking request's "
@@ -83,7 +86,8 @@ class Metrics:
                                 "into a batch", value=len(engine.queue))
         yield GaugeMetricFamily("ranker_history_jobs", "Jobs (a batch's misses) handed to "
                                 "the history stage and not yet started", value=engine.jobs)
-        yield GaugeMetricFamily("ranker_model_step", "The checkpoint step served",
+        yield GaugeMetricFamily("ranker_model_step", "The checkpoint step served (the "
+                                "next batch's: a hot swap changes it)",
                                 value=engine.model_step)
         yield GaugeMetricFamily("ranker_ready", "1 while /readyz answers 200 (warm, every "
                                 "stage thread alive, not draining)",

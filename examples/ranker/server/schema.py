@@ -144,10 +144,16 @@ def ranked(request: Request, logits: np.ndarray, cache: str, model_step: int) ->
                   cache=cache)
 
 
+def error(status: int, kind: str, field: str | None, message: str, fix: str,
+          *headers) -> Answer:
+    """An error answer: ``{"error": {"kind", "field", "message", "fix"}}``."""
+    return Answer(status, {"error": {"kind": kind, "field": field, "message": message,
+                                     "fix": fix}}, headers=headers, kind=kind)
+
+
 def unavailable(kind: str, message: str, fix: str, retry_after: int = 1) -> Answer:
     """A 503 (the server cannot take the request now; retrying later can work)."""
-    return Answer(503, {"error": {"kind": kind, "field": None, "message": message, "fix": fix}},
-                  headers=((b"retry-after", str(retry_after).encode()),), kind=kind)
+    return error(503, kind, None, message, fix, (b"retry-after", str(retry_after).encode()))
 
 
 def expired(request: Request) -> Answer:
