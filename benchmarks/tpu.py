@@ -18,8 +18,10 @@ On a TPU machine with jax[tpu] installed; no network needed:
 
 It prints TFLOP/s on visible pairs and the fraction of the chip's bf16 peak
 (``pltpu.get_tpu_info()``), writes benchmarks/TPU.md and a JSON of the rows (and copies
-under --out). A step that fails is reported, not fatal; past --budget seconds the
-remaining workloads are skipped and listed.
+under --out) after each phase, so a run cut off keeps what it measured. A step that fails
+is reported, not fatal; past --budget seconds (default 420, so that the run, the workload
+under way at the budget included, fits one 10-minute command) the remaining workloads are
+skipped and listed.
 
     .venv/bin/python benchmarks/tpu.py --smoke
 
@@ -251,8 +253,9 @@ def main():
     parser.add_argument("--md", help="where to write the report (default benchmarks/TPU.md; "
                                      "none with --smoke)")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--budget", type=float, default=1800.0,
-                        help="seconds after which the remaining workloads are skipped")
+    parser.add_argument("--budget", type=float, default=420.0,
+                        help="seconds after which the remaining workloads are skipped "
+                             "(default: one 10-minute command)")
     args = parser.parse_args()
     on_tpu = jax.default_backend() == "tpu"
     if not on_tpu and not args.smoke:
@@ -270,13 +273,31 @@ def main():
               f"{' (v5e, for the smoke)' if not on_tpu else ''}; pallas_tpu blocks "
               f"{impls['pallas_tpu'].tpu_target().name}'s."]
 
+    paths = [args.md] if args.md else ([] if args.smoke else [os.path.join(HERE, "TPU.md")])
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        paths.append(os.path.join(args.out, "TPU.md"))
+    checks, failures, rows = [], [], []
+
+    def write_report() -> str:
+        """The report of what is measured so far, written to every path (and the JSON)."""
+        text = markdown(header, checks, rows, failures)
+        if args.out:
+            with open(os.path.join(args.out, "tpu.json"), "w") as f:
+                json.dump(dict(header=header, checks=checks, rows=rows, failures=failures), f,
+                          indent=1)
+        for path in paths:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
     log(f"(a) correctness on {device}")
-    checks = [row for case in (SMOKE_CHECKS if args.smoke else CHECKS)
-              for row in device_checks.correctness(case, impls, TOLERANCE)]
+    checks += [row for case in (SMOKE_CHECKS if args.smoke else CHECKS)
+               for row in device_checks.correctness(case, impls, TOLERANCE)]
     for c in checks:
         log(f"{c['case']} {c['impl']}: {'pass' if c['ok'] else 'FAIL'}")
+    write_report()
 
-    failures, rows = [], []
     chosen = [tpu_smoke_version(w) for w in WORKLOADS if w.name in SMOKE_WORKLOADS] \
         if args.smoke else WORKLOADS
     repeats = args.repeats or (2 if args.smoke else 20)
@@ -287,19 +308,9 @@ def main():
             break
         log(f"(b) {w.name}")
         rows += time_workload(w, impls, interpret, repeats, info.bf16_ops_per_second, failures)
+        write_report()
 
-    text = markdown(header, checks, rows, failures)
-    print(text)
-    paths = [args.md] if args.md else ([] if args.smoke else [os.path.join(HERE, "TPU.md")])
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        paths.append(os.path.join(args.out, "TPU.md"))
-        with open(os.path.join(args.out, "tpu.json"), "w") as f:
-            json.dump(dict(header=header, checks=checks, rows=rows, failures=failures), f,
-                      indent=1)
-    for path in paths:
-        with open(path, "w") as f:
-            f.write(text)
+    print(write_report())
     return 0 if all(c["ok"] for c in checks) else 1
 
 

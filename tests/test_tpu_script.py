@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT
 
 
@@ -29,3 +31,29 @@ def test_tpu_script_smoke(tmp_path):
                      for i in ("pallas_tpu", "xla", "jax.nn.dpa (xla, dense mask)",
                                "splash (static mask)", "splash (dynamic mask)")}
     assert (tmp_path / "TPU.md").exists()
+
+
+def test_a_run_cut_off_keeps_the_report_of_its_finished_phases(tmp_path, monkeypatch):
+    """Issue 37: tpu.py writes its report after each phase, so a run stopped by the
+    device's time limit keeps what it measured. Here the second workload is interrupted:
+    the report and the JSON hold the first one's row (no kernel runs: the checks and the
+    timing are stubbed)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import tpu
+
+    def time_workload(w, *args):
+        if time_workload.calls:
+            raise KeyboardInterrupt  # the device's limit, mid-run
+        time_workload.calls += 1
+        return [dict(workload=w.name, impl="pallas_tpu", ms=1.0, tflops=1.0, peak=0.1,
+                     ratio=1.0)]
+
+    time_workload.calls = 0
+    monkeypatch.setattr(tpu.device_checks, "correctness", lambda *args: [])
+    monkeypatch.setattr(tpu, "time_workload", time_workload)
+    monkeypatch.setattr(sys, "argv", ["tpu.py", "--smoke", "--out", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        tpu.main()
+    rows = json.loads((tmp_path / "tpu.json").read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["nano-fwd"]
+    assert "| nano-fwd | pallas_tpu |" in (tmp_path / "TPU.md").read_text()
