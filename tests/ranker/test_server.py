@@ -26,7 +26,9 @@ import dataclasses
 import http.client
 import json
 import os
+import pathlib
 import re
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -799,7 +801,8 @@ def test_a_hot_swap_under_load_answers_with_one_models_forward(server_b, run_dir
     200 throughout; every answer equals the full forward pass of the model of the step it
     reports; each client sees the old step, then the new one only; each user's first answer
     of the new step is a miss (no K/V of the old model serves the new one's scoring) and its
-    next a hit; nothing compiles; a second reload answers 200, current."""
+    next a hit; nothing compiles; a second reload answers 200, current, and so does SIGHUP
+    (in the log)."""
     models = {STEP: model, STEP + 1: next_model}
     users = [[body(sessions, 2 * c + k, events=10, user=9 * 10**6 + 2 * c + k)
               for k in range(2)] for c in range(3)]
@@ -849,6 +852,11 @@ def test_a_hot_swap_under_load_answers_with_one_models_forward(server_b, run_dir
     assert count(samples, "ranker_compiles_after_warmup_total") == 0
     status, _, raw = server_b.request("POST", "/admin/reload")
     assert (status, json.loads(raw)) == (200, {"model_step": STEP + 1, "status": "current"})
+    server_b.process.send_signal(signal.SIGHUP)  # the same reload; its answer goes to the log
+    deadline = time.monotonic() + PROBE_SECONDS
+    while "SIGHUP: reload answered 200" not in pathlib.Path(server_b.log).read_text():
+        assert server_b.process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 class FakeReloadEngine:
@@ -963,7 +971,8 @@ def test_a_swap_refuses_a_model_of_other_shapes(model):
                          params)
     with pytest.raises(ValueError, match="differ in shape or dtype"):
         engine.swap(Model(STEP + 1, graphdef, wider))
-    other = init(PRESETS["small"].model, len(ACTIONS), PRESET.world.contexts, seed=11)
+    deeper = dataclasses.replace(PRESET.model, layers=PRESET.model.layers + 1)
+    other = init(deeper, len(ACTIONS), PRESET.world.contexts, seed=11)
     with pytest.raises(ValueError, match="another model graph"):
         engine.swap(Model(STEP + 1, *other))
     assert engine.model_step == STEP

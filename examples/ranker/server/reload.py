@@ -11,6 +11,7 @@ server answers and stays ready throughout; a load that fails is logged and count
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -36,16 +37,24 @@ class Checkpoints:
         """The newest checkpoint's step, None when there is none."""
         if not os.path.isdir(os.path.join(self.out, "checkpoints")):
             return None
-        return train.checkpoints(self.preset, self.out).latest_step()
+        with self._manager() as manager:
+            return manager.latest_step()
 
     def restore(self) -> Model:
-        """The newest checkpoint (raises when there is none)."""
-        step, graphdef, params, _ = train.restore(self.preset,
-                                                  train.checkpoints(self.preset, self.out))
+        """The newest checkpoint; FileNotFoundError when there is none (train.restore would
+        give a fresh model)."""
+        with self._manager() as manager:
+            if manager.latest_step() is None:
+                raise FileNotFoundError(f"{self.out} has no checkpoint")
+            step, graphdef, params, _ = train.restore(self.preset, manager)
         # Orbax restores arrays committed to a device, and a committed input makes a
         # program's outputs committed: the store's cache would change signature after
         # warm-up and its programs compile again. Uncommitted, as a fresh model's.
         return Model(step, graphdef, jax.tree.map(jnp.asarray, jax.device_get(params)))
+
+    def _manager(self):
+        """A checkpoint manager of ``out``, closed on exit (it owns threads and files)."""
+        return contextlib.closing(train.checkpoints(self.preset, self.out))
 
 
 class Reloader:
