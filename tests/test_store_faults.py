@@ -239,6 +239,36 @@ def test_a_failed_write_drops_the_entry(store, monkeypatch):
 # --- compiled_programs counts compilations. ----------------------------------------------------
 
 
+def test_a_warmup_that_fails_midway_leaves_no_turn_behind(monkeypatch):
+    """Regression (review of issue 36): warmup() took every program's turn first and made
+    their padding inputs in between, so an allocation that failed left turns never run: every
+    later update and reader waited for good, and the error came out raw. Now each program
+    is made, issued and run in turn; the failure is RA224 and the store goes on."""
+    # Shapes of its own (head_dim): programs another test's store built would not compile.
+    config = {**CONFIG, "max_batch": 1, "max_pages_per_user": 2, "head_dim": 8}
+    store = serving.HistoryStore(**config)
+    zeros, made = jnp.zeros, []
+
+    def failing_zeros(*args, **kwargs):  # the second padding input of warm-up cannot be made
+        made.append(args)
+        if len(made) == 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: simulated device allocation failure")
+        return zeros(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(jnp, "zeros", failing_zeros)
+        with raises("RA224", "warmup", "RESOURCE_EXHAUSTED", "building or running"):
+            store.warmup()
+    def read():
+        with store.reading():
+            return True
+
+    assert finishes(read)  # no turn left waiting
+    with acquired(store, [(1, 0, 4)], config=config) as lease:
+        assert lease.source == ["miss"]
+    assert finishes(store.stats)["pinned_entries"] == 0
+
+
 def test_compiled_programs_counts_a_write_compiled_per_input_dtype(caplog):
     """Regression (issue 36, finding 6): three input dtypes compiled write three times while
     compiled_programs (a count of shapes) rose by one. JAX's own compile log is the witness."""

@@ -196,6 +196,7 @@ class HistoryStore:
         self._done = 0     # tickets run (or failed): ticket t runs when _done == t
         self._readers = 0
         self._reading = threading.local()
+        self._unrun_updates = threading.local()  # .updates: issued here, not yet dispatched
         self._built = 0    # programs JAX built for this store's calls (see _on_jax_event)
         self._built_lock = threading.Lock()
 
@@ -246,6 +247,10 @@ class HistoryStore:
         users, versions, lengths = self._check_rows(user_ids, versions, lengths)
         keys = list(dict.fromkeys(zip(users.tolist(), versions.tolist(), lengths.tolist())))
         deadline = None if timeout is None else time.monotonic() + timeout
+        with self._every_turn_taken():
+            return self._acquire(keys, users, versions, lengths, timeout, deadline)
+
+    def _acquire(self, keys, users, versions, lengths, timeout, deadline) -> Lease:
         with self._lock:
             while True:
                 pending = [self._index[u] for u, v, n in keys
@@ -489,6 +494,10 @@ class HistoryStore:
                                     f"[{num_layers}, {len(rows)}, >= {want_t}, {hkv}, "
                                     f"{last}] (R rows, T covering their missing tokens).")
         entries = [e for _, e in sorted(lease._to_write.values(), key=lambda r: r[0])]
+        with self._every_turn_taken():
+            self._write(lease, entries, position, k, v)
+
+    def _write(self, lease: Lease, entries, position, k, v) -> None:
         top = self.buckets.rows[-1]
         batches = []
         try:
@@ -542,10 +551,11 @@ class HistoryStore:
         """Unpin a lease's rows (RA223 when it was released before). Entries it left unwritten
         are dropped; entries a newer version replaced are freed at their last release."""
         self._not_reading("release")
-        with self._lock:
-            self._check_lease(lease, "release")
-            updates = self._unpin(lease)
-        self._dropped(updates, "release")
+        with self._every_turn_taken():
+            with self._lock:
+                self._check_lease(lease, "release")
+                updates = self._unpin(lease)
+            self._dropped(updates, "release")
 
     def _unpin(self, lease: Lease) -> list:
         """Release ``lease`` (under the lock): unpin its rows, drop the entries it was to
@@ -577,14 +587,15 @@ class HistoryStore:
         """Drop everything (a new model version): no entry can be acquired again; pinned
         entries stay valid for their leases and are freed at their last release."""
         self._not_reading("clear")
-        with self._lock:
-            dropped = []
-            for entry in list(self._index.values()):
-                self._hide(entry, dropped)
-            updates = self._drop_device(dropped)
-            self._counts["clears"] += 1
-            self._lock.notify_all()
-        self._dropped(updates, "clear")
+        with self._every_turn_taken():
+            with self._lock:
+                dropped = []
+                for entry in list(self._index.values()):
+                    self._hide(entry, dropped)
+                updates = self._drop_device(dropped)
+                self._counts["clears"] += 1
+                self._lock.notify_all()
+            self._dropped(updates, "clear")
 
     # --- Inspection. ----------------------------------------------------------------------
 
@@ -620,30 +631,41 @@ class HistoryStore:
         self._not_reading("warmup")
         cache = self._cache
         num_layers, _, hkv, p, d = cache.k_pages.shape
-        updates = []
-        for rows in self.buckets.rows:
-            slots = np.full(rows, self.num_users, np.int32)
-            pages = np.full((rows, self.max_pages), -1, np.int32)
-            zeros = np.zeros(rows, np.int32)
-            updates.append(self._issue(device.drop, slots, pages))
+        building = None
+
+        def run(program, *args, reads: bool = False) -> None:
+            # Issued and run before the next one's inputs are made: nothing can fail between
+            # a turn and its run, and one program's padding is alive at a time.
+            nonlocal building
+            building = program.__name__
+            failed = self._dispatch([self._issue(program, *args, reads=reads)])
+            if failed:
+                raise failed.error
+
+        try:
+            for rows in self.buckets.rows:
+                slots = np.full(rows, self.num_users, np.int32)
+                pages = np.full((rows, self.max_pages), -1, np.int32)
+                zeros = np.zeros(rows, np.int32)
+                run(device.drop, slots, pages)
+                for n in self.buckets.pages:
+                    building = f"{n * p} tokens of padding for {rows} rows"
+                    k = jnp.zeros((num_layers, rows, n * p, hkv, d), cache.k_pages.dtype)
+                    v = jnp.zeros((num_layers, rows, n * p, hkv, cache.v_pages.shape[-1]),
+                                  cache.v_pages.dtype)
+                    run(device.write, slots, pages, zeros, zeros, k, v)
             for n in self.buckets.pages:
-                k = jnp.zeros((num_layers, rows, n * p, hkv, d), cache.k_pages.dtype)
-                v = jnp.zeros((num_layers, rows, n * p, hkv, cache.v_pages.shape[-1]),
-                              cache.v_pages.dtype)
-                updates.append(self._issue(device.write, slots, pages, zeros, zeros, k, v))
-        for n in self.buckets.pages:
-            ids = np.full(n, self.num_pages, np.int32)
-            parts = [jnp.zeros(x.shape[:1] + (n,) + x.shape[2:], x.dtype)
-                     for x in (cache.k_pages, cache.v_pages, cache.k_min, cache.k_max)]
-            updates.append(self._issue(device.gather, ids, reads=True))
-            updates.append(self._issue(device.restore, np.int32(self.num_users), ids,
-                                       np.full(self.max_pages, -1, np.int32), np.int32(0),
-                                       *parts))
-        failed = self._dispatch(updates)
-        if failed:
-            raise _failed("warmup", f"building or running {failed.program.__name__}",
-                          failed.error, "the store is unchanged; check the device's free "
-                          "memory, or build a smaller store.") from failed.error
+                ids = np.full(n, self.num_pages, np.int32)
+                run(device.gather, ids, reads=True)
+                building = f"{n} pages of padding"
+                parts = [jnp.zeros(x.shape[:1] + (n,) + x.shape[2:], x.dtype)
+                         for x in (cache.k_pages, cache.v_pages, cache.k_min, cache.k_max)]
+                run(device.restore, np.int32(self.num_users), ids,
+                    np.full(self.max_pages, -1, np.int32), np.int32(0), *parts)
+        except Exception as error:  # noqa: BLE001 - raised as RA224
+            raise _failed("warmup", f"building or running {building}", error, "the store is "
+                          "unchanged; check the device's free memory, or build a smaller "
+                          "store.") from error
         with self.reading() as cache:
             jax.block_until_ready(cache)
         return self.stats()["compiled_programs"]
@@ -720,7 +742,7 @@ class HistoryStore:
         entry.visible = False
         if entry.tier == "host":
             self._drop_host(entry)
-        elif entry.pins == 0:
+        elif entry.pins == 0 and entry.slot >= 0:  # not taken back already
             self._lru.pop(id(entry), None)
             dropped.append(self._take_back(entry))
         else:
@@ -816,25 +838,46 @@ class HistoryStore:
         where the policy orders the update (it then runs in policy order)."""
         with self._device:
             self._issued += 1
-            return _Update(self._issued - 1, program, args, reads)
+            update = _Update(self._issued - 1, program, args, reads)
+        self._unrun().append(update)
+        return update
 
-    def _dispatch(self, updates) -> "_Update | None":
+    def _unrun(self) -> list:
+        """This thread's issued updates that no _dispatch has taken yet."""
+        if not hasattr(self._unrun_updates, "updates"):
+            self._unrun_updates.updates = []
+        return self._unrun_updates.updates
+
+    @contextlib.contextmanager
+    def _every_turn_taken(self) -> Iterator[None]:
+        """Every update this thread issues in the block is dispatched in it or, when the
+        block raises first (an allocation, an interrupt), skipped in its turn as it ends: a
+        turn never taken would stop every later update and reader for good."""
+        try:
+            yield
+        finally:
+            if self._unrun():
+                self._dispatch(list(self._unrun()), run=False)
+
+    def _dispatch(self, updates, run: bool = True) -> "_Update | None":
         """Run this thread's ``updates`` (issued in this order), each in its turn once no
         reader holds the cache, with no lock held while it runs (a first call compiles).
         Every one runs, since the later ones were decided assuming the earlier; returns the
-        first that failed (its ``error`` set), or None."""
+        first that failed (its ``error`` set), or None. ``run=False`` only takes their
+        turns (see _every_turn_taken)."""
         failed = None
         for update in updates:
             with self._device:
-                while self._done != update.ticket or self._readers:
+                while self._done != update.ticket or (run and self._readers):
                     self._device.wait()
             try:
-                with _building(self):
-                    out = update.program(self._cache, *update.args)
-                if update.reads:
-                    update.result = out
-                else:
-                    self._cache = out
+                if run:
+                    with _building(self):
+                        out = update.program(self._cache, *update.args)
+                    if update.reads:
+                        update.result = out
+                    else:
+                        self._cache = out
             except Exception as error:  # noqa: BLE001 - the caller raises it as RA224
                 update.error = error
                 failed = failed or update
@@ -842,6 +885,7 @@ class HistoryStore:
                 with self._device:
                     self._done += 1
                     self._device.notify_all()
+                self._unrun().remove(update)
         return failed
 
 
