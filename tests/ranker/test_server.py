@@ -1011,3 +1011,101 @@ def test_no_cache_recomputes_and_the_load_generator_runs(server_c, model, sessio
     assert set(report["by_cache"]) == {"off"} and report["latency"]["p99_ms"] < 2000
     with pytest.raises(ValueError, match="only to this machine"):
         loadtest.run(trace.load(qps=1, duration=1), "http://10.0.0.1:80")
+
+
+# --- The engine's own failure paths, on its real methods with stand-in collaborators. ----
+
+
+def stand_in_request(user: int) -> "object":
+    from examples.ranker.server.schema import Request
+
+    answers = []
+    request = Request(user=user, context=0, history_item=np.ones(3, np.int64),
+                      history_author=np.ones(3, np.int64),
+                      history_actions=np.zeros((3, len(ACTIONS)), bool),
+                      cand_item=np.ones(2, np.int64), cand_author=np.ones(2, np.int64),
+                      request_id=None, version=0, reply=answers.append)
+    return request, answers
+
+
+def ra(code: str):
+    from rankattn import errors
+
+    return errors.fail(code, f"a stand-in {code}")
+
+
+def test_a_release_that_fails_still_frees_its_keys_in_the_queue():
+    """Regression (review of issue 36): when a job's release raised (RA224, a failed drop),
+    its keys stayed held in the queue, so their requests (the retry the 503 asks for
+    included) waited there until their deadlines, and stop() never returned."""
+    from examples.ranker.server.engine import Engine, RequestQueue, _Job
+
+    queue = RequestQueue(4)
+    request, _ = stand_in_request(1)
+    queue.hold([request.key])
+
+    def release(lease):
+        raise ra("RA224")
+
+    engine = SimpleNamespace(options=SimpleNamespace(cache=True), queue=queue,
+                             store=SimpleNamespace(release=release),
+                             _live=lambda requests, stage: [])  # nobody left: no pass
+    with pytest.raises(Exception, match="RA224"):
+        Engine._compute(engine, _Job(None, [[request]], [0], 0.0, None))
+    assert not queue._held, queue._held
+
+
+def test_a_split_batch_answers_only_the_half_that_failed():
+    """Regression (review of issue 36): a batch split on RA222 whose second half failed was
+    answered whole by the front stage's guard, the first half's misses (the history stage's
+    by then) included."""
+    from examples.ranker.server.engine import Engine, _guard
+
+    (first, first_answers), (second, second_answers) = stand_in_request(1), stand_in_request(2)
+    acquires, handed = [], []
+
+    def acquire(users, versions, lengths, timeout):
+        acquires.append(list(users))
+        if len(users) == 2:
+            raise ra("RA222")  # at once: no room for both
+        if users == [2]:
+            raise ra("RA224")
+        return SimpleNamespace(source=["miss"], slots=np.zeros(1, np.int32))
+
+    engine = SimpleNamespace(
+        options=SimpleNamespace(acquire_timeout=1.0),
+        store=SimpleNamespace(acquire=acquire, release=lambda lease: None),
+        store_keys=lambda keys, model, batch: tuple(map(list, zip(*keys))),
+        _hand_off=lambda lease, groups, misses, model: handed.append(groups) or True)
+    engine._place = lambda *args: Engine._place(engine, *args)
+    _guard([first, second], engine._place, [[first], [second]], 0, None)
+    assert acquires == [[1, 2], [1], [2]] and handed == [[[first]]]
+    assert first_answers == [] and not first.answered  # the history stage's to answer
+    assert [a.kind for a in second_answers] == ["store_failed"]
+
+
+def test_health_is_broken_when_a_stage_is_stuck_and_submit_after_stop_says_draining():
+    """Review of issue 36: a stage busy for good (a hung device) left /readyz at 200, and a
+    request that raced stop() was refused queue_full instead of draining."""
+    from examples.ranker.server import engine as engine_module
+    from examples.ranker.server.engine import Engine
+
+    stuck = SimpleNamespace(_threads=[], _stopped=False, state="serving", _busy_since={
+        "front": None, "history": time.perf_counter() - engine_module.STUCK_SECONDS - 1})
+    state, reason = Engine.health(stuck)
+    assert state == "broken" and "history stage has been busy" in reason
+    stuck._busy_since["history"] = time.perf_counter()
+    assert Engine.health(stuck)[0] == "serving"
+
+    request, _ = stand_in_request(1)
+    request.deadline = time.perf_counter() + 60
+    stopping = SimpleNamespace(state="serving", health=lambda: ("serving", "ready"),
+                               front_wait=lambda ahead: 0.0,
+                               queue=engine_module.RequestQueue(4))
+
+    def put(r):  # the queue was closed by stop() after the health check
+        stopping.state = "draining"
+        return False
+
+    stopping.queue.put = put
+    assert Engine.submit(stopping, request).kind == "draining"

@@ -22,8 +22,12 @@ rules:
   written (then it is a hit) instead of blocking the front stage inside acquire;
 * a batch the store cannot place (RA222: what could make room is pinned by batches in
   flight) is split in halves; a single request it cannot place is answered 503 cache_full.
-  At most three batches hold pins at once (one in each stage, one handed over), so a store
-  of ``3 * max_batch`` longest histories never answers cache_full.
+  Pins are held by the front stage's batch, the job the history stage runs and every job
+  queued for it (a miss keeps its pins until its history is written): a store of
+  ``3 * max_batch`` longest histories holds one batch in each stage and one queued, and a
+  longer backlog of misses (bounded by admission: the jobs ahead at the history stage's
+  mean job time must fit a request's deadline) can fill it, so further misses get 503
+  cache_full while hits are still answered.
 
 Shapes (:class:`Shapes`): rows are padded to powers of two up to ``max_batch`` (rounded
 up), candidates to 8, 16, ... up to ``max_candidates``, histories to the store's page
@@ -78,6 +82,12 @@ STATE_FIXES = {
 OVERLOADED_FIX = ("Retry after the Retry-After seconds or on another replica, or send a later "
                   "deadline (X-Request-Deadline-Ms or deadline_ms, at most the server's "
                   "--deadline-ms).")
+
+
+# A stage busy with one batch or job this long is stuck (a hung device, a wait nobody will
+# end): readiness fails and stop() stops waiting for it. A pass takes milliseconds to a few
+# seconds, an unexpected compile tens of seconds.
+STUCK_SECONDS = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +265,7 @@ class Engine:
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()  # unbounded: put never blocks
         self._history_busy = False
+        self._busy_since = {"front": None, "history": None}  # perf_counter when it began
         self._batches = itertools.count()  # --no-cache: each batch's own version
         self._baseline: dict | None = None  # the store's stats when warm-up ended
         self._threads: list[threading.Thread] = []
@@ -263,8 +274,9 @@ class Engine:
     # --- Life cycle. ----------------------------------------------------------------------
 
     def pinned_batches_fit(self) -> bool:
-        """Whether three full batches of the longest history fit the store (then acquire
-        does not fail for want of unpinned room while the history stage keeps up)."""
+        """Whether three full batches of the longest history fit the store: one in each stage
+        and one queued; acquire then does not fail for want of unpinned room while the
+        history stage keeps up (a longer backlog of misses can still fill it)."""
         rows = self.shapes.rows[-1]
         return (3 * rows * self.store.max_pages <= self.store.num_pages
                 and 3 * rows <= self.store.num_users)
@@ -352,10 +364,10 @@ class Engine:
         with self._state_lock:
             if self.state != "warming":
                 return
-            self._threads = [self._stage("front", self._front),
-                             self._stage("history", self._history)]
-            for thread in self._threads:
+            threads = [self._stage("front", self._front), self._stage("history", self._history)]
+            for thread in threads:
                 thread.start()
+            self._threads = threads  # started: health() never sees one not yet alive
             self.state = "serving"
 
     def drain(self) -> None:
@@ -370,10 +382,10 @@ class Engine:
             threads = self._threads
             self._stopped = True  # the stage threads now end on purpose
         self.queue.close()
-        if threads:
-            threads[0].join()
+        if threads:  # a stuck stage is not waited for past STUCK_SECONDS (the exit goes on)
+            threads[0].join(STUCK_SECONDS)
             self._jobs.put(None)
-            threads[1].join()
+            threads[1].join(STUCK_SECONDS)
 
     @property
     def jobs(self) -> int:
@@ -382,12 +394,19 @@ class Engine:
 
     def health(self) -> tuple[str, str]:
         """(state, reason): "serving" (ready), "warming", "draining", or "broken" once a
-        stage thread has died (checked on each call: the watchdog of every probe and
-        submit). Never blocks."""
+        stage thread has died or has been busy with one batch or job for STUCK_SECONDS
+        (checked on each call: the watchdog of every probe and submit). Never blocks."""
         dead = [t.name for t in self._threads if not t.is_alive()]
         if dead and not self._stopped:
             return "broken", (f"the {' and '.join(dead)} stage thread died (the log has the "
                               "traceback); this process cannot serve any more")
+        now = time.perf_counter()
+        stuck = [name for name, since in self._busy_since.items()
+                 if since is not None and now - since > STUCK_SECONDS]
+        if stuck:
+            return "broken", (f"the {' and '.join(stuck)} stage has been busy with one batch "
+                              f"for over {STUCK_SECONDS:.0f} s (a hung device or a wait "
+                              "nobody ends); restart the process")
         return self.state, STATE_REASONS[self.state]
 
     def _stage(self, name: str, run) -> threading.Thread:
@@ -435,6 +454,9 @@ class Engine:
                                f"away and the server estimates {1e3 * wait:.0f} ms before it "
                                "could answer even a cached history.", OVERLOADED_FIX)
         if not self.queue.put(request):
+            if self.state != "serving":  # stopped since the health check: closed, not full
+                return unavailable("draining", f"the server is draining: "
+                                   f"{STATE_REASONS['draining']}.", STATE_FIXES["draining"])
             return unavailable("queue_full", f"{self.queue.capacity} requests are already "
                                "queued.", "Retry after a short wait, send fewer requests at "
                                "once, or start the server with a larger --max-queue (or run "
@@ -477,8 +499,10 @@ class Engine:
             groups = {}
             for request in batch:
                 groups.setdefault(request.key, []).append(request)
+            self._busy_since["front"] = taken
             _guard(batch, self._place, list(groups.values()), next(self._batches),
                    self.model)
+            self._busy_since["front"] = None
             self.service["front"].add(time.perf_counter() - taken)
 
     def _place(self, groups: list[list[Request]], batch_number: int, model: Model) -> None:
@@ -507,15 +531,18 @@ class Engine:
                 return
             if len(groups) > 1:
                 half = len(groups) // 2
-                self._place(groups[:half], batch_number, model)
-                self._place(groups[half:], batch_number, model)
+                for part in (groups[:half], groups[half:]):
+                    # Each half answers its own failure: the first half's misses may be the
+                    # history stage's already.
+                    _guard([r for g in part for r in g], self._place, part, batch_number,
+                           model)
                 return
             _answer_all(groups[0], unavailable(
                 "cache_full", "the history store is full of histories that requests in "
                 "flight are using.", "Retry after the Retry-After seconds; if this is "
                 "frequent, start the server with more --device-pages (room for 3 * "
                 "--max-batch of the longest histories does not fill while the history "
-                "stage keeps up), or fewer --max-batch."))
+                "stage keeps up; a backlog of misses holds more), or fewer --max-batch."))
             return
         try:
             spent = time.perf_counter() - start
@@ -559,8 +586,10 @@ class Engine:
     def _history(self) -> None:
         while (job := self._jobs.get()) is not None:
             self._history_busy = True
+            self._busy_since["history"] = time.perf_counter()
             requests = [r for i in job.misses for r in job.groups[i]]
             _guard(requests, self._compute, job)
+            self._busy_since["history"] = None
             self._history_busy = False
 
     def _compute(self, job: _Job) -> None:
@@ -588,9 +617,12 @@ class Engine:
                         job.model)
             self.service["history"].add(time.perf_counter() - start)
         finally:
-            self.store.release(job.lease)
-            if not written:  # released unwritten, the entries are dropped: the keys miss
-                self.queue.free(keys)
+            try:
+                self.store.release(job.lease)
+            finally:  # even when the release raises (RA224): a key held for good would
+                # keep its requests in the queue until their deadlines, and stop() waiting
+                if not written:  # released unwritten, the entries are dropped: the keys miss
+                    self.queue.free(keys)
 
     def _history_pass(self, lease, rows: list[Request | None], model: Model) -> None:
         """The history pass (by ``model``) of the lease rows that miss (``rows[i]``: row

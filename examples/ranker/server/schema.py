@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from typing import Callable
 
@@ -40,6 +41,7 @@ REQUIRED = ("user", "context", "history_item", "history_author", "history_action
 OPTIONAL = ("history_version", "request_id", "deadline_ms")
 DEADLINE_HEADER = "X-Request-Deadline-Ms"
 WEIGHTS = np.array([SCORE_WEIGHTS[a] for a in ACTIONS])
+_ANSWERING = threading.Lock()  # Request.answer's check and set, one request at a time
 
 
 class BadRequest(Exception):
@@ -111,10 +113,13 @@ class Request:
     cancelled: str | None = None
 
     def answer(self, answer: "Answer") -> None:
-        """Reply, once: later calls do nothing (a failed batch answers what it left)."""
-        if not self.answered:
+        """Reply, once: later calls do nothing (a failed batch answers what it left), from
+        whichever thread comes first (the stages and the event loop's deadline may race)."""
+        with _ANSWERING:
+            if self.answered:
+                return
             self.answered = True
-            self.reply(answer)
+        self.reply(answer)
 
     @property
     def key(self) -> tuple[int, int, int]:
