@@ -27,6 +27,7 @@ generation compiles in a child process with that folder on its path and
 
     python benchmarks/tpu_compile.py            # every generation and configuration (~10 min)
     python benchmarks/tpu_compile.py --quick    # one configuration per generation
+    python benchmarks/tpu_compile.py --before 61cac70  # memory table beside that commit's
     python benchmarks/tpu_compile.py --memory --no-write --src DIR  # another tree's src/
 """
 
@@ -42,6 +43,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import user_cache
 
@@ -298,17 +300,27 @@ def child(generation: str, what: str) -> None:
 
 
 def run(generations: list[str], quick: bool, memory_only: bool = False,
-        src: str | None = None) -> dict:
+        src: str | None = None, before: str | None = None) -> dict:
     """The report: the configurations' rows (none with ``memory_only``) and the memory
-    table's, per generation, importing rankattn from ``src`` (default this checkout's)."""
+    table's, per generation, importing rankattn from ``src`` (default this checkout's); with
+    ``before`` (a git revision) also the memory table of that revision's src."""
     import jax
     libtpu = libtpu_dir()
     rows = [] if memory_only else [
         row for g in generations for row in compile_generation(g, configs(quick), libtpu, src=src)]
     memory = [row for g in generations for row in compile_generation(g, None, libtpu, src=src)]
-    return dict(jax=jax.__version__, libtpu=libtpu_requirement(),
-                date=datetime.date.today().isoformat(), batch=BATCH, seq=SEQ,
-                kv_heads=KV_HEADS, rows=rows, memory=memory)
+    report = dict(jax=jax.__version__, libtpu=libtpu_requirement(),
+                  date=datetime.date.today().isoformat(), batch=BATCH, seq=SEQ,
+                  kv_heads=KV_HEADS, rows=rows, memory=memory)
+    if before:
+        with tempfile.TemporaryDirectory() as tree:
+            archive = subprocess.run(["git", "-C", ROOT, "archive", before, "src"],
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+            report["before"] = dict(revision=before, memory=[
+                row for g in generations
+                for row in compile_generation(g, None, libtpu, src=os.path.join(tree, "src"))])
+    return report
 
 
 def mib(x: int) -> str:
@@ -318,8 +330,11 @@ def mib(x: int) -> str:
 KERNEL_ORDER = ("rankattn_tpu_forward", "rankattn_tpu_dq", "rankattn_tpu_dkv")
 
 
-def memory_markdown(rows: list[dict]) -> list[str]:
-    """The memory table (issue 37): HBM, padded per-row vectors and grid steps per shape."""
+def memory_markdown(rows: list[dict], before: dict | None = None) -> list[str]:
+    """The memory table (issue 37): HBM, padded per-row vectors and grid steps per shape;
+    with ``before`` (run's) that revision's temp / args and padded row vectors beside."""
+    then = {(r["generation"], r["batch"], r["seq"], r["causal"]): r
+            for r in (before or {}).get("memory", [])}
     hq, hkv = MEMORY_HEADS
     lines = [
         "## HBM and grid steps at production shapes",
@@ -329,14 +344,17 @@ def memory_markdown(rows: list[dict]) -> list[str]:
         f"tokens, then {CANDIDATES} candidates). HBM from `compiled.memory_analysis()`; "
         "padded row vectors: distinct f32 / s32 / pred shapes `[..., S, 1]` in "
         "`compiled.as_text()` (TPU tiles them (8, 128): 128 times their bytes). Grid steps: "
-        "every step of the program's forward / dq / dk-dv calls; computing: the steps the "
+        "every step of the program's forward / dq / dk-dv calls (segment ids traced, so every "
+        "block; a plan prepared by `rankattn.plan` and closed over cuts the last axis to the "
+        "longest list); computing: the steps the "
         "plan visits for those segment ids (the rest issue no DMA but pay the pipeline's "
         "per-step overhead).",
         "",
         "| generation | B | S | mask | blocks (q x k) | compiles | args | HBM temp | temp / args "
         "| padded row vectors | grid steps fwd / dq / dkv | computing fwd / dq / dkv "
-        "| VMEM | SMEM |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| VMEM | SMEM |" + (f" before ({before['revision']}): temp / args, padded |"
+                            if before else ""),
+        "| --- " * (14 + bool(before)) + "|",
     ]
     for r in rows:
         steps = " / ".join(f"{r['grid_steps'][k]:,}" for k in KERNEL_ORDER)
@@ -349,8 +367,17 @@ def memory_markdown(rows: list[dict]) -> list[str]:
         lines.append(
             f"| {r['generation']} | {r['batch']} | {r['seq']} | "
             f"{'causal' if r['causal'] else 'full'} | {r['blocks'][0]} x {r['blocks'][1]} | "
-            f"{hbm} | {steps} | {visited} | {mib(r['vmem'])} | {r['smem'] / 1024:.1f} KiB |")
+            f"{hbm} | {steps} | {visited} | {mib(r['vmem'])} | {r['smem'] / 1024:.1f} KiB |"
+            + (f" {before_cell(then.get((r['generation'], r['batch'], r['seq'], r['causal'])))} |"
+               if before else ""))
     return lines + [""]
+
+
+def before_cell(row: dict | None) -> str:
+    """An earlier revision's temp / args ratio and padded row vectors (memory table)."""
+    if row is None or not row["compiles"]:
+        return "did not compile" if row else "-"
+    return f"{row['hbm_temp'] / row['hbm_args']:.2f}, {len(row['padded_rows'])}"
 
 
 def markdown(report: dict) -> str:
@@ -392,7 +419,7 @@ def markdown(report: dict) -> str:
               "VMEM only, which the VMEM column counts). float16 is declined by the backend: "
               "Mosaic fails to compile its kernels on every generation here (`Invalid vector "
               "type for load`).", ""]
-    return "\n".join(lines + memory_markdown(report["memory"]))
+    return "\n".join(lines + memory_markdown(report["memory"], report.get("before")))
 
 
 def main():
@@ -404,6 +431,9 @@ def main():
                         help="only the memory table (with --no-write: a before / after check)")
     parser.add_argument("--src", help="import rankattn from this folder (another tree's src/, "
                                       "e.g. `git archive REF src | tar -x -C DIR`); --no-write")
+    parser.add_argument("--before", metavar="REVISION",
+                        help="also compile the memory table of this git revision's src, "
+                             "shown beside (before / after)")
     parser.add_argument("--child", nargs=2, metavar=("GENERATION", "CONFIGS_JSON"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--no-write", action="store_true",
@@ -413,8 +443,9 @@ def main():
         return child(*args.child)
     if (args.memory or args.src) and not args.no_write:
         parser.error("--memory and --src make a partial report: pass --no-write")
-    report = run(args.generations, args.quick, args.memory, args.src)
-    text = markdown(report) if not args.memory else "\n".join(memory_markdown(report["memory"]))
+    report = run(args.generations, args.quick, args.memory, args.src, args.before)
+    text = markdown(report) if not args.memory else "\n".join(
+        memory_markdown(report["memory"], report.get("before")))
     if args.no_write:
         print(text)
         return

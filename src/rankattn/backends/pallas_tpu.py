@@ -114,7 +114,7 @@ class TpuTarget:
 # Blocks per generation (benchmarks/TPU_COMPILE.md: all 144 configurations of float32 /
 # bfloat16 x D 64 / 128 / 256 x GQA 1 / 5 x causal x cap compile deviceless, forward and
 # backward, within Mosaic's default scoped VMEM: the largest plan, float32 D = 256 GQA 5, is
-# 9.0 MiB on v5e and 14.1 MiB on v6e / TPU7x, so no entry sets vmem_limit_bytes). 128 query
+# 6.3 MiB on v5e and 10.1 MiB on v6e / TPU7x, so no entry sets vmem_limit_bytes). 128 query
 # rows per head; the G heads of a group make G * 128 MXU rows. Keys: 128 on v5e (128 x 128
 # MXUs), 256 on v6e and TPU7x (256 x 256 MXUs, so a [rows, 256] logit tile fills one). No
 # TPU has timed them. The list budget is half of each generation's 1 MiB SMEM
