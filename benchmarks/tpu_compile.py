@@ -128,12 +128,14 @@ def child_env(libtpu: str, src: str | None = None) -> dict:
 
 
 def compile_generation(generation: str, cfgs: list[Config] | None, libtpu: str,
-                       timeout: int = 1800, src: str | None = None) -> list[dict]:
+                       timeout: int = 1800, src: str | None = None,
+                       memory_shapes=MEMORY_SHAPES) -> list[dict]:
     """Rows of one generation, compiled in a child process (libtpu on its path): one per
-    configuration, or with ``cfgs`` None the memory table's (MEMORY_SHAPES). ``src``: the
-    folder to import rankattn from (default this checkout's src)."""
-    what = "memory" if cfgs is None else json.dumps([dataclasses.asdict(c) for c in cfgs])
-    expected = len(MEMORY_SHAPES) if cfgs is None else len(cfgs)
+    configuration, or with ``cfgs`` None the memory table's (``memory_shapes``, (B, S,
+    causal) each). ``src``: the folder to import rankattn from (default this checkout's)."""
+    what = (json.dumps({"memory": memory_shapes}) if cfgs is None
+            else json.dumps([dataclasses.asdict(c) for c in cfgs]))
+    expected = len(memory_shapes) if cfgs is None else len(cfgs)
     result = subprocess.run(
         [sys.executable, __file__, "--child", generation, what],
         env=child_env(libtpu, src), capture_output=True, text=True, timeout=timeout)
@@ -276,9 +278,10 @@ def child(generation: str, what: str) -> None:
         return [jax.ShapeDtypeStruct(s, dtype, sharding=one_chip) for s in shapes] + [
             jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=one_chip)]
 
-    if what == "memory":
+    what = json.loads(what)
+    if isinstance(what, dict):
         hq, hkv = MEMORY_HEADS
-        for batch, seq, causal in MEMORY_SHAPES:
+        for batch, seq, causal in what["memory"]:
             args = arguments(batch, seq, hq, hkv, 128, jnp.bfloat16)
             row = compile_row(generation, impl, attention_grad(impl, causal, 30.0), args, info)
             row.update(batch=batch, seq=seq, causal=causal,
@@ -286,7 +289,7 @@ def child(generation: str, what: str) -> None:
                        visited_steps=visited_steps(impl, phoenix_rows(batch, seq), causal, hkv))
             print("ROW " + json.dumps(row), flush=True)
         return
-    for cfg in (Config(**c) for c in json.loads(what)):
+    for cfg in (Config(**c) for c in what):
         hq = KV_HEADS * cfg.group
         args = arguments(BATCH, SEQ, hq, KV_HEADS, cfg.head_dim, jnp.dtype(cfg.dtype))
         row = compile_row(generation, impl, attention_grad(impl, cfg.causal, cfg.softcap),

@@ -368,6 +368,47 @@ def test_a_prepared_plan_runs_a_grid_of_its_longest_list():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
 
 
+def test_the_kernels_read_q_k_v_and_d_out_unpadded_and_uncleaned(monkeypatch):
+    """Issue 37: no copy of q, k, v or dO around the kernels. They take the caller's arrays
+    (head-major views: on a TPU, XLA lays [B, S, H, D] out head-major, so the view is free)
+    at their own length, 45 tokens in 16-token blocks, the last block ragged (the kernels
+    zero what they read past the end), and non-finite entries included (the kernels zero
+    them as they read; semantics poisons the rows). Before, XLA padded each to 48 tokens
+    and replaced the non-finite entries: two copies of each. Results against the reference,
+    NaN rows included."""
+    from rankattn.backends import pallas_tpu
+    seen = {}
+    for name in ("_forward", "_dq", "_dkv"):
+        def spy(st, q, k, v, seg, plan, *rest, name=name, inner=getattr(pallas_tpu, name)):
+            seen[name] = dict(q=q, k=k, v=v, d_out=rest[0] if name != "_forward" else None)
+            return inner(st, q, k, v, seg, plan, *rest)
+        monkeypatch.setattr(pallas_tpu, name, spy)
+    q, k, v, w = (jnp.asarray(x) for x in random_qkv(21, 2, 45, 4, 2, 8))
+    q, k = q.at[1, 7, 3, 0].set(jnp.nan), k.at[0, 30, 1, 2].set(jnp.inf)
+    seg = jnp.asarray(random_segments(22, 2, 45, "packed"))
+
+    def results(impl):
+        def f(q, k, v):
+            return rankattn.attention(q, k, v, segment_ids=seg, causal=True, impl=impl,
+                                      return_lse=True)
+        (out, lse), pullback = jax.vjp(f, q, k, v)
+        return [out, lse, *pullback((w, jnp.ones_like(lse)))]
+
+    got = results(SMALL_TPU)
+    for name, operands in seen.items():
+        for role, x in operands.items():
+            if x is not None:
+                assert x.shape[-2] == 45, (name, role, x.shape)  # [..., S, D]: not padded
+        assert np.isnan(np.asarray(operands["q"])).any(), name  # not cleaned by XLA
+        assert np.isinf(np.asarray(operands["k"])).any(), name
+    want = results("reference")
+    assert np.isnan(np.asarray(want[0])).any()
+    for field, a, b in zip(FIELDS, got, want):
+        nan = np.isnan(np.asarray(b))
+        np.testing.assert_array_equal(np.isnan(np.asarray(a)), nan, field)
+        assert_close_f32(np.where(nan, 0, a), np.where(nan, 0, b), field)
+
+
 def test_past_the_count_the_index_map_repeats_the_last_entry():
     """So the pipeline sees the same block index on consecutive steps and issues no DMA; an
     empty list stays on its first entry. Every visited operand's index map goes through

@@ -159,13 +159,18 @@ def finite(x):
     return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
 
 
-def split_nonfinite(x):
-    """(finite(x), poison float32 [...]: NaN where nonfinite(x), else 0).
+def nonfinite_poison(x):
+    """float32 [...]: NaN where nonfinite(x), else 0.
 
     Adding a key's poison to its logits (before the mask) makes exactly the rows
     that see it NaN; a masked entry is replaced by -inf whatever its value.
     """
-    return finite(x), jnp.where(nonfinite(x), jnp.nan, 0.0).astype(jnp.float32)
+    return jnp.where(nonfinite(x), jnp.nan, 0.0).astype(jnp.float32)
+
+
+def split_nonfinite(x):
+    """(finite(x), :func:`nonfinite_poison` of x)."""
+    return finite(x), nonfinite_poison(x)
 
 
 def poison_multiplied_rows(q, multiplier):

@@ -186,6 +186,8 @@ class _Static:
     block_q: int
     block_k: int
     group: int        # query heads per kv head
+    q_len: int        # the queries' and keys' true lengths: a ragged last block reads past
+    kv_len: int       # them (unspecified memory), which the kernels zero
     interpret: Any    # False, True or a pltpu.InterpretParams (hashable)
     vmem_limit_bytes: int | None
     smem_budget: int  # bytes of plan lists per kernel call (see _call)
@@ -245,6 +247,37 @@ def _group_row(rows):
     """The group's per-row values [G, n] as one row [1, G * n], the lanes of the dk / dv
     kernel's transposed logits (head by head, as :func:`_rows` stacks them)."""
     return jnp.concatenate([rows[g:g + 1] for g in range(rows.shape[0])], axis=1)
+
+
+def _finite_rows(x, first, length: int, rows_per_head: int):
+    """x [G * n, W] (a group's heads, head by head, or one head's [n, W]) with its non-finite
+    entries zero, and the rows at positions from ``length`` on too: a ragged last block
+    reads past the array's end (unspecified memory). Row r sits at position
+    first + r % n. The kernels read q, k and v as the caller gave them; the rows a
+    non-finite entry poisons are made NaN by the keys' poison and semantics.poison_rows."""
+    ok = jnp.abs(x) < jnp.inf  # false for inf and NaN
+    if length % rows_per_head:
+        position = first + jax.lax.broadcasted_iota(jnp.int32, (rows_per_head, 1), 0)
+        position = jnp.concatenate([position] * (x.shape[0] // rows_per_head), axis=0)
+        ok = ok & (position < length)
+    return jnp.where(ok, x, jnp.zeros((), x.dtype))
+
+
+def _q_rows(st: _Static, ref, first):
+    """The q block [G, n, D] whose first position is ``first`` as finite rows [G * n, D]."""
+    return _finite_rows(_rows(ref[...]), first, st.q_len, ref.shape[1])
+
+
+def _kv_rows(st: _Static, ref, first):
+    """The k or v block [n, W] whose first position is ``first``, finite."""
+    return _finite_rows(ref[...], first, st.kv_len, ref.shape[0])
+
+
+def _d_out_rows(st: _Static, ref, lse_column):
+    """The dO block as rows [G * n, Dv], zero in the rows whose saved lse is +inf (poisoned
+    rows and those past the queries' end: :func:`_attention_bwd`), so that p = 0 there
+    meets a finite dO."""
+    return jnp.where(lse_column == jnp.inf, 0, _rows(ref[...])).astype(ref.dtype)
 
 
 def _mask(st: _Static, r: dict, q_start, k_start, keys_major: bool = False):
@@ -350,8 +383,9 @@ def _call(st: _Static, kernel, name: str, plan_lists, grid, in_specs, out_specs,
     """pallas_call over ``grid`` (b, kv head, own block, visit) with the plan lists and the
     first own block's index as scalar prefetch. The lists of all own blocks may exceed
     ``st.smem_budget``: then it runs one call per range of own blocks whose lists fit, each
-    writing its rows, and concatenates the outputs (``out_shape`` sized for every own block;
-    their rows on the axes ``row_axes``, by default each output's second to last)."""
+    writing its rows, and concatenates the outputs (``out_shape`` sized for every own block,
+    the last one possibly ragged; their rows on the axes ``row_axes``, by default each
+    output's second to last)."""
     row_axes = [x.ndim - 2 for x in out_shape] if row_axes is None else row_axes
     batch, n_own, n_visits = plan_lists[0].shape
     per_block = batch * list_bytes(1, n_visits, plan_lists[0].dtype)
@@ -359,9 +393,11 @@ def _call(st: _Static, kernel, name: str, plan_lists, grid, in_specs, out_specs,
     parts = []
     for start in range(0, n_own, per_call):
         count = min(per_call, n_own - start)
-        shapes = [jax.ShapeDtypeStruct(x.shape[:a] + (x.shape[a] // n_own * count,)
-                                       + x.shape[a + 1:], x.dtype)
-                  for x, a in zip(out_shape, row_axes)]
+        shapes = []
+        for x, a, spec in zip(out_shape, row_axes, out_specs):
+            block = spec.block_shape[a]  # the last block may be ragged: rows end at x's
+            rows = min(count * block, x.shape[a] - start * block)
+            shapes.append(jax.ShapeDtypeStruct(x.shape[:a] + (rows,) + x.shape[a + 1:], x.dtype))
         lists = [x[:, start:start + count] for x in plan_lists]
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4, grid=grid[:2] + (count, grid[3]), in_specs=in_specs,
@@ -391,16 +427,18 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _S
         if st.count_visits:
             r["visits"][...] = jnp.zeros(r["visits"].shape, jnp.int32)
 
+    q_start = (offset_ref[0] + i) * st.block_q
+
     def visit(masked: bool):
         j = kv_index_ref[b, i, t].astype(jnp.int32)
-        s2, _ = flash_math.capped_logits(st, _dot(_rows(r["q"][...]), r["k"][...], NT))
+        q = _q_rows(st, r["q"], q_start)
+        k, v = (_kv_rows(st, r[n], j * st.block_k) for n in ("k", "v"))
+        s2, _ = flash_math.capped_logits(st, _dot(q, k, NT))
         s2 = flash_math.times(s2, mult) + r["poison"][...]  # NaN for keys with non-finite k / v
         if masked:
-            s2 = _masked(st, s2, _mask(st, r, (offset_ref[0] + i) * st.block_q,
-                                       j * st.block_k))
+            s2 = _masked(st, s2, _mask(st, r, q_start, j * st.block_k))
         r["acc"][...], r["m"][...], r["l"][...] = flash_math.online_softmax_step(
-            s2, r["v"][...], r["m"][...], r["l"][...], r["acc"][...],
-            lambda p, v: _dot(p, v, NN))
+            s2, v, r["m"][...], r["l"][...], r["acc"][...], lambda p, v: _dot(p, v, NN))
         if st.count_visits:
             r["visits"][...] += 1
 
@@ -410,13 +448,13 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _S
     def _():
         acc, m, l = r["acc"][...], r["m"][...], r["l"][...]
         if st.own_key:  # the own-key logit joins the softmax as one more column
-            q = r["q"][...]  # [G, bq, D]
+            q = _q_rows(st, r["q"], q_start).reshape(st.group, st.block_q, -1)  # [G, bq, D]
+            k_own, v_own = (_kv_rows(st, r[n], q_start) for n in ("k_own", "v_own"))
             s_own, _ = flash_math.own_logits(
-                st, q, r["k_own"][...], _column(r["seg_q"][...]),
-                _column(r["poison_own"][...]),
+                st, q, k_own, _column(r["seg_q"][...]), _column(r["poison_own"][...]),
                 _head_columns(r["mult"][...]) if st.multiplied else None, keepdims=True)
-            v_own = jnp.broadcast_to(r["v_own"][...].astype(jnp.float32)[None],
-                                     (st.group,) + r["v_own"].shape)
+            v_own = jnp.broadcast_to(v_own.astype(jnp.float32)[None],
+                                     (st.group,) + v_own.shape)
             acc, m, l = flash_math.online_softmax_step(_rows(s_own), _rows(v_own), m, l, acc,
                                                        lambda p, v: p * v)
         out, lse = flash_math.finish(acc, m, l)
@@ -425,9 +463,9 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _S
 
 
 def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
-    """out [B, Hkv, G, nQ * bq, Dv] (q's dtype) and lse float32 [B, Hkv, G, nQ * bq], on
-    padded head-major inputs (see :func:`tpu_attention`); with ``st.count_visits`` also
-    the key blocks each query block computed, int32 [B, Hkv, nQ, 1]."""
+    """out [B, Hkv, G, Sq, Dv] (q's dtype) and lse float32 [B, Hkv, G, nQ * bq], on
+    head-major inputs (see :func:`tpu_attention`); with ``st.count_visits`` also the key
+    blocks each query block computed, int32 [B, Hkv, nQ, 1]."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
     n_q, n_visits = plan.kv_index.shape[1:]  # n_visits: the longest list (visited_lists)
@@ -442,11 +480,10 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
     if st.multiplied:
         in_specs.append(_spec(st, "group_row", bq))
         args.append(multiplier)
-    rows = n_q * bq
     out_specs = [_spec(st, "group", bq, dv, output=True),
                  _spec(st, "group_row", bq, output=True)]
-    out_shape = [jax.ShapeDtypeStruct((b, hkv, g, rows, dv), q.dtype),
-                 jax.ShapeDtypeStruct((b, hkv, g, rows), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, g, st.q_len, dv), q.dtype),
+                 jax.ShapeDtypeStruct((b, hkv, g, n_q * bq), jnp.float32)]
     row_axes = [3, 3]
     if st.count_visits:
         out_specs.append(pl.BlockSpec((None, None, 1, 1), lambda b_, h, i, t, *_: (b_, h, i, 0)))
@@ -474,17 +511,19 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
     def _():
         r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
 
+    q_start = (offset_ref[0] + i) * st.block_q
+    lse = _group_column(r["lse"][...])  # [G * bq, 1]
+
     def visit(masked: bool):
         j = kv_index_ref[b, i, t].astype(jnp.int32)
-        k, v = r["k"][...], r["v"][...]
-        qk = _dot(_rows(r["q"][...]), k, NT)
+        k, v = (_kv_rows(st, r[n], j * st.block_k) for n in ("k", "v"))
+        qk = _dot(_q_rows(st, r["q"], q_start), k, NT)
         s2, s = flash_math.capped_logits(st, qk)
         s2 = flash_math.times(s2, mult)
         if masked:
-            s2 = _masked(st, s2, _mask(st, r, (offset_ref[0] + i) * st.block_q,
-                                       j * st.block_k))
-        p = jnp.exp2(s2 - flash_math.lse2(_group_column(r["lse"][...])))
-        dp = _dot(_rows(r["do"][...]), v, NT)
+            s2 = _masked(st, s2, _mask(st, r, q_start, j * st.block_k))
+        p = jnp.exp2(s2 - flash_math.lse2(lse))
+        dp = _dot(_d_out_rows(st, r["do"], lse), v, NT)
         ds = flash_math.logit_grads(st, p, dp, _group_column(r["delta"][...]), s, mult)
         r["acc"][...] += _dot(ds.astype(k.dtype), k, NN)
 
@@ -492,22 +531,26 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _():
-        dq = r["acc"][...].reshape(r["dq"].shape)
+        dq = r["acc"][...]  # [G * bq, D]
         if st.own_key:
-            k_own, v_own = (r[n][...].astype(jnp.float32) for n in ("k_own", "v_own"))
+            k_own, v_own = (_kv_rows(st, r[n], q_start).astype(jnp.float32)
+                            for n in ("k_own", "v_own"))
+            heads = (st.group, st.block_q, -1)
             mult3 = _head_columns(r["mult"][...]) if st.multiplied else None  # [G, bq, 1]
-            s2, s = flash_math.own_logits(st, r["q"][...], k_own, _column(r["seg_q"][...]),
-                                          multiplier=mult3, keepdims=True)
+            s2, s = flash_math.own_logits(st, _q_rows(st, r["q"], q_start).reshape(heads), k_own,
+                                          _column(r["seg_q"][...]), multiplier=mult3,
+                                          keepdims=True)
             p = jnp.exp2(s2 - flash_math.lse2(_head_columns(r["lse"][...])))
-            dp = (r["do"][...].astype(jnp.float32) * v_own).sum(-1, keepdims=True)
-            dq = dq + flash_math.logit_grads(st, p, dp, _head_columns(r["delta"][...]), s,
-                                             mult3) * k_own
-        r["dq"][...] = dq.astype(r["dq"].dtype)
+            d_out = _d_out_rows(st, r["do"], lse).reshape(heads).astype(jnp.float32)
+            dp = (d_out * v_own).sum(-1, keepdims=True)
+            dq = dq + _rows(flash_math.logit_grads(st, p, dp, _head_columns(r["delta"][...]), s,
+                                                   mult3) * k_own)
+        r["dq"][...] = dq.reshape(r["dq"].shape).astype(r["dq"].dtype)
 
 
 def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
-    """dq [B, Hkv, G, nQ * bq, D]; d_out, lse and delta (lse, delta as rows [..., S])
-    padded to the inputs' length."""
+    """dq [B, Hkv, G, Sq, D]; d_out as out, lse and delta rows [B, Hkv, G, length] (lse +inf
+    in the rows that pass no gradient: :func:`_attention_bwd`)."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
     n_q, n_visits = plan.kv_index.shape[1:]  # n_visits: the longest list (visited_lists)
@@ -525,7 +568,7 @@ def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplie
         args.append(multiplier)
     return _call(st, _dq_kernel, "rankattn_tpu_dq", (plan.kv_index, plan.full_count, plan.count),
                  (b, hkv, n_q, n_visits), in_specs, [_spec(st, "group", bq, d, output=True)],
-                 [jax.ShapeDtypeStruct((b, hkv, g, n_q * bq, d), q.dtype)],
+                 [jax.ShapeDtypeStruct(q.shape, q.dtype)],
                  [pltpu.VMEM((g * bq, d), jnp.float32)], args)[0]
 
 
@@ -541,7 +584,8 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
     names += ["dk", "dv", "dk_acc", "dv_acc"]
     r = _named(names, refs)
     b, j, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    k, v = r["k"][...], r["v"][...]
+    k_start = (offset_ref[0] + j) * st.block_k
+    k, v = (_kv_rows(st, r[n], k_start) for n in ("k", "v"))
 
     @pl.when(t == 0)
     def _():
@@ -552,13 +596,13 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
         i = q_index_ref[b, j, t].astype(jnp.int32)
         # Key-major: s^T = k q^T [bk, G * bq], so dv = p^T dO and dk = ds^T q are plain
         # products and the queries' lse / delta / multiplier are lane-dense rows.
-        q, do = _rows(r["q"][...]), _rows(r["do"][...])
+        q = _q_rows(st, r["q"], i * st.block_q)
+        do = _d_out_rows(st, r["do"], _group_column(r["lse"][...]))
         mult = _group_row(r["mult"][...]) if st.multiplied else None
         s2, s = flash_math.capped_logits(st, _dot(k, q, NT))
         s2 = flash_math.times(s2, mult)
         if masked:
-            mask = _mask(st, r, i * st.block_q, (offset_ref[0] + j) * st.block_k,
-                         keys_major=True)
+            mask = _mask(st, r, i * st.block_q, k_start, keys_major=True)
             s2 = jnp.where(mask, s2, -jnp.inf)
         p = jnp.exp2(s2 - flash_math.lse2(_group_row(r["lse"][...])))
         r["dv_acc"][...] += _dot(p.astype(do.dtype), do, NN)
@@ -572,8 +616,10 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
     def _():
         dk, dv = r["dk_acc"][...], r["dv_acc"][...]
         if st.own_key:  # [G, bk, ...]: the group's heads at this block's positions
-            q_own = r["q_own"][...].astype(jnp.float32)
-            do_own = r["do_own"][...].astype(jnp.float32)
+            heads = (st.group, st.block_k, -1)
+            q_own = _q_rows(st, r["q_own"], k_start).reshape(heads).astype(jnp.float32)
+            do_own = _d_out_rows(st, r["do_own"], _group_column(r["lse_own"][...]))
+            do_own = do_own.reshape(heads).astype(jnp.float32)
             mult3 = _head_columns(r["mult_own"][...]) if st.multiplied else None
             s2, s = flash_math.own_logits(st, q_own, k, _column(r["seg_own"][...]),
                                           multiplier=mult3, keepdims=True)
@@ -587,7 +633,7 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
 
 
 def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
-    """dk [B, Hkv, nK * bk, D] and dv [B, Hkv, nK * bk, Dv]; other arguments as :func:`_dq`."""
+    """dk [B, Hkv, Skv, D] and dv [B, Hkv, Skv, Dv]; other arguments as :func:`_dq`."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
     n_k, n_visits = plan.q_index.shape[1:]
@@ -609,17 +655,15 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multipli
         if st.multiplied:
             in_specs.append(_spec(st, "group_row", bk))
             args.append(multiplier)
-    rows = n_k * bk
     return _call(st, _dkv_kernel, "rankattn_tpu_dkv",
-                 (plan.q_index, plan.q_full_count, plan.q_count), (b, hkv, n_k, n_visits),
-                 in_specs,
+                 (plan.q_index, plan.q_full_count, plan.q_count),
+                 (b, hkv, n_k, n_visits), in_specs,
                  [_spec(st, "kv", bk, d, output=True), _spec(st, "kv", bk, dv, output=True)],
-                 [jax.ShapeDtypeStruct((b, hkv, rows, d), k.dtype),
-                  jax.ShapeDtypeStruct((b, hkv, rows, dv), v.dtype)],
+                 [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
                  [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)], args)
 
 
-# --- The differentiable core, on padded head-major inputs. --------------------------
+# --- The differentiable core, on head-major inputs. -------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -635,33 +679,27 @@ def _attention_fwd(st, q, k, v, seg, plan, poison, multiplier):
 def _attention_bwd(st, residuals, cotangents):
     q, k, v, seg, plan, out, lse, multiplier = residuals
     d_out, d_lse = cotangents
-    lse, d_out, delta = semantics.backward_rows(out, d_out, lse, d_lse)
-    # The forward wrote nQ * bq rows; the dk / dv kernel reads queries at every key block's
-    # rows (own keys), up to the padded length.
-    length = q.shape[3]
-    d_out = _pad_rows(d_out, length)
-    lse, delta = (_pad_rows(x, length, axis=-1) for x in (lse, delta))
+    # semantics.backward_rows on the queries' true rows; its dO (poisoned rows zero) only
+    # feeds delta here (a fused reduction, no copy): the kernels zero those rows of dO as
+    # they read it, where lse is +inf (_d_out_rows). Past the queries' end lse is +inf too,
+    # so every p there is 0 and dO's unspecified rows are never used.
+    lse, _, delta = semantics.backward_rows(out, d_out, lse[..., :st.q_len],
+                                            d_lse[..., :st.q_len])
+    length = seg[0].shape[-1]  # the rows' padded length: every block of either size
+    lse = jnp.pad(lse, [(0, 0)] * 3 + [(0, length - st.q_len)], constant_values=jnp.inf)
+    delta = jnp.pad(delta, [(0, 0)] * 3 + [(0, length - st.q_len)])
     dq = _dq(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
     dk, dv = _dkv(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
-    return (_pad_rows(dq, length), _pad_rows(dk, length), _pad_rows(dv, length),
-            None, None, None, None)
+    return dq, dk, dv, None, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _pad_rows(x, length: int, axis: int = -2):
-    """Zero-pad the sequence axis (second to last, or ``axis``) to ``length``."""
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, length - x.shape[axis])
-    return x if x.shape[axis] == length else jnp.pad(x, widths)
-
-
-def _group_major(x, hkv: int, length: int):
-    """[B, S, Hq, C] -> [B, Hkv, G, length, C]: query head h * G + g as (h, g)."""
+def _group_major(x, hkv: int):
+    """[B, S, Hq, C] -> [B, Hkv, G, S, C]: query head h * G + g as (h, g)."""
     b, s, hq, c = x.shape
-    x = pad_axis1(x, length) if length > s else x
-    return x.reshape(b, length, hkv, hq // hkv, c).transpose(0, 2, 3, 1, 4)
+    return x.reshape(b, s, hkv, hq // hkv, c).transpose(0, 2, 3, 1, 4)
 
 
 def _head_rows(x, hkv: int, length: int):
@@ -710,8 +748,10 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
     bq, bk = block_sizes.block_q, block_sizes.block_k
     seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, block_sizes, causal,
                                                  block_plan, shard_mask)
-    # One padded length for queries and keys: the own-key term reads keys at query rows
-    # and queries at key rows. Padding has segment id 0, so it is invisible.
+    # q, k and v are read as given, their last blocks ragged (the kernels zero what lies
+    # past their ends). The per-position rows (segment ids, positions, poison, multiplier,
+    # lse, delta) are padded, to one length for queries and keys: the own-key term reads
+    # keys at query blocks and queries at key blocks. Padding has segment id 0: invisible.
     length = round_up(max(sq, skv), max(bq, bk))
     seg_q, seg_k = pad_axis1(seg_q, length), pad_axis1(seg_k, length)
     positions = ()
@@ -719,17 +759,19 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
         positions = tuple(jnp.pad(jnp.asarray(p, jnp.int32), [(0, 0), (0, length - p.shape[1])],
                                   mode="edge")
                           for p in (shard_mask.q_positions, shard_mask.kv_positions))
-    (q, q_poison), (k, k_poison), (v, v_poison) = map(semantics.split_nonfinite, (q, k, v))
-    poison = _head_rows(k_poison + v_poison, hkv, length)  # [B, Hkv, 1, length]
-    q_h = _group_major(q, hkv, length)
-    k_h, v_h = (_group_major(x, hkv, length)[:, :, 0] for x in (k, v))
+    q_poison = semantics.nonfinite_poison(q)
+    poison = _head_rows(semantics.nonfinite_poison(k) + semantics.nonfinite_poison(v), hkv,
+                        length)  # [B, Hkv, 1, length]
+    q_h = _group_major(q, hkv)
+    k_h, v_h = (_group_major(x, hkv)[:, :, 0] for x in (k, v))
     multiplier = None
     if logit_multiplier is not None:
         multiplier = _head_rows(logit_multiplier, hkv, length)
     st = _Static(causal=causal, scale=scale, softcap=softcap, softcap_method=softcap_method,
                  own_key=segment_ids is not None and shard_mask is None,
                  positions=shard_mask is not None, multiplied=multiplier is not None,
-                 block_q=bq, block_k=bk, group=hq // hkv, interpret=interpret,
+                 block_q=bq, block_k=bk, group=hq // hkv, q_len=sq, kv_len=skv,
+                 interpret=interpret,
                  vmem_limit_bytes=vmem_limit_bytes, smem_budget=smem_budget,
                  count_visits=count_visits)
 
@@ -748,7 +790,7 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
         core = _forward if count_visits else _attention
         results.append(core(st, q_h[rows], k_h[rows], v_h[rows], seg, plan, poison[rows], mult))
     out, lse, *visits = (jnp.concatenate(parts) for parts in zip(*results))
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, -1, hq, out.shape[-1])[:, :sq, :, :dv]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, dv)
     lse = lse.reshape(b, hq, -1)[:, :, :sq]
     out, lse = semantics.poison_rows(out, lse, q_poison)
     return (out, lse, visits[0][..., 0]) if count_visits else (out, lse)
