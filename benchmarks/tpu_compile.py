@@ -193,20 +193,30 @@ def kernel_memory(jaxpr) -> list[dict]:
     return kernels
 
 
-def attention_grad(impl, causal: bool, softcap: float | None):
+def attention_grad(impl, causal: bool, softcap: float | None, plan=None):
     """value_and_grad over q, k, v of issue 37's program: sum(out as float32) plus 1e-3 times
-    the sum of the finite lse, with segment ids as a fourth argument."""
+    the sum of the finite lse, with segment ids as a fourth argument, or with ``plan`` (a
+    prepared ``rankattn.plan``, closed over) and no fourth argument."""
     import jax
     import jax.numpy as jnp
 
     import rankattn
 
-    def loss(q, k, v, seg):
-        out, lse = rankattn.attention(q, k, v, segment_ids=seg, causal=causal, softcap=softcap,
-                                      return_lse=True, impl=impl)
+    def loss(q, k, v, seg=None):
+        mask = dict(plan=plan) if plan is not None else dict(segment_ids=seg, causal=causal)
+        out, lse = rankattn.attention(q, k, v, softcap=softcap, return_lse=True, impl=impl,
+                                      **mask)
         return out.astype(jnp.float32).sum() + 1e-3 * jnp.where(jnp.isfinite(lse), lse, 0).sum()
 
     return jax.value_and_grad(loss, (0, 1, 2))
+
+
+def grid_steps(jaxpr) -> dict:
+    """Grid steps per kernel name, summed over the program's calls of it."""
+    steps = {}
+    for k in kernel_memory(jaxpr):
+        steps[k["kernel"]] = steps.get(k["kernel"], 0) + k["steps"]
+    return steps
 
 
 def compile_row(generation: str, impl, grad, args, info) -> dict:
@@ -214,10 +224,9 @@ def compile_row(generation: str, impl, grad, args, info) -> dict:
     kernel, and XLA's HBM (arguments, temp) and padded per-row vectors where it compiles."""
     import jax
 
-    kernels = kernel_memory(jax.make_jaxpr(grad)(*args).jaxpr)
-    steps = {}
-    for k in kernels:
-        steps[k["kernel"]] = steps.get(k["kernel"], 0) + k["steps"]
+    jaxpr = jax.make_jaxpr(grad)(*args).jaxpr
+    kernels = kernel_memory(jaxpr)
+    steps = grid_steps(jaxpr)
     row = dict(generation=generation, vmem=max(k["vmem"] for k in kernels),
                smem=max(k["smem"] for k in kernels), vmem_capacity=info.vmem_capacity_bytes,
                smem_capacity=info.smem_capacity_bytes, kernels=sorted(steps), grid_steps=steps)
@@ -262,6 +271,7 @@ def child(generation: str, what: str) -> None:
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    import rankattn
     from rankattn.backends import PallasTpu
 
     topology, chip = GENERATIONS[generation]
@@ -284,9 +294,14 @@ def child(generation: str, what: str) -> None:
         for batch, seq, causal in what["memory"]:
             args = arguments(batch, seq, hq, hkv, 128, jnp.bfloat16)
             row = compile_row(generation, impl, attention_grad(impl, causal, 30.0), args, info)
+            seg = phoenix_rows(batch, seq)
+            plan = rankattn.plan(segment_ids=jnp.asarray(seg), causal=causal, impl=impl)
+            prepared = grid_steps(jax.make_jaxpr(attention_grad(impl, causal, 30.0, plan))(
+                *args[:3]).jaxpr)
             row.update(batch=batch, seq=seq, causal=causal,
                        blocks=list(dataclasses.astuple(impl.sizes(seq))),
-                       visited_steps=visited_steps(impl, phoenix_rows(batch, seq), causal, hkv))
+                       visited_steps=visited_steps(impl, seg, causal, hkv),
+                       prepared_grid_steps=prepared)
             print("ROW " + json.dumps(row), flush=True)
         return
     for cfg in (Config(**c) for c in what):
@@ -347,20 +362,22 @@ def memory_markdown(rows: list[dict], before: dict | None = None) -> list[str]:
         f"tokens, then {CANDIDATES} candidates). HBM from `compiled.memory_analysis()`; "
         "padded row vectors: distinct f32 / s32 / pred shapes `[..., S, 1]` in "
         "`compiled.as_text()` (TPU tiles them (8, 128): 128 times their bytes). Grid steps: "
-        "every step of the program's forward / dq / dk-dv calls (segment ids traced, so every "
-        "block; a plan prepared by `rankattn.plan` and closed over cuts the last axis to the "
-        "longest list); computing: the steps the "
-        "plan visits for those segment ids (the rest issue no DMA but pay the pipeline's "
-        "per-step overhead).",
+        "every step of the program's forward / dq / dk-dv calls, with the segment ids traced "
+        "(the worst case, every block pair: the steps past a row's visits issue no DMA but "
+        "pay the pipeline's per-step overhead) and with the same segment ids' plan prepared "
+        "by `rankattn.plan` and closed over (a step per visit, plus one per own block that "
+        "visits nothing, for the longest batch row); computing: the steps the plan visits "
+        "for those segment ids, all rows.",
         "",
         "| generation | B | S | mask | blocks (q x k) | compiles | args | HBM temp | temp / args "
-        "| padded row vectors | grid steps fwd / dq / dkv | computing fwd / dq / dkv "
-        "| VMEM | SMEM |" + (f" before ({before['revision']}): temp / args, padded |"
-                            if before else ""),
-        "| --- " * (14 + bool(before)) + "|",
+        "| padded row vectors | grid steps fwd / dq / dkv, traced | prepared plan "
+        "| computing fwd / dq / dkv | VMEM | SMEM |"
+        + (f" before ({before['revision']}): temp / args, padded |" if before else ""),
+        "| --- " * (15 + bool(before)) + "|",
     ]
     for r in rows:
         steps = " / ".join(f"{r['grid_steps'][k]:,}" for k in KERNEL_ORDER)
+        prepared = " / ".join(f"{r['prepared_grid_steps'][k]:,}" for k in KERNEL_ORDER)
         visited = " / ".join(f"{r['visited_steps'][k]:,}" for k in KERNEL_ORDER)
         if r["compiles"]:
             hbm = (f"yes | {mib(r['hbm_args'])} | {mib(r['hbm_temp'])} | "
@@ -370,7 +387,7 @@ def memory_markdown(rows: list[dict], before: dict | None = None) -> list[str]:
         lines.append(
             f"| {r['generation']} | {r['batch']} | {r['seq']} | "
             f"{'causal' if r['causal'] else 'full'} | {r['blocks'][0]} x {r['blocks'][1]} | "
-            f"{hbm} | {steps} | {visited} | {mib(r['vmem'])} | {r['smem'] / 1024:.1f} KiB |"
+            f"{hbm} | {steps} | {prepared} | {visited} | {mib(r['vmem'])} | {r['smem'] / 1024:.1f} KiB |"
             + (f" {before_cell(then.get((r['generation'], r['batch'], r['seq'], r['causal'])))} |"
                if before else ""))
     return lines + [""]

@@ -13,9 +13,11 @@
   dim (and the per-shard kernels); the float32 dots ask Mosaic for fp32 precision; no
   kernel operand is a per-row vector padded to 128 lanes and no product contracts a
   transposed lhs (issue 37); the lowering rejects what interpret mode accepts.
-* Block skipping: the forward's visit counter equals the plan's counts; past the count the
-  index map repeats the last entry. The TPU simulator's race detector on two cores finds
-  nothing in the forward, dq and dk / dv kernels.
+* Block skipping: the forward's visit counter equals the plan's counts; the schedule (the
+  grid's scalar prefetch) visits each list in order and repeats its last step; a prepared
+  plan's grid is its visits; the kernels read q, k, v and dO unpadded and uncleaned. The
+  TPU simulator's race detector on two cores finds nothing in the forward, dq and dk / dv
+  kernels.
 * The per-shard kernel of context sharding and Phoenix's causal drop-in against the
   reference backend.
 tests/test_tpu_compile.py compiles for real generations where libtpu is installed.
@@ -37,8 +39,9 @@ from conftest import SMALL_TPU
 from helpers import random_qkv, random_segments
 from rankattn import semantics
 from rankattn.backends import BACKENDS, BlockSizes, PallasTpu
-from rankattn.backends.pallas_tpu import (TARGETS, TpuTarget, _spec, list_dtype, pltpu,
-                                          rows_per_call, tpu_attention)
+from rankattn.backends.pallas_tpu import (FIRST, FULL, LAST, PARTIAL, SKIP, TARGETS, TpuTarget,
+                                          call_ranges, list_dtype, pltpu, rows_per_call,
+                                          schedule, tpu_attention)
 from rankattn.blocks import segments_and_plan
 from rankattn.validate import AttentionCall
 from tolerances import FIELDS, assert_close_f32
@@ -123,18 +126,18 @@ def test_float16_and_float64_are_declined_with_the_fix(dtype, fragment):
 
 
 def test_only_a_block_list_over_the_smem_budget_is_declined():
-    """A row of 131072 tokens in 128-token blocks has 1024 x 1024 list entries (2 MiB in
-    int16), over v5e's 512 KiB budget: it runs as calls over ranges of blocks. Declined only
-    where one block's list of 1024 entries and two counts (2052 bytes) exceeds the budget."""
+    """A row of 131072 tokens in 128-token blocks has a schedule of up to 1024 x 1024 steps
+    (three int16 arrays: 6 MiB), over v5e's 512 KiB budget: it runs as calls over ranges of
+    blocks. Declined only where one block's 1024 steps (6144 bytes) exceed the budget."""
     call = AttentionCall(
         q=jax.ShapeDtypeStruct((1, 131072, 2, 128), jnp.bfloat16),
         k=jax.ShapeDtypeStruct((1, 131072, 1, 128), jnp.bfloat16),
         v=jax.ShapeDtypeStruct((1, 131072, 1, 128), jnp.bfloat16), segment_ids=None,
         causal=False, scale=1.0, softcap=None, softcap_method="tanh")
     assert PallasTpu(target="v5e").not_supported_reasons(call) == []
-    tiny = TpuTarget("tiny", BlockSizes(128, 128), smem_budget=2000)
+    tiny = TpuTarget("tiny", BlockSizes(128, 128), smem_budget=6000)
     (reason,) = PallasTpu(target=tiny).not_supported_reasons(call)
-    assert "2052 bytes" in reason and "2000-byte budget" in reason
+    assert "6144 bytes" in reason and "6000-byte budget" in reason
     assert "block_sizes" in reason
 
 
@@ -151,12 +154,13 @@ def test_options_are_checked(kwargs, fragment):
 
 
 def test_calls_split_to_fit_the_smem_budget_give_the_same_bits():
-    """Rows of 40 tokens in 16-token blocks: int16 lists of 2 * 3 * (3 + 2) = 30 bytes a row,
-    10 a block. A 70-byte budget would take 2 rows a call; 20 bytes takes one row a call,
-    each over query blocks 0-1 and 2 (forward, dq) and key blocks alike (dk / dv). Out, lse
-    and the gradients equal those of one call, bit for bit."""
+    """Rows of 40 tokens in 16-token blocks: int16 schedules of at most 3 x 3 steps, three
+    arrays, 54 bytes a row and 18 a block. A 110-byte budget takes 2 rows a call; 20 bytes
+    takes one row a call, each over query block 0, 1 or 2 (forward, dq) and key blocks
+    alike (dk / dv). Out, lse and the gradients equal those of one call, bit for bit."""
     assert list_dtype(3, 3) == jnp.int16 and list_dtype(40000, 3) == jnp.int32
-    assert rows_per_call(3, 3, 3, 70) == 2 and rows_per_call(2, 3, 3, 20) == 1
+    assert rows_per_call(3, 3, 3, 110) == 2 and rows_per_call(2, 3, 3, 20) == 1
+    assert [list(r) for r in call_ranges(1, 3, 3, 20)] == [[0], [1], [2]]
     q, k, v, w = random_qkv(3, 2, 40, 2, 1, 8)
     seg = jnp.asarray(random_segments(4, 2, 40, "packed"))
     options = dict(causal=True, scale=0.5, softcap=None, softcap_method="tanh",
@@ -342,16 +346,17 @@ def test_each_query_block_computes_exactly_its_listed_key_blocks():
     assert_close_f32(out, want[0], "out")
 
 
-def test_a_prepared_plan_runs_a_grid_of_its_longest_list():
+def test_a_prepared_plan_runs_a_grid_of_its_visits():
     """Issue 37: a plan prepared from concrete segment ids and closed over has known counts,
-    so each kernel's last grid axis is its longest list instead of every block (here 4 key
-    blocks for the forward and dq, 3 query blocks for dk / dv, of 5); passed as a jit
-    argument (traced) it keeps all 5. Results and gradients are the same bits either way."""
+    so each kernel's grid (b, kv head, step) has a step per visit plus one per own block
+    with an empty list, for its longest batch row (issue 37's target: at most 1.25x the
+    visits plus one per own block); passed as a jit argument (traced) it keeps the worst
+    case, 5 x 5 steps. Results and gradients are the same bits either way."""
     q, k, v, w = random_qkv(17, 2, 70, 4, 2, 8)
     seg = jnp.asarray(random_segments(18, 2, 70, "packed"))
     plan = rankattn.plan(segment_ids=seg, causal=True, impl=SMALL_TPU)
-    counts = plan.block_plan(BlockSizes(16, 16))
-    longest = {int(np.max(counts.count)), int(np.max(counts.q_count))}
+    lists = plan.block_plan(BlockSizes(16, 16))
+    want = {int(np.maximum(np.asarray(c), 1).sum(1).max()) for c in (lists.count, lists.q_count)}
 
     def results(q, k, v, plan):
         def f(q, k, v):
@@ -360,10 +365,13 @@ def test_a_prepared_plan_runs_a_grid_of_its_longest_list():
         return [out, lse, *pullback((jnp.asarray(w), jnp.ones_like(lse)))]
 
     prepared = functools.partial(results, plan=plan)
-    grids = [{int(n) for n in re.findall(r"grid=\(\d+, \d+, \d+, (\d+)\)", str(jaxpr))}
+    grids = [{int(n) for n in re.findall(r"grid=\(\d+, \d+, (\d+)\)", str(jaxpr))}
              for jaxpr in (jax.make_jaxpr(prepared)(q, k, v),
                            jax.make_jaxpr(results)(q, k, v, plan))]
-    assert grids == [longest, {5}] and longest == {4, 3}, (grids, longest)
+    assert grids == [want, {25}], (grids, want)
+    for counts in (lists.count, lists.q_count):
+        visits, n_own = int(np.asarray(counts).sum(1).max()), counts.shape[1]
+        assert max(want) <= 1.25 * visits + n_own
     for name, a, b in zip(FIELDS, jax.jit(prepared)(q, k, v), jax.jit(results)(q, k, v, plan)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
 
@@ -409,19 +417,27 @@ def test_the_kernels_read_q_k_v_and_d_out_unpadded_and_uncleaned(monkeypatch):
         assert_close_f32(np.where(nan, 0, a), np.where(nan, 0, b), field)
 
 
-def test_past_the_count_the_index_map_repeats_the_last_entry():
-    """So the pipeline sees the same block index on consecutive steps and issues no DMA; an
-    empty list stays on its first entry. Every visited operand's index map goes through
-    visited_block (LAYOUTS)."""
-    index = np.array([[[3, 1, 0, 2], [2, 0, 1, 3]]], np.int32)  # [B=1, nQ=2, nK=4]
-    count = np.array([[2, 0]], np.int32)
-    full = np.zeros_like(count)
-    spec = _spec(None, "kv", 16, 8, visited=True)  # the kv layout has no group axis
-    offset = np.zeros(1, np.int32)  # the first own block of the call (_call)
-    blocks = [[int(spec.index_map(0, 1, n, t, index, full, count, offset)[2])
-               for t in range(4)] for n in range(2)]
-    assert blocks == [[3, 1, 1, 1], [2, 2, 2, 2]]
-
+def test_the_schedule_visits_each_list_in_order_and_then_repeats_its_last_step():
+    """Row 0 has three own blocks with lists [3, 1] (one full), [] and [2]; row 1 lists
+    [0, 1, 2] (all full), [1] and []. Known lists: a step per visit, one step computing
+    nothing for an empty list (it still opens and closes its block, so its output is
+    written), and row 0, shorter, repeats its last pair with nothing to do (the same block
+    indices: the pipeline fetches nothing). Traced (under jit): 3 steps per own block, those
+    past its count repeating its last visited block."""
+    index = jnp.array([[[3, 1, 0], [2, 0, 1], [2, 1, 0]],
+                       [[0, 1, 2], [1, 0, 0], [0, 0, 0]]], jnp.int32)  # [B=2, nOwn=3, V=3]
+    full, count = jnp.array([[1, 0, 0], [3, 0, 0]]), jnp.array([[2, 0, 1], [3, 1, 0]])
+    own, visit, code = (np.asarray(x) for x in schedule(index, full, count))
+    assert own.tolist() == [[0, 0, 1, 2, 2], [0, 0, 0, 1, 2]]
+    assert visit.tolist() == [[3, 1, 2, 2, 2], [0, 1, 2, 1, 0]]
+    assert code.tolist() == [
+        [FULL | FIRST, PARTIAL | LAST, SKIP | FIRST | LAST, PARTIAL | FIRST | LAST, SKIP],
+        [FULL | FIRST, FULL, FULL | LAST, PARTIAL | FIRST | LAST, SKIP | FIRST | LAST]]
+    own, visit, code = (np.asarray(x)[0] for x in jax.jit(schedule)(index, full, count))
+    assert own.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert visit.tolist() == [3, 1, 1, 2, 2, 2, 2, 2, 2]
+    assert code.tolist() == [FULL | FIRST, PARTIAL | LAST, SKIP, SKIP | FIRST | LAST, SKIP,
+                             SKIP, PARTIAL | FIRST | LAST, SKIP, SKIP]
 
 def test_the_simulated_tpu_finds_no_race(monkeypatch):
     """InterpretParams with the race detector on two simulated cores, which split the

@@ -1,26 +1,29 @@
 """Block-sparse flash attention as Pallas kernels on the Mosaic TPU lowering.
 
-Three kernels, each over a grid (batch, kv head, block, visit) whose first three
-dimensions are "parallel" and whose last, "arbitrary", walks a block plan's list
-(:mod:`rankattn.blocks`), passed as scalar prefetch (SMEM; int16 while the indices fit,
-:func:`list_dtype`) so that the BlockSpec index maps fetch only the listed blocks; batches
-whose lists exceed the generation's SMEM budget run as several calls of fewer rows:
+Three kernels, each over a grid (batch, kv head, step) whose first two dimensions are
+"parallel" and whose last, "arbitrary", walks a schedule made from a block plan's lists
+(:mod:`rankattn.blocks`, :func:`schedule`): per step, the own block (whose output the
+program accumulates), the visited block and what to do (compute it full or masked, or
+nothing; open and / or close the own block). The schedule is scalar prefetch (SMEM; int16
+while the indices fit, :func:`list_dtype`), so the BlockSpec index maps fetch only the
+listed blocks. For a plan prepared by :func:`rankattn.plan` and closed over, the grid is a
+step per visit plus one per own block that visits nothing (a step that only writes its
+output), for the longest batch row; under jit with traced segment ids it is the worst
+case, every block pair (steps past a list's count repeat its last block: no DMA, nothing
+computed, but the pipeline's per-step overhead). Batches whose schedules exceed the
+generation's SMEM budget run as several calls of fewer rows or own blocks:
 
-* forward, grid (b, kv head, query block i, visit t): the online softmax over the key
-  blocks of ``kv_index[b, i]``, full blocks first (no mask arithmetic), then partial ones
-  (the mask from segment-id vectors, :func:`rankattn.semantics.sees_history`); at the
-  last visit the candidates' own-key logit joins as one more column and out / lse are
+* forward, own blocks the query blocks: the online softmax over the key blocks of
+  ``kv_index[b, i]``, full blocks first (no mask arithmetic), then partial ones (the mask
+  from segment-id vectors, :func:`rankattn.semantics.sees_history`); at the own block's
+  last step the candidates' own-key logit joins as one more column and out / lse are
   written.
-* dq, the same grid and lists, recomputing p from the saved log-sum-exp.
-* dk / dv, grid (b, kv head, key block j, visit t) over the transposed lists
-  ``q_index[b, j]`` (the query blocks that see key block j): each program owns its key
-  block's dk and dv, so there are no atomics and the result is deterministic. It works
-  key-major, ``s^T = k q^T`` (as splash attention does), so no product contracts a
-  transposed operand.
-
-Past a list's count the index maps repeat the last visited entry (:func:`visited_block`):
-the block index does not change between steps, so the pipeline issues no DMA for them,
-and the kernel body does nothing there.
+* dq, the same schedule, recomputing p from the saved log-sum-exp.
+* dk / dv, own blocks the key blocks, over the transposed lists ``q_index[b, j]`` (the
+  query blocks that see key block j): each own block's dk and dv are accumulated by
+  consecutive steps of one program, so there are no atomics and the result is
+  deterministic. It works key-major, ``s^T = k q^T`` (as splash attention does), so no
+  product contracts a transposed operand.
 
 Layout. rankattn's arrays are [B, S, H, D]; a TPU block's last two dimensions must be
 multiples of (8, 128) or the whole axis, so a [bq, G, D] block of the G query heads of
@@ -70,10 +73,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rankattn import semantics
 from rankattn.backends import flash_math
@@ -166,9 +170,10 @@ def list_dtype(n_q: int, n_k: int):
 
 
 def list_bytes(n_own: int, n_visits: int, dtype) -> int:
-    """SMEM bytes of one batch row's lists for ``n_own`` blocks: a list of ``n_visits``
-    entries and two counts each, in ``dtype`` (:func:`list_dtype`)."""
-    return jnp.dtype(dtype).itemsize * n_own * (n_visits + 2)
+    """SMEM bytes of one batch row's schedule (:func:`schedule`) for ``n_own`` blocks whose
+    lists hold at most ``n_visits`` entries: three arrays of up to n_own * n_visits steps,
+    in ``dtype`` (:func:`list_dtype`)."""
+    return jnp.dtype(dtype).itemsize * 3 * n_own * n_visits
 
 
 def rows_per_call(batch: int, n_q: int, n_k: int, budget: int) -> int:
@@ -199,9 +204,11 @@ class _Static:
     vmem_limit_bytes: int | None
     smem_budget: int  # bytes of plan lists per kernel call (see _call)
     count_visits: bool = False  # the forward also outputs visits per query block (tests)
+    q_ranges: tuple = ()  # the query blocks of each forward / dq call (call_ranges)
+    k_ranges: tuple = ()  # the key blocks of each dk / dv call
 
     def launch(self, name: str):
-        semantics_ = ("parallel", "parallel", "parallel", "arbitrary")
+        semantics_ = ("parallel", "parallel", "arbitrary")
         return dict(interpret=self.interpret, name=name,
                     compiler_params=pltpu.CompilerParams(
                         dimension_semantics=semantics_, vmem_limit_bytes=self.vmem_limit_bytes))
@@ -223,12 +230,96 @@ def _dot(a, b, contract):
 NN, NT = (1, 0), (1, 1)
 
 
-def visited_block(index_ref, count_ref, b, i, t):
-    """The block a list visits at step t: entry t, or past the count the last visited entry
-    (the same block index as the step before, so the pipeline fetches nothing); an empty
-    list stays on entry 0 (its one fetch, never computed on)."""
-    last = jnp.maximum(count_ref[b, i].astype(jnp.int32) - 1, 0)
-    return index_ref[b, i, jnp.minimum(t, last)].astype(jnp.int32)
+# A step's code in the schedule (:func:`schedule`): what it computes, and whether it opens
+# and / or closes its own block (initialises the accumulators; finishes and writes them).
+SKIP, FULL, PARTIAL = 0, 1, 2  # nothing; a full block (no mask arithmetic); a masked one
+FIRST, LAST = 4, 8
+
+
+def schedule(index, full, count):
+    """The flattened grid of one direction's block lists (index [B, nOwn, V], full and count
+    [B, nOwn]) as (own block, visited block, code) [B, steps] int32; code SKIP / FULL /
+    PARTIAL plus FIRST and / or LAST.
+
+    Where the lists are known now (a plan prepared by :func:`rankattn.plan` and closed
+    over, or an eager call), numpy arrays, compact: per batch row, every own block's visits
+    in order, one step each, and one step computing nothing for an own block whose list is
+    empty (it still opens and closes it, so its output is written); rows shorter than the
+    longest repeat their last step (the same block indices: the pipeline fetches nothing,
+    and nothing is computed). Steps: the longest row's visits plus its empty own blocks.
+    Where traced (under jit), the worst case: V steps per own block, the ones past its
+    count repeating its last visited block; computed with broadcasts and reductions only,
+    so no gather leaves a [..., n, 1] index array (TPU pads it 128-fold) around the
+    kernels."""
+    known = [concrete(x) for x in (index, full, count)]
+    if all(x is not None for x in known):
+        return _compact_schedule(*(np.asarray(x, np.int64) for x in known))
+    batch, n_own, width = index.shape
+    count, full = count.astype(jnp.int32)[..., None], full.astype(jnp.int32)[..., None]
+    t = jnp.arange(width, dtype=jnp.int32)
+    last_entry = jnp.sum(jnp.where(t == jnp.maximum(count - 1, 0), index, 0), axis=-1,
+                         keepdims=True)
+    visit = jnp.where(t < count, index, last_entry).astype(jnp.int32)
+    kind = jnp.where(t < full, FULL, jnp.where(t < count, PARTIAL, SKIP))
+    code = kind + FIRST * (t == 0) + LAST * (t == jnp.maximum(count, 1) - 1)
+    own = jnp.broadcast_to(jnp.arange(n_own, dtype=jnp.int32)[:, None], (n_own, width))
+    return tuple(jnp.broadcast_to(x, (batch, n_own, width)).reshape(batch, n_own * width)
+                 for x in (own, visit, code))
+
+
+def _compact_schedule(index, full, count):
+    """:func:`schedule` of known lists (numpy int64)."""
+    batch, n_own, width = index.shape
+    per_block = np.maximum(count, 1)
+    end = np.cumsum(per_block, axis=1)
+    start = end - per_block
+    total = end[:, -1:]
+    steps = int(total.max())
+    step = np.minimum(np.arange(steps)[None], total - 1)  # past a row's total: its last step
+    own = (step[:, :, None] >= start[:, None, 1:]).sum(-1)  # own blocks begun before it
+
+    def own_blocks(x):
+        return np.take_along_axis(x, own, axis=1)
+
+    t = step - own_blocks(start)
+    n, n_full = own_blocks(count), own_blocks(full)
+    entry = own * width + np.minimum(t, np.maximum(n - 1, 0))
+    visit = np.take_along_axis(index.reshape(batch, -1), entry, axis=1)
+    kind = np.where(t < n_full, FULL, np.where(t < n, PARTIAL, SKIP))
+    code = kind + FIRST * (t == 0) + LAST * (t == own_blocks(per_block) - 1)
+    code = np.where(np.arange(steps)[None] < total, code, SKIP)
+    return tuple(x.astype(np.int32) for x in (own, visit, code))
+
+
+def call_ranges(batch: int, n_own: int, n_visits: int, budget: int) -> list[range]:
+    """The own blocks each kernel call takes so that its schedule (worst case, every own
+    block visiting ``n_visits`` blocks) fits ``budget`` bytes of SMEM (at least one)."""
+    per_block = batch * list_bytes(1, n_visits, list_dtype(n_own, n_visits))
+    per_call = max(1, min(n_own, budget // per_block))
+    return [range(start, min(start + per_call, n_own)) for start in range(0, n_own, per_call)]
+
+
+class Schedules(NamedTuple):
+    """The kernels' grids (scalar prefetch), one (own, visit, code, offset) per call:
+    ``queries`` for the forward and dq (own blocks: query blocks), ``keys`` for dk / dv;
+    offset [1] int32 is the call's first own block."""
+
+    queries: tuple
+    keys: tuple
+
+
+def schedules(plan: BlockPlan, budget: int) -> Schedules:
+    """The :func:`schedule` of each kernel call (:func:`call_ranges`) of ``plan``."""
+    def calls(index, full, count):
+        batch, n_own, width = index.shape
+        dtype = list_dtype(n_own, width)
+        return tuple(
+            tuple(jnp.asarray(x, dtype) for x in schedule(
+                *(x[:, r.start:r.stop] for x in (index, full, count))))
+            + (jnp.array([r.start], jnp.int32),)
+            for r in call_ranges(batch, n_own, width, budget))
+    return Schedules(calls(plan.kv_index, plan.full_count, plan.count),
+                     calls(plan.q_index, plan.q_full_count, plan.q_count))
 
 
 def _column(row):
@@ -340,12 +431,24 @@ def _named(names, refs):
     return dict(zip(names, refs))
 
 
-def _visits(full, count, visit):
-    """Run ``visit(masked)`` at this grid step if the list visits a block here: full
-    blocks (no mask arithmetic) before ``full``, partial ones up to ``count``."""
-    t = pl.program_id(3)
-    pl.when(t < full)(lambda: visit(False))
-    pl.when((t >= full) & (t < count))(lambda: visit(True))
+class _Step:
+    """This grid step's entry of the schedule (:func:`schedule`), read from the scalar
+    prefetch: the batch row, the own block (its index within this call, ``own``, and in
+    the whole sequence, ``block``), the visited block, and what to do."""
+
+    def __init__(self, own_ref, visit_ref, code_ref, offset_ref):
+        self.b, p = pl.program_id(0), pl.program_id(2)
+        self.own = own_ref[self.b, p].astype(jnp.int32)
+        self.block = offset_ref[0] + self.own
+        self.visit = visit_ref[self.b, p].astype(jnp.int32)
+        code = code_ref[self.b, p].astype(jnp.int32)
+        self.kind = code & 3
+        self.first, self.last = (code & FIRST) != 0, (code & LAST) != 0
+
+    def visits(self, visit):
+        """Run ``visit(masked)`` if this step computes a block: full or partial."""
+        pl.when(self.kind == FULL)(lambda: visit(False))
+        pl.when(self.kind == PARTIAL)(lambda: visit(True))
 
 
 # The operands' layouts (module docstring): name -> (the block shape holding ``rows``
@@ -368,65 +471,61 @@ LAYOUTS = {
 
 def _spec(st: _Static, layout: str, rows: int, width: int = 1, visited: bool = False,
           output: bool = False):
-    """The BlockSpec of an operand in ``layout`` for a grid (b, kv head, own block n, visit t)
-    with the scalar prefetch of :func:`_call` (index, full and count lists, the first own
-    block's offset): an input blocked at its own block (offset + n), or with ``visited`` at
-    the block the list visits at step t; an ``output`` at n (each call writes its own)."""
+    """The BlockSpec of an operand in ``layout`` for a grid (b, kv head, step p) with the
+    scalar prefetch of :func:`_call` (the schedule's own block, visited block and code
+    [B, steps], the first own block's offset): an input blocked at step p's own block
+    (offset + own), or with ``visited`` at its visited block; an ``output`` at own (each
+    call writes its own blocks)."""
     shape, place = LAYOUTS[layout]
     if visited:
-        def index_map(b, h, n, t, index_ref, full_ref, count_ref, offset_ref):
-            return place(b, h, visited_block(index_ref, count_ref, b, n, t))
+        def index_map(b, h, p, own_ref, visit_ref, code_ref, offset_ref):
+            return place(b, h, visit_ref[b, p].astype(jnp.int32))
     elif output:
-        def index_map(b, h, n, t, index_ref, full_ref, count_ref, offset_ref):
-            return place(b, h, n)
+        def index_map(b, h, p, own_ref, visit_ref, code_ref, offset_ref):
+            return place(b, h, own_ref[b, p].astype(jnp.int32))
     else:
-        def index_map(b, h, n, t, index_ref, full_ref, count_ref, offset_ref):
-            return place(b, h, offset_ref[0] + n)
+        def index_map(b, h, p, own_ref, visit_ref, code_ref, offset_ref):
+            return place(b, h, offset_ref[0] + own_ref[b, p].astype(jnp.int32))
     return pl.BlockSpec(shape(st, rows, width), index_map)
 
 
-def _call(st: _Static, kernel, name: str, plan_lists, grid, in_specs, out_specs, out_shape,
-          scratch, args, row_axes=None):
-    """pallas_call over ``grid`` (b, kv head, own block, visit) with the plan lists and the
-    first own block's index as scalar prefetch. The lists of all own blocks may exceed
-    ``st.smem_budget``: then it runs one call per range of own blocks whose lists fit, each
-    writing its rows, and concatenates the outputs (``out_shape`` sized for every own block,
+def _call(st: _Static, kernel, name: str, calls, ranges, grid, in_specs, out_specs,
+          out_shape, scratch, args, row_axes=None):
+    """pallas_call over the grid ``grid`` (b, kv head) x the steps of a schedule, once per
+    entry of ``calls`` (:class:`Schedules`: the scalar prefetch) over the own blocks of
+    ``ranges`` (:func:`call_ranges`, so each schedule fits ``st.smem_budget``), each
+    writing its rows; concatenates the outputs (``out_shape`` sized for every own block,
     the last one possibly ragged; their rows on the axes ``row_axes``, by default each
     output's second to last)."""
     row_axes = [x.ndim - 2 for x in out_shape] if row_axes is None else row_axes
-    batch, n_own, n_visits = plan_lists[0].shape
-    per_block = batch * list_bytes(1, n_visits, plan_lists[0].dtype)
-    per_call = max(1, min(n_own, st.smem_budget // per_block))
     parts = []
-    for start in range(0, n_own, per_call):
-        count = min(per_call, n_own - start)
+    for prefetch, own in zip(calls, ranges, strict=True):
+        start, count = own.start, len(own)
         shapes = []
         for x, a, spec in zip(out_shape, row_axes, out_specs):
             block = spec.block_shape[a]  # the last block may be ragged: rows end at x's
             rows = min(count * block, x.shape[a] - start * block)
             shapes.append(jax.ShapeDtypeStruct(x.shape[:a] + (rows,) + x.shape[a + 1:], x.dtype))
-        lists = [x[:, start:start + count] for x in plan_lists]
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=grid[:2] + (count, grid[3]), in_specs=in_specs,
+            num_scalar_prefetch=4, grid=grid + (prefetch[0].shape[1],), in_specs=in_specs,
             out_specs=out_specs, scratch_shapes=scratch)
         parts.append(pl.pallas_call(functools.partial(kernel, st=st), grid_spec=grid_spec,
-                                    out_shape=shapes, **st.launch(name))(
-            *lists, jnp.array([start], jnp.int32), *args))
+                                    out_shape=shapes, **st.launch(name))(*prefetch, *args))
     return [jnp.concatenate(outs, axis=a) for outs, a in zip(zip(*parts), row_axes)]
 
 
 # --- Forward. -----------------------------------------------------------------------
 
 
-def _forward_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static):
+def _forward_kernel(own_ref, visit_ref, code_ref, offset_ref, *refs, st: _Static):
     names = _segment_names(st) + ["q", "k", "v", "poison"]
     names += ["k_own", "v_own", "poison_own"] * st.own_key + ["mult"] * st.multiplied
     names += ["out", "lse"] + ["visits"] * st.count_visits + ["m", "l", "acc"]
     r = _named(names, refs)
-    b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    step = _Step(own_ref, visit_ref, code_ref, offset_ref)
     mult = _group_column(r["mult"][...]) if st.multiplied else None  # [G * bq, 1]
 
-    @pl.when(t == 0)
+    @pl.when(step.first)
     def _():
         r["m"][...] = jnp.full(r["m"].shape, -jnp.inf, jnp.float32)
         r["l"][...] = jnp.zeros(r["l"].shape, jnp.float32)
@@ -434,10 +533,10 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _S
         if st.count_visits:
             r["visits"][...] = jnp.zeros(r["visits"].shape, jnp.int32)
 
-    q_start = (offset_ref[0] + i) * st.block_q
+    q_start = step.block * st.block_q
 
     def visit(masked: bool):
-        j = kv_index_ref[b, i, t].astype(jnp.int32)
+        j = step.visit
         q = _q_rows(st, r["q"], q_start)
         k, v = (_kv_rows(st, r[n], j * st.block_k) for n in ("k", "v"))
         s2, _ = flash_math.capped_logits(st, _dot(q, k, NT))
@@ -449,9 +548,9 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _S
         if st.count_visits:
             r["visits"][...] += 1
 
-    _visits(full_ref[b, i].astype(jnp.int32), count_ref[b, i].astype(jnp.int32), visit)
+    step.visits(visit)
 
-    @pl.when(t == pl.num_programs(3) - 1)
+    @pl.when(step.last)
     def _():
         acc, m, l = r["acc"][...], r["m"][...], r["l"][...]
         if st.own_key:  # the own-key logit joins the softmax as one more column
@@ -469,13 +568,13 @@ def _forward_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _S
         r["lse"][...] = lse.reshape(r["lse"].shape)  # [G * bq, 1] -> rows [G, bq]
 
 
-def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
+def _forward(st: _Static, q, k, v, seg, grids: Schedules, poison, multiplier):
     """out [B, Hkv, G, Sq, Dv] (q's dtype) and lse float32 [B, Hkv, G, nQ * bq], on
     head-major inputs (see :func:`tpu_attention`); with ``st.count_visits`` also the key
     blocks each query block computed, int32 [B, Hkv, nQ, 1]."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
-    n_q, n_visits = plan.kv_index.shape[1:]  # n_visits: the longest list (visited_lists)
+    n_q = st.q_ranges[-1].stop
     bq, bk = st.block_q, st.block_k
     in_specs, args = _segment_specs(st, seg, queries_visited=False)
     in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
@@ -493,13 +592,14 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
                  jax.ShapeDtypeStruct((b, hkv, g, n_q * bq), jnp.float32)]
     row_axes = [3, 3]
     if st.count_visits:
-        out_specs.append(pl.BlockSpec((None, None, 1, 1), lambda b_, h, i, t, *_: (b_, h, i, 0)))
+        out_specs.append(pl.BlockSpec((None, None, 1, 1), lambda b_, h, p, own_ref, *_: (
+            b_, h, own_ref[b_, p].astype(jnp.int32), 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, hkv, n_q, 1), jnp.int32))
         row_axes.append(2)
     scratch = [pltpu.VMEM((g * bq, 1), jnp.float32), pltpu.VMEM((g * bq, 1), jnp.float32),
                pltpu.VMEM((g * bq, dv), jnp.float32)]
     results = _call(st, _forward_kernel, "rankattn_tpu_forward",
-                    (plan.kv_index, plan.full_count, plan.count), (b, hkv, n_q, n_visits),
+                    grids.queries, st.q_ranges, (b, hkv),
                     in_specs, out_specs, out_shape, scratch, args, row_axes)
     return tuple(results)
 
@@ -507,22 +607,22 @@ def _forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
 # --- Backward: dq. ------------------------------------------------------------------
 
 
-def _dq_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static):
+def _dq_kernel(own_ref, visit_ref, code_ref, offset_ref, *refs, st: _Static):
     names = _segment_names(st) + ["q", "k", "v", "do", "lse", "delta"]
     names += ["k_own", "v_own"] * st.own_key + ["mult"] * st.multiplied + ["dq", "acc"]
     r = _named(names, refs)
-    b, i, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    step = _Step(own_ref, visit_ref, code_ref, offset_ref)
     mult = _group_column(r["mult"][...]) if st.multiplied else None  # [G * bq, 1]
 
-    @pl.when(t == 0)
+    @pl.when(step.first)
     def _():
         r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
 
-    q_start = (offset_ref[0] + i) * st.block_q
+    q_start = step.block * st.block_q
     lse = _group_column(r["lse"][...])  # [G * bq, 1]
 
     def visit(masked: bool):
-        j = kv_index_ref[b, i, t].astype(jnp.int32)
+        j = step.visit
         k, v = (_kv_rows(st, r[n], j * st.block_k) for n in ("k", "v"))
         qk = _dot(_q_rows(st, r["q"], q_start), k, NT)
         s2, s = flash_math.capped_logits(st, qk)
@@ -534,9 +634,9 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
         ds = flash_math.logit_grads(st, p, dp, _group_column(r["delta"][...]), s, mult)
         r["acc"][...] += _dot(ds.astype(k.dtype), k, NN)
 
-    _visits(full_ref[b, i].astype(jnp.int32), count_ref[b, i].astype(jnp.int32), visit)
+    step.visits(visit)
 
-    @pl.when(t == pl.num_programs(3) - 1)
+    @pl.when(step.last)
     def _():
         dq = r["acc"][...]  # [G * bq, D]
         if st.own_key:
@@ -555,12 +655,11 @@ def _dq_kernel(kv_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
         r["dq"][...] = dq.reshape(r["dq"].shape).astype(r["dq"].dtype)
 
 
-def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
+def _dq(st: _Static, q, k, v, seg, grids: Schedules, d_out, lse, delta, multiplier):
     """dq [B, Hkv, G, Sq, D]; d_out as out, lse and delta rows [B, Hkv, G, length] (lse +inf
     in the rows that pass no gradient: :func:`_attention_bwd`)."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
-    n_q, n_visits = plan.kv_index.shape[1:]  # n_visits: the longest list (visited_lists)
     bq, bk = st.block_q, st.block_k
     in_specs, args = _segment_specs(st, seg, queries_visited=False)
     in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
@@ -573,8 +672,7 @@ def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplie
     if st.multiplied:
         in_specs.append(_spec(st, "group_row", bq))
         args.append(multiplier)
-    return _call(st, _dq_kernel, "rankattn_tpu_dq", (plan.kv_index, plan.full_count, plan.count),
-                 (b, hkv, n_q, n_visits), in_specs, [_spec(st, "group", bq, d, output=True)],
+    return _call(st, _dq_kernel, "rankattn_tpu_dq", grids.queries, st.q_ranges, (b, hkv), in_specs, [_spec(st, "group", bq, d, output=True)],
                  [jax.ShapeDtypeStruct(q.shape, q.dtype)],
                  [pltpu.VMEM((g * bq, d), jnp.float32)], args)[0]
 
@@ -582,7 +680,7 @@ def _dq(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplie
 # --- Backward: dk and dv. -----------------------------------------------------------
 
 
-def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static):
+def _dkv_kernel(own_ref, visit_ref, code_ref, offset_ref, *refs, st: _Static):
     names = _segment_names(st) + ["q", "k", "v", "do", "lse", "delta"]
     names += ["mult"] * st.multiplied
     if st.own_key:  # the queries at this key block's positions, each on its own key
@@ -590,17 +688,17 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
         names += ["mult_own"] * st.multiplied
     names += ["dk", "dv", "dk_acc", "dv_acc"]
     r = _named(names, refs)
-    b, j, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    k_start = (offset_ref[0] + j) * st.block_k
+    step = _Step(own_ref, visit_ref, code_ref, offset_ref)
+    k_start = step.block * st.block_k
     k, v = (_kv_rows(st, r[n], k_start) for n in ("k", "v"))
 
-    @pl.when(t == 0)
+    @pl.when(step.first)
     def _():
         r["dk_acc"][...] = jnp.zeros(r["dk_acc"].shape, jnp.float32)
         r["dv_acc"][...] = jnp.zeros(r["dv_acc"].shape, jnp.float32)
 
     def visit(masked: bool):
-        i = q_index_ref[b, j, t].astype(jnp.int32)
+        i = step.visit
         # Key-major: s^T = k q^T [bk, G * bq], so dv = p^T dO and dk = ds^T q are plain
         # products and the queries' lse / delta / multiplier are lane-dense rows.
         q = _q_rows(st, r["q"], i * st.block_q)
@@ -617,9 +715,9 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
                                     mult)
         r["dk_acc"][...] += _dot(ds.astype(q.dtype), q, NN)
 
-    _visits(full_ref[b, j].astype(jnp.int32), count_ref[b, j].astype(jnp.int32), visit)
+    step.visits(visit)
 
-    @pl.when(t == pl.num_programs(3) - 1)
+    @pl.when(step.last)
     def _():
         dk, dv = r["dk_acc"][...], r["dv_acc"][...]
         if st.own_key:  # [G, bk, ...]: the group's heads at this block's positions
@@ -639,11 +737,10 @@ def _dkv_kernel(q_index_ref, full_ref, count_ref, offset_ref, *refs, st: _Static
         r["dv"][...] = dv.astype(r["dv"].dtype)
 
 
-def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
+def _dkv(st: _Static, q, k, v, seg, grids: Schedules, d_out, lse, delta, multiplier):
     """dk [B, Hkv, Skv, D] and dv [B, Hkv, Skv, Dv]; other arguments as :func:`_dq`."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
-    n_k, n_visits = plan.q_index.shape[1:]
     bq, bk = st.block_q, st.block_k
     in_specs, args = _segment_specs(st, seg, queries_visited=True)
     in_specs += [_spec(st, "group", bq, d, visited=True), _spec(st, "kv", bk, d),
@@ -663,8 +760,7 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multipli
             in_specs.append(_spec(st, "group_row", bk))
             args.append(multiplier)
     return _call(st, _dkv_kernel, "rankattn_tpu_dkv",
-                 (plan.q_index, plan.q_full_count, plan.q_count),
-                 (b, hkv, n_k, n_visits), in_specs,
+                 grids.keys, st.k_ranges, (b, hkv), in_specs,
                  [_spec(st, "kv", bk, d, output=True), _spec(st, "kv", bk, dv, output=True)],
                  [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
                  [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)], args)
@@ -674,17 +770,17 @@ def _dkv(st: _Static, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multipli
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
-    return _forward(st, q, k, v, seg, plan, poison, multiplier)
+def _attention(st: _Static, q, k, v, seg, grids: Schedules, poison, multiplier):
+    return _forward(st, q, k, v, seg, grids, poison, multiplier)
 
 
-def _attention_fwd(st, q, k, v, seg, plan, poison, multiplier):
-    out, lse = _forward(st, q, k, v, seg, plan, poison, multiplier)
-    return (out, lse), (q, k, v, seg, plan, out, lse, multiplier)
+def _attention_fwd(st, q, k, v, seg, grids, poison, multiplier):
+    out, lse = _forward(st, q, k, v, seg, grids, poison, multiplier)
+    return (out, lse), (q, k, v, seg, grids, out, lse, multiplier)
 
 
 def _attention_bwd(st, residuals, cotangents):
-    q, k, v, seg, plan, out, lse, multiplier = residuals
+    q, k, v, seg, grids, out, lse, multiplier = residuals
     d_out, d_lse = cotangents
     # semantics.backward_rows on the queries' true rows; its dO (poisoned rows zero) only
     # feeds delta here (a fused reduction, no copy): the kernels zero those rows of dO as
@@ -695,8 +791,8 @@ def _attention_bwd(st, residuals, cotangents):
     length = seg[0].shape[-1]  # the rows' padded length: every block of either size
     lse = jnp.pad(lse, [(0, 0)] * 3 + [(0, length - st.q_len)], constant_values=jnp.inf)
     delta = jnp.pad(delta, [(0, 0)] * 3 + [(0, length - st.q_len)])
-    dq = _dq(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
-    dk, dv = _dkv(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
+    dq = _dq(st, q, k, v, seg, grids, d_out, lse, delta, multiplier)
+    dk, dv = _dkv(st, q, k, v, seg, grids, d_out, lse, delta, multiplier)
     return dq, dk, dv, None, None, None, None
 
 
@@ -714,19 +810,6 @@ def _head_rows(x, hkv: int, length: int):
     b, s, h = x.shape
     x = pad_axis1(x, length) if length > s else x
     return x.transpose(0, 2, 1).reshape(b, hkv, h // hkv, length)
-
-
-def visited_lists(plan: BlockPlan) -> BlockPlan:
-    """The plan with its lists cut to the longest list's count where the counts are known
-    now (a plan prepared by :func:`rankattn.plan` and closed over, or an eager call), so the
-    grids' last axis ends where every list has ended; a traced plan (made or passed under
-    jit) keeps the worst case, every key / query block."""
-    counts = concrete(plan.count), concrete(plan.q_count)
-    if counts[0] is None or counts[1] is None:
-        return plan
-    longest = [max(1, int(c.max(initial=0))) for c in counts]
-    return plan._replace(kv_index=plan.kv_index[:, :, :longest[0]],
-                         q_index=plan.q_index[:, :, :longest[1]])
 
 
 def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
@@ -783,8 +866,6 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
                  count_visits=count_visits)
 
     n_q, n_k = block_plan.kv_index.shape[1:]
-    block_plan = jax.tree.map(lambda x: x.astype(list_dtype(n_q, n_k)),
-                              visited_lists(block_plan))
     chunk = rows_per_call(b, n_q, n_k, smem_budget)
     results = []
     for start in range(0, b, chunk):
@@ -794,8 +875,15 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
             seg += (positions[0][rows, None, :], positions[1][rows, None, :])
         mult = None if multiplier is None else multiplier[rows]
         plan = jax.tree.map(lambda x: x[rows], block_plan)
+        # The schedules are made here, where a prepared plan's lists are still known (inside
+        # the custom VJP every operand is traced): their lengths are the grids'.
+        batch = plan.count.shape[0]
+        st_rows = dataclasses.replace(
+            st, q_ranges=tuple(call_ranges(batch, n_q, n_k, smem_budget)),
+            k_ranges=tuple(call_ranges(batch, n_k, n_q, smem_budget)))
+        plan = schedules(plan, smem_budget)
         core = _forward if count_visits else _attention
-        results.append(core(st, q_h[rows], k_h[rows], v_h[rows], seg, plan, poison[rows], mult))
+        results.append(core(st_rows, q_h[rows], k_h[rows], v_h[rows], seg, plan, poison[rows], mult))
     out, lse, *visits = (jnp.concatenate(parts) for parts in zip(*results))
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, dv)
     lse = lse.reshape(b, hq, -1)[:, :, :sq]
