@@ -29,6 +29,7 @@ generation compiles in a child process with that folder on its path and
     python benchmarks/tpu_compile.py --quick    # one configuration per generation
     python benchmarks/tpu_compile.py --before 61cac70  # memory table beside that commit's
     python benchmarks/tpu_compile.py --memory --no-write --src DIR  # another tree's src/
+    python benchmarks/tpu_compile.py --render   # the report again from results/tpu_compile.json
 """
 
 from __future__ import annotations
@@ -400,6 +401,94 @@ def before_cell(row: dict | None) -> str:
     return f"{row['hbm_temp'] / row['hbm_args']:.2f}, {len(row['padded_rows'])}"
 
 
+# --- Estimated time per kernel (no TPU has run them). ----------------------------------
+
+# The cost model's constants. MXU peak and HBM bandwidth per TensorCore are JAX's own table
+# (pltpu.get_tpu_info_for_chip: bf16_ops_per_second, mem_bw_bytes_per_second); the fixed
+# cost of a grid step is an assumption (TPU_NOTES: "a few tenths of a microsecond"), not a
+# measurement.
+STEP_SECONDS = 0.35e-6
+# Matmuls per visited block pair: forward q k^T and p v; dq adds dO v^T and ds k; dk / dv
+# k q^T, p^T dO, v dO^T and ds^T q.
+MATMULS = {"rankattn_tpu_forward": 2, "rankattn_tpu_dq": 3, "rankattn_tpu_dkv": 4}
+
+
+def kernel_bytes(kernel: str, row: dict, visits: int, group: int, d: int = 128) -> int:
+    """HBM bytes one kernel moves (bf16 blocks, f32 / s32 rows): each visit fetches the
+    visited side's blocks, each own block (per batch row and kv head) its own side's once.
+    A block repeated on consecutive steps is not fetched again (the pipeline's rule)."""
+    bq, bk = row["blocks"]
+    own_q = row["batch"] * MEMORY_HEADS[1] * -(-row["seq"] // bq)
+    own_k = row["batch"] * MEMORY_HEADS[1] * -(-row["seq"] // bk)
+    kv_block, q_block = 2 * bk * d, 2 * group * bq * d   # bf16 bytes of one block
+    if kernel == "rankattn_tpu_forward":  # visits: k, v, poison and segment rows
+        return (visits * (2 * kv_block + 8 * bk)
+                + own_q * (2 * q_block + 4 * group * bq + 2 * 2 * bq * d + 8 * bq))
+    if kernel == "rankattn_tpu_dq":       # visits: k, v, segment row
+        return (visits * (2 * kv_block + 4 * bk)
+                + own_q * (3 * q_block + 8 * group * bq + 2 * 2 * bq * d + 4 * bq))
+    # dk / dv, visits: q, dO, lse, delta, segment row; own: k, v, dk, dv and the own-key
+    # term's queries and dO at the key block's positions
+    return (visits * (2 * q_block + 8 * group * bq + 4 * bq)
+            + own_k * (4 * kv_block + 2 * 2 * group * bk * d + 8 * group * bk))
+
+
+def estimates(row: dict) -> dict:
+    """Per kernel: MXU and HBM seconds and the step overhead of the traced and the prepared
+    grid; the estimate of each grid is max(MXU, HBM) + steps x STEP_SECONDS (the DMAs
+    overlap the compute; a step's fixed cost does not)."""
+    from jax.experimental.pallas import tpu as pltpu
+    info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, GENERATIONS[row["generation"]][1]), 1)
+    hq, hkv = MEMORY_HEADS
+    group, (bq, bk) = hq // hkv, row["blocks"]
+    out = {}
+    for kernel in KERNEL_ORDER:
+        visits = row["visited_steps"][kernel]  # visited block pairs, all rows and kv heads
+        mxu = visits * MATMULS[kernel] * 2 * group * bq * bk * 128 / info.bf16_ops_per_second
+        hbm = kernel_bytes(kernel, row, visits, group) / info.mem_bw_bytes_per_second
+        out[kernel] = {grid: max(mxu, hbm) + row[steps][kernel] * STEP_SECONDS
+                       for grid, steps in (("traced", "grid_steps"),
+                                           ("prepared", "prepared_grid_steps"))}
+        out[kernel].update(mxu=mxu, hbm=hbm)
+    return out
+
+
+def estimate_markdown(rows: list[dict]) -> list[str]:
+    """The estimates' table (issue 37, item 6): per production shape, MXU and HBM time and
+    the estimate of each grid, per kernel (forward / dq / dk-dv)."""
+    hq, hkv = MEMORY_HEADS
+    lines = [
+        "## Estimated time per kernel: a model, not a measurement",
+        "",
+        "**Estimates only: no TPU has run these kernels.** The shapes of the table above. Per "
+        "kernel: MXU time = visited block pairs x its matmuls (forward 2, dq 3, dk / dv 4) x "
+        "2 G bq bk D flops at the chip's bf16 peak; HBM time = the bytes its blocks move (each "
+        "visit the visited side's blocks and rows, each own block its own side's once) at the "
+        "chip's HBM bandwidth, both per TensorCore from JAX's `pltpu.get_tpu_info_for_chip`; "
+        f"an estimate = max(MXU, HBM) + grid steps x {STEP_SECONDS * 1e6:.2f} us, the fixed "
+        "cost of a pipeline step (an assumption: TPU_NOTES puts it at a few tenths of a "
+        "microsecond; unmeasured). Traced: segment ids traced under jit (every block pair "
+        "a step); prepared: the plan prepared by `rankattn.plan` and closed over. Milliseconds, "
+        "forward / dq / dk-dv.",
+        "",
+        "| generation | B | S | mask | MXU | HBM | estimate, traced grid "
+        "| estimate, prepared plan | prepared / traced, all three |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        e = estimates(r)
+
+        def ms(field):
+            return " / ".join(f"{e[k][field] * 1e3:.2f}" for k in KERNEL_ORDER)
+
+        ratio = (sum(e[k]["prepared"] for k in KERNEL_ORDER)
+                 / sum(e[k]["traced"] for k in KERNEL_ORDER))
+        lines.append(f"| {r['generation']} | {r['batch']} | {r['seq']} | "
+                     f"{'causal' if r['causal'] else 'full'} | {ms('mxu')} | {ms('hbm')} | "
+                     f"{ms('traced')} | {ms('prepared')} | {ratio:.2f} |")
+    return lines + [""]
+
+
 def markdown(report: dict) -> str:
     rows = report["rows"]
     ok = sum(r["compiles"] for r in rows)
@@ -439,7 +528,8 @@ def markdown(report: dict) -> str:
               "VMEM only, which the VMEM column counts). float16 is declined by the backend: "
               "Mosaic fails to compile its kernels on every generation here (`Invalid vector "
               "type for load`).", ""]
-    return "\n".join(lines + memory_markdown(report["memory"], report.get("before")))
+    return "\n".join(lines + memory_markdown(report["memory"], report.get("before"))
+                     + estimate_markdown([r for r in report["memory"] if r["compiles"]]))
 
 
 def main():
@@ -456,6 +546,9 @@ def main():
                              "shown beside (before / after)")
     parser.add_argument("--child", nargs=2, metavar=("GENERATION", "CONFIGS_JSON"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--render", action="store_true",
+                        help=f"rewrite the report from {os.path.relpath(RESULTS, ROOT)} "
+                             "without compiling (after a change to the report's text)")
     parser.add_argument("--no-write", action="store_true",
                         help="print the report instead of writing TPU_COMPILE.md and the JSON")
     args = parser.parse_args()
@@ -463,7 +556,11 @@ def main():
         return child(*args.child)
     if (args.memory or args.src) and not args.no_write:
         parser.error("--memory and --src make a partial report: pass --no-write")
-    report = run(args.generations, args.quick, args.memory, args.src, args.before)
+    if args.render:
+        with open(RESULTS) as f:
+            report = json.load(f)
+    else:
+        report = run(args.generations, args.quick, args.memory, args.src, args.before)
     text = markdown(report) if not args.memory else "\n".join(
         memory_markdown(report["memory"], report.get("before")))
     if args.no_write:
