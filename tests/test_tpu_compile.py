@@ -6,7 +6,8 @@ process stays CPU-only. Optional: where libtpu is not installed the test skips a
 how to install it (CI does not download its 213 MB wheel). Checked per generation (v5e,
 v6e, TPU7x): forward, dq and dk / dv of bf16, D = 128, GQA 5, causal with a soft cap at
 1088 tokens compile, and the planned VMEM and SMEM stay within the chip's; at Phoenix's row
-(B=16) XLA's temp HBM stays within 2x the arguments (v5e, v6e).
+(B=16) XLA's temp HBM stays within 2x the arguments (v5e, v6e). The report's time estimate
+is checked against its stated model without libtpu.
 """
 
 from __future__ import annotations
@@ -47,3 +48,24 @@ def test_temp_hbm_stays_within_twice_the_arguments(generation):
     assert row["compiles"], row["error"]
     assert row["padded_rows"] == []
     assert row["hbm_temp"] <= 2 * row["hbm_args"], (row["hbm_temp"], row["hbm_args"])
+
+
+def test_the_time_estimate_follows_its_stated_model():
+    """TPU_COMPILE.md's estimate (issue 37, item 6), on a made-up row without libtpu: one row
+    of 256 tokens in 128 x 128 blocks on v5e (197 bf16 TFLOP/s, 820 GB/s in JAX's table),
+    3 visited block pairs per kv head. The forward's MXU time is 12 pairs x 2 matmuls x
+    2 G bq bk D flops at the peak; every estimate is max(MXU, HBM) plus its grid's steps at
+    0.35 us; HBM covers at least q, k, v and out once; a smaller grid costs less."""
+    kernels = tpu_compile.KERNEL_ORDER
+    row = dict(generation="v5e", batch=1, seq=256, causal=True, blocks=[128, 128],
+               visited_steps={k: 12 for k in kernels}, grid_steps={k: 16 for k in kernels},
+               prepared_grid_steps={k: 12 for k in kernels})
+    e = tpu_compile.estimates(row)
+    forward = e["rankattn_tpu_forward"]
+    assert forward["mxu"] == pytest.approx(12 * 2 * 2 * 5 * 128 * 128 * 128 / 197e12)
+    q_k_v_out = 2 * (2 * 256 * 20 * 128 + 2 * 256 * 4 * 128)  # bf16 bytes
+    assert forward["hbm"] >= q_k_v_out / 820e9
+    for k in kernels:
+        assert e[k]["traced"] == pytest.approx(max(e[k]["mxu"], e[k]["hbm"]) + 16 * 0.35e-6)
+        assert e[k]["prepared"] < e[k]["traced"]
+    assert "| v5e | 1 | 256 | causal |" in "\n".join(tpu_compile.estimate_markdown([row]))
