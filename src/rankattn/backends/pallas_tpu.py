@@ -276,7 +276,8 @@ def _compact_schedule(index, full, count):
     total = end[:, -1:]
     steps = int(total.max())
     step = np.minimum(np.arange(steps)[None], total - 1)  # past a row's total: its last step
-    own = (step[:, :, None] >= start[:, None, 1:]).sum(-1)  # own blocks begun before it
+    # The own block of each step: how many own blocks after the first begin at or before it.
+    own = np.stack([np.searchsorted(start[b, 1:], step[b], side="right") for b in range(batch)])
 
     def own_blocks(x):
         return np.take_along_axis(x, own, axis=1)
