@@ -388,7 +388,8 @@ def memory_markdown(rows: list[dict], before: dict | None = None) -> list[str]:
         lines.append(
             f"| {r['generation']} | {r['batch']} | {r['seq']} | "
             f"{'causal' if r['causal'] else 'full'} | {r['blocks'][0]} x {r['blocks'][1]} | "
-            f"{hbm} | {steps} | {prepared} | {visited} | {mib(r['vmem'])} | {r['smem'] / 1024:.1f} KiB |"
+            f"{hbm} | {steps} | {prepared} | {visited} | {mib(r['vmem'])} | "
+            f"{r['smem'] / 1024:.1f} KiB |"
             + (f" {before_cell(then.get((r['generation'], r['batch'], r['seq'], r['causal'])))} |"
                if before else ""))
     return lines + [""]
@@ -438,7 +439,8 @@ def estimates(row: dict) -> dict:
     grid; the estimate of each grid is max(MXU, HBM) + steps x STEP_SECONDS (the DMAs
     overlap the compute; a step's fixed cost does not)."""
     from jax.experimental.pallas import tpu as pltpu
-    info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, GENERATIONS[row["generation"]][1]), 1)
+    chip = getattr(pltpu.ChipVersion, GENERATIONS[row["generation"]][1])
+    info = pltpu.get_tpu_info_for_chip(chip, 1)
     hq, hkv = MEMORY_HEADS
     group, (bq, bk) = hq // hkv, row["blocks"]
     out = {}

@@ -673,7 +673,8 @@ def _dq(st: _Static, q, k, v, seg, grids: Schedules, d_out, lse, delta, multipli
     if st.multiplied:
         in_specs.append(_spec(st, "group_row", bq))
         args.append(multiplier)
-    return _call(st, _dq_kernel, "rankattn_tpu_dq", grids.queries, st.q_ranges, (b, hkv), in_specs, [_spec(st, "group", bq, d, output=True)],
+    return _call(st, _dq_kernel, "rankattn_tpu_dq", grids.queries, st.q_ranges, (b, hkv),
+                 in_specs, [_spec(st, "group", bq, d, output=True)],
                  [jax.ShapeDtypeStruct(q.shape, q.dtype)],
                  [pltpu.VMEM((g * bq, d), jnp.float32)], args)[0]
 
@@ -882,9 +883,10 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
         st_rows = dataclasses.replace(
             st, q_ranges=tuple(call_ranges(batch, n_q, n_k, smem_budget)),
             k_ranges=tuple(call_ranges(batch, n_k, n_q, smem_budget)))
-        plan = schedules(plan, smem_budget)
+        grids = schedules(plan, smem_budget)
         core = _forward if count_visits else _attention
-        results.append(core(st_rows, q_h[rows], k_h[rows], v_h[rows], seg, plan, poison[rows], mult))
+        results.append(core(st_rows, q_h[rows], k_h[rows], v_h[rows], seg, grids, poison[rows],
+                            mult))
     out, lse, *visits = (jnp.concatenate(parts) for parts in zip(*results))
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, dv)
     lse = lse.reshape(b, hq, -1)[:, :, :sq]
