@@ -39,7 +39,8 @@ from conftest import SMALL_TPU
 from helpers import random_qkv, random_segments
 from rankattn import semantics
 from rankattn.backends import BACKENDS, BlockSizes, PallasTpu
-from rankattn.backends.pallas_tpu import (FIRST, FULL, LAST, PARTIAL, SKIP, TARGETS, TpuTarget,
+from rankattn.backends.pallas_tpu import (FIRST, FULL, LAST, OVERFLOW, PARTIAL, SKIP, TARGETS,
+                                          TpuTarget,
                                           call_ranges, list_dtype, pltpu, rows_per_call,
                                           schedule, tpu_attention)
 from rankattn.blocks import segments_and_plan
@@ -146,6 +147,8 @@ def test_only_a_block_list_over_the_smem_budget_is_declined():
     (dict(block_sizes=BlockSizes(16, 24)), "(16, 24)"),
     (dict(interpret="yes"), "interpret='yes'"),
     (dict(target="v4"), "target='v4'"),
+    (dict(max_visits=0), "max_visits=0"),
+    (dict(max_visits=2.5), "max_visits=2.5"),
 ])
 def test_options_are_checked(kwargs, fragment):
     with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
@@ -438,6 +441,57 @@ def test_the_schedule_visits_each_list_in_order_and_then_repeats_its_last_step()
     assert visit.tolist() == [3, 1, 1, 2, 2, 2, 2, 2, 2]
     assert code.tolist() == [FULL | FIRST, PARTIAL | LAST, SKIP, SKIP | FIRST | LAST, SKIP,
                              SKIP, PARTIAL | FIRST | LAST, SKIP, SKIP]
+    # Traced with max_visits=2: 2 steps per own block; row 1's first list (3 entries) visits
+    # two and its last step carries OVERFLOW.
+    own, visit, code = (np.asarray(x)[1] for x in jax.jit(schedule, static_argnums=3)(
+        index, full, count, 2))
+    assert own.tolist() == [0, 0, 1, 1, 2, 2] and visit.tolist() == [0, 1, 1, 1, 0, 0]
+    assert code.tolist() == [FULL | FIRST, FULL | LAST | OVERFLOW, PARTIAL | FIRST | LAST,
+                             SKIP, SKIP | FIRST | LAST, SKIP]
+
+
+def test_max_visits_bounds_a_traced_grid_and_an_overrun_block_is_nan():
+    """Under jit with traced segment ids the grid is every block pair (5 x 5 steps at 70
+    tokens in 16-token blocks); PallasTpu(max_visits=M) makes it 5 x M. With M the longest
+    list the results are the same bits. With one less, the blocks whose lists overran come
+    back NaN (out and lse of their queries, dq of their queries, dk / dv of their keys),
+    never a partial sum, and every other query's out and lse are the same bits."""
+    q, k, v, w = random_qkv(31, 2, 70, 4, 2, 8)
+    seg = jnp.asarray(random_segments(32, 2, 70, "packed"))
+    _, _, lists = segments_and_plan(seg, 2, 70, 70, BlockSizes(16, 16), True)
+    longest = int(max(np.max(lists.count), np.max(lists.q_count)))
+
+    def results(impl):
+        @jax.jit
+        def f(q, k, v, seg):
+            def g(q, k, v):
+                return rankattn.attention(q, k, v, segment_ids=seg, causal=True, impl=impl,
+                                          return_lse=True)
+            (out, lse), pullback = jax.vjp(g, q, k, v)
+            return [out, lse, *pullback((jnp.asarray(w), jnp.ones_like(lse)))]
+        steps = {int(n) for n in re.findall(r"grid=\(\d+, \d+, (\d+)\)",
+                                             str(jax.make_jaxpr(f)(q, k, v, seg)))}
+        return [np.asarray(x) for x in f(q, k, v, seg)], steps
+
+    unbounded, steps = results(SMALL_TPU)
+    bounded, bounded_steps = results(PallasTpu(BlockSizes(16, 16), interpret=True,
+                                               max_visits=longest))
+    assert steps == {25} and bounded_steps == {5 * longest} and longest < 5
+    for name, a, b in zip(FIELDS, bounded, unbounded):
+        np.testing.assert_array_equal(a, b, name)
+
+    short, _ = results(PallasTpu(BlockSizes(16, 16), interpret=True, max_visits=longest - 1))
+    over_q = np.repeat(np.asarray(lists.count) > longest - 1, 16, axis=1)[:, :70]  # [B, S]
+    over_k = np.repeat(np.asarray(lists.q_count) > longest - 1, 16, axis=1)[:, :70]
+    assert over_q.any() and not over_q.all() and over_k.any()
+    out, lse, dq, dk, dv = short
+    for name, x, rows in (("out", out, over_q), ("dq", dq, over_q), ("dk", dk, over_k),
+                          ("dv", dv, over_k)):
+        np.testing.assert_array_equal(np.isnan(x).all(axis=(2, 3)), rows, name)
+    np.testing.assert_array_equal(np.isnan(lse).all(axis=1), over_q, "lse")
+    np.testing.assert_array_equal(out[~over_q], unbounded[0][~over_q], "out")
+    np.testing.assert_array_equal(lse.transpose(0, 2, 1)[~over_q],
+                                  unbounded[1].transpose(0, 2, 1)[~over_q], "lse")
 
 def test_the_simulated_tpu_finds_no_race(monkeypatch):
     """InterpretParams with the race detector on two simulated cores, which split the

@@ -234,9 +234,10 @@ NN, NT = (1, 0), (1, 1)
 # and / or closes its own block (initialises the accumulators; finishes and writes them).
 SKIP, FULL, PARTIAL = 0, 1, 2  # nothing; a full block (no mask arithmetic); a masked one
 FIRST, LAST = 4, 8
+OVERFLOW = 16  # with LAST: the own block's list was longer than max_visits, its results NaN
 
 
-def schedule(index, full, count):
+def schedule(index, full, count, max_visits: int | None = None):
     """The flattened grid of one direction's block lists (index [B, nOwn, V], full and count
     [B, nOwn]) as (own block, visited block, code) [B, steps] int32; code SKIP / FULL /
     PARTIAL plus FIRST and / or LAST.
@@ -247,21 +248,28 @@ def schedule(index, full, count):
     empty (it still opens and closes it, so its output is written); rows shorter than the
     longest repeat their last step (the same block indices: the pipeline fetches nothing,
     and nothing is computed). Steps: the longest row's visits plus its empty own blocks.
-    Where traced (under jit), the worst case: V steps per own block, the ones past its
-    count repeating its last visited block; computed with broadcasts and reductions only,
-    so no gather leaves a [..., n, 1] index array (TPU pads it 128-fold) around the
-    kernels."""
+    Where traced (under jit), the worst case: V steps per own block, or ``max_visits``
+    where given, the ones past its count repeating its last visited block; an own block
+    whose list is longer than ``max_visits`` visits its first ``max_visits`` blocks and
+    its last step carries OVERFLOW (the kernels write NaN results for it: never a silently
+    partial sum). Computed with broadcasts and reductions only, so no gather leaves a
+    [..., n, 1] index array (TPU pads it 128-fold) around the kernels."""
     known = [concrete(x) for x in (index, full, count)]
     if all(x is not None for x in known):
         return _compact_schedule(*(np.asarray(x, np.int64) for x in known))
     batch, n_own, width = index.shape
+    width = width if max_visits is None else min(width, max_visits)
+    index = index[..., :width]
     count, full = count.astype(jnp.int32)[..., None], full.astype(jnp.int32)[..., None]
     t = jnp.arange(width, dtype=jnp.int32)
-    last_entry = jnp.sum(jnp.where(t == jnp.maximum(count - 1, 0), index, 0), axis=-1,
-                         keepdims=True)
+    steps = jnp.minimum(jnp.maximum(count, 1), width)  # the steps that open, visit, close
+    last_entry = jnp.sum(jnp.where(t == jnp.maximum(jnp.minimum(count, width) - 1, 0), index,
+                                   0), axis=-1, keepdims=True)
     visit = jnp.where(t < count, index, last_entry).astype(jnp.int32)
     kind = jnp.where(t < full, FULL, jnp.where(t < count, PARTIAL, SKIP))
-    code = kind + FIRST * (t == 0) + LAST * (t == jnp.maximum(count, 1) - 1)
+    closes = t == steps - 1
+    code = (kind + FIRST * (t == 0) + LAST * closes
+            + OVERFLOW * (closes & (count > width)))
     own = jnp.broadcast_to(jnp.arange(n_own, dtype=jnp.int32)[:, None], (n_own, width))
     return tuple(jnp.broadcast_to(x, (batch, n_own, width)).reshape(batch, n_own * width)
                  for x in (own, visit, code))
@@ -309,18 +317,26 @@ class Schedules(NamedTuple):
     keys: tuple
 
 
-def schedules(plan: BlockPlan, budget: int) -> Schedules:
-    """The :func:`schedule` of each kernel call (:func:`call_ranges`) of ``plan``."""
+def schedules(plan: BlockPlan, budget: int, max_visits: int | None = None):
+    """(:class:`Schedules`, the query-block ranges, the key-block ranges): the
+    :func:`schedule` of each kernel call (:func:`call_ranges`) of ``plan``; ``max_visits``
+    bounds a traced plan's schedule (:func:`schedule`)."""
+    traced = concrete(plan.count) is None or concrete(plan.q_count) is None
+
     def calls(index, full, count):
         batch, n_own, width = index.shape
         dtype = list_dtype(n_own, width)
+        bound = min(width, max_visits) if traced and max_visits is not None else width
+        ranges = call_ranges(batch, n_own, bound, budget)
         return tuple(
             tuple(jnp.asarray(x, dtype) for x in schedule(
-                *(x[:, r.start:r.stop] for x in (index, full, count))))
+                *(x[:, r.start:r.stop] for x in (index, full, count)), max_visits))
             + (jnp.array([r.start], jnp.int32),)
-            for r in call_ranges(batch, n_own, width, budget))
-    return Schedules(calls(plan.kv_index, plan.full_count, plan.count),
-                     calls(plan.q_index, plan.q_full_count, plan.q_count))
+            for r in ranges), tuple(ranges)
+
+    queries, q_ranges = calls(plan.kv_index, plan.full_count, plan.count)
+    keys, k_ranges = calls(plan.q_index, plan.q_full_count, plan.q_count)
+    return Schedules(queries, keys), q_ranges, k_ranges
 
 
 def _column(row):
@@ -445,6 +461,11 @@ class _Step:
         code = code_ref[self.b, p].astype(jnp.int32)
         self.kind = code & 3
         self.first, self.last = (code & FIRST) != 0, (code & LAST) != 0
+        self.overflow = (code & OVERFLOW) != 0  # its results NaN (schedule's max_visits)
+
+    def nan_if_overflow(self, x):
+        """x, or NaN throughout where this own block's list overran max_visits."""
+        return jnp.where(self.overflow, jnp.nan, x)
 
     def visits(self, visit):
         """Run ``visit(masked)`` if this step computes a block: full or partial."""
@@ -564,7 +585,7 @@ def _forward_kernel(own_ref, visit_ref, code_ref, offset_ref, *refs, st: _Static
                                      (st.group,) + v_own.shape)
             acc, m, l = flash_math.online_softmax_step(_rows(s_own), _rows(v_own), m, l, acc,
                                                        lambda p, v: p * v)
-        out, lse = flash_math.finish(acc, m, l)
+        out, lse = map(step.nan_if_overflow, flash_math.finish(acc, m, l))
         r["out"][...] = out.reshape(r["out"].shape).astype(r["out"].dtype)
         r["lse"][...] = lse.reshape(r["lse"].shape)  # [G * bq, 1] -> rows [G, bq]
 
@@ -653,7 +674,7 @@ def _dq_kernel(own_ref, visit_ref, code_ref, offset_ref, *refs, st: _Static):
             dp = (d_out * v_own).sum(-1, keepdims=True)
             dq = dq + _rows(flash_math.logit_grads(st, p, dp, _head_columns(r["delta"][...]), s,
                                                    mult3) * k_own)
-        r["dq"][...] = dq.reshape(r["dq"].shape).astype(r["dq"].dtype)
+        r["dq"][...] = step.nan_if_overflow(dq).reshape(r["dq"].shape).astype(r["dq"].dtype)
 
 
 def _dq(st: _Static, q, k, v, seg, grids: Schedules, d_out, lse, delta, multiplier):
@@ -735,8 +756,8 @@ def _dkv_kernel(own_ref, visit_ref, code_ref, offset_ref, *refs, st: _Static):
             dp = (do_own * v.astype(jnp.float32)).sum(-1, keepdims=True)
             ds = flash_math.logit_grads(st, p, dp, _head_columns(r["delta_own"][...]), s, mult3)
             dk = dk + (ds * q_own).sum(0)
-        r["dk"][...] = dk.astype(r["dk"].dtype)
-        r["dv"][...] = dv.astype(r["dv"].dtype)
+        r["dk"][...] = step.nan_if_overflow(dk).astype(r["dk"].dtype)
+        r["dv"][...] = step.nan_if_overflow(dv).astype(r["dv"].dtype)
 
 
 def _dkv(st: _Static, q, k, v, seg, grids: Schedules, d_out, lse, delta, multiplier):
@@ -818,7 +839,7 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
                   softcap_method: str, block_sizes: BlockSizes, block_plan: BlockPlan | None = None,
                   interpret=False, logit_multiplier=None, shard_mask=None,
                   smem_budget: int = 512 << 10, vmem_limit_bytes: int | None = None,
-                  count_visits: bool = False):
+                  max_visits: int | None = None, count_visits: bool = False):
     """Blocked attention on Pallas Mosaic TPU; arguments and results as
     :func:`rankattn.attention` (q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv];
     out [B, Sq, Hq, Dv] in q's dtype, lse float32 [B, Hq, Sq]; ``logit_multiplier``:
@@ -826,6 +847,7 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
     :class:`rankattn.semantics.ShardMask`, the per-shard call of context sharding, whose
     keys bring their own segment ids and every token its position: the history part only).
 
+    ``max_visits``: see :class:`PallasTpu`.
     ``block_sizes``: as :func:`plan_sizes` gives them for this length. ``block_plan``, if
     given, is the self-attention plan of these segment ids at those sizes; without one it
     is made here. The kernels' plan lists (scalar prefetch) stay within ``smem_budget``
@@ -879,11 +901,8 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
         plan = jax.tree.map(lambda x: x[rows], block_plan)
         # The schedules are made here, where a prepared plan's lists are still known (inside
         # the custom VJP every operand is traced): their lengths are the grids'.
-        batch = plan.count.shape[0]
-        st_rows = dataclasses.replace(
-            st, q_ranges=tuple(call_ranges(batch, n_q, n_k, smem_budget)),
-            k_ranges=tuple(call_ranges(batch, n_k, n_q, smem_budget)))
-        grids = schedules(plan, smem_budget)
+        grids, q_ranges, k_ranges = schedules(plan, smem_budget, max_visits)
+        st_rows = dataclasses.replace(st, q_ranges=q_ranges, k_ranges=k_ranges)
         core = _forward if count_visits else _attention
         results.append(core(st_rows, q_h[rows], k_h[rows], v_h[rows], seg, grids, poison[rows],
                             mult))
@@ -904,6 +923,15 @@ class PallasTpu(Backend):
     (block_q a multiple of 8, block_k of 8, one dividing the other; on a TPU both must be
     multiples of 128, since both index lane-dense rows, unless a call fits one block).
 
+    ``max_visits`` bounds the grid where the block plan is traced (segment ids traced under
+    jit, or a plan passed into jit as an argument): each query block then gets at most that
+    many steps over key blocks (and each key block over query blocks in the backward)
+    instead of one per block. A block whose list is longer comes back NaN (out and lse of
+    its queries, dq, or dk / dv of its keys): never a silently partial sum. Leave it None
+    unless you know your masks' longest list (a causal row of n blocks visits up to n); a
+    plan prepared by :func:`rankattn.plan` and closed over needs no bound, its grid being
+    exactly its visits.
+
     ``interpret``: False (default) compiles for the TPU; True runs the same kernels in
     Pallas' generic interpreter on any backend (CPU included; slow, for tests); a
     ``pltpu.InterpretParams(...)`` runs them in the TPU simulator (memory spaces, DMAs,
@@ -918,7 +946,8 @@ class PallasTpu(Backend):
     name = "pallas_tpu"
     takes_shard_mask = True
 
-    def __init__(self, block_sizes: BlockSizes | None = None, *, target=None, interpret=False):
+    def __init__(self, block_sizes: BlockSizes | None = None, *, target=None, interpret=False,
+                 max_visits: int | None = None):
         if block_sizes is not None:
             bq, bk = block_sizes.block_q, block_sizes.block_k
             if bq % SUBLANES or bk % SUBLANES or (max(bq, bk) % min(bq, bk)):
@@ -930,9 +959,15 @@ class PallasTpu(Backend):
                 and isinstance(interpret, pltpu.InterpretParams)):
             raise fail("RA116", f"PallasTpu interpret={interpret!r}; pass True, False or a "
                                 "jax.experimental.pallas.tpu.InterpretParams(...).")
+        if max_visits is not None and (isinstance(max_visits, bool)
+                                       or not isinstance(max_visits, int) or max_visits < 1):
+            raise fail("RA116", f"PallasTpu max_visits={max_visits!r}; pass None (every block "
+                                "under jit) or a positive int, the most key blocks a query "
+                                "block visits (and query blocks a key block) in your masks.")
         self.block_sizes = block_sizes
         self.target = None if target is None else target_of(target)
         self.interpret = interpret
+        self.max_visits = max_visits
 
     def tpu_target(self) -> TpuTarget:
         """The generation the kernels are configured for (see the class docstring)."""
@@ -969,7 +1004,8 @@ class PallasTpu(Backend):
         seq = max(call.q.shape[1], call.k.shape[1])
         sizes = self.sizes(seq)
         n_q, n_k = -(-seq // sizes.block_q), -(-seq // sizes.block_k)
-        one_block = list_bytes(1, max(n_q, n_k), list_dtype(n_q, n_k))
+        one_block = list_bytes(1, min(max(n_q, n_k), self.max_visits or max(n_q, n_k)),
+                               list_dtype(n_q, n_k))
         budget = self.tpu_target().smem_budget
         if one_block > budget:
             return [f"pallas_tpu: one block's list of {seq} tokens at blocks {sizes.block_q} x "
@@ -991,7 +1027,8 @@ class PallasTpu(Backend):
                              block_plan=blocks, interpret=self.interpret,
                              logit_multiplier=call.logit_multiplier,
                              shard_mask=call.shard_mask, smem_budget=target.smem_budget,
-                             vmem_limit_bytes=target.vmem_limit_bytes)
+                             vmem_limit_bytes=target.vmem_limit_bytes,
+                             max_visits=self.max_visits)
 
     @staticmethod
     def _no_lowering() -> str:
@@ -1004,4 +1041,6 @@ class PallasTpu(Backend):
             options.append(f"target={self.target.name}")
         if self.interpret is not False:
             options.append(f"interpret={self.interpret!r}")
+        if self.max_visits is not None:
+            options.append(f"max_visits={self.max_visits}")
         return f"<rankattn backend 'pallas_tpu' {' '.join(options)}>"
