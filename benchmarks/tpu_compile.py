@@ -264,6 +264,43 @@ def visited_steps(impl, seg, causal: bool, kv_heads: int) -> dict:
                 rankattn_tpu_dkv=per_key)
 
 
+def splash_row(batch: int, seq: int, causal: bool, sizes, sharding) -> dict:
+    """JAX's splash attention compiled beside it (issue 37, item 6): jit(value_and_grad) of
+    sum(out) over q, k, v (its lse has no backward), 20 / 4 heads (GQA native), D=128, bf16,
+    cap 30, the closest static mask (causal, or full for the bidirectional rows: splash has
+    no dynamic candidate isolation), vmapped over the batch, at S rounded up to its blocks
+    (it takes no ragged length) with our blocks. Its temp and argument HBM and grid steps."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    hq, hkv = MEMORY_HEADS
+    bq, bk = sizes.block_q, sizes.block_k
+    length = -(-seq // max(bq, bk)) * max(bq, bk)
+    one = sm.CausalMask((length, length)) if causal else sm.FullMask((length, length))
+    kernel = sk.make_splash_mha(
+        sm.MultiHeadMask([one] * hq), head_shards=1, q_seq_shards=1, attn_logits_soft_cap=30.0,
+        block_sizes=sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk,
+                                  block_q_dkv=bq, block_kv_dkv=bk, block_kv_dkv_compute=bk,
+                                  block_q_dq=bq, block_kv_dq=bk))
+
+    def loss(q, k, v):
+        return jax.vmap(kernel)(q, k, v).astype(jnp.float32).sum()
+
+    args = [jax.ShapeDtypeStruct((batch, h, length, 128), jnp.bfloat16, sharding=sharding)
+            for h in (hq, hkv, hkv)]
+    grad = jax.value_and_grad(loss, (0, 1, 2))
+    steps = grid_steps(jax.make_jaxpr(grad)(*args).jaxpr)
+    try:
+        memory = jax.jit(grad).trace(*args).lower().compile().memory_analysis()
+        return dict(seq=length, compiles=True, hbm_temp=memory.temp_size_in_bytes,
+                    hbm_args=memory.argument_size_in_bytes, grid_steps=steps)
+    except Exception as error:  # noqa: BLE001 - the report records the verdict
+        first = next((line for line in str(error).splitlines() if line.strip()), "")
+        return dict(seq=length, compiles=False, error=first[:200], grid_steps=steps)
+
+
 def child(generation: str, what: str) -> None:
     import jax
     import jax.numpy as jnp
@@ -302,7 +339,8 @@ def child(generation: str, what: str) -> None:
             row.update(batch=batch, seq=seq, causal=causal,
                        blocks=list(dataclasses.astuple(impl.sizes(seq))),
                        visited_steps=visited_steps(impl, seg, causal, hkv),
-                       prepared_grid_steps=prepared)
+                       prepared_grid_steps=prepared,
+                       splash=splash_row(batch, seq, causal, impl.sizes(seq), one_chip))
             print("ROW " + json.dumps(row), flush=True)
         return
     for cfg in (Config(**c) for c in what):
@@ -368,13 +406,17 @@ def memory_markdown(rows: list[dict], before: dict | None = None) -> list[str]:
         "pay the pipeline's per-step overhead) and with the same segment ids' plan prepared "
         "by `rankattn.plan` and closed over (a step per visit, plus one per own block that "
         "visits nothing, for the longest batch row); computing: the steps the plan visits "
-        "for those segment ids, all rows.",
+        "for those segment ids, all rows. Splash: JAX's splash attention compiled alike "
+        "(sum(out) only: its lse has no backward) with the closest static mask (causal, or "
+        "full for the bidirectional rows), at S rounded up to the blocks, our blocks; its grid "
+        "has a step per query head, ours per kv head (G = 5 heads a step).",
         "",
         "| generation | B | S | mask | blocks (q x k) | compiles | args | HBM temp | temp / args "
         "| padded row vectors | grid steps fwd / dq / dkv, traced | prepared plan "
-        "| computing fwd / dq / dkv | VMEM | SMEM |"
+        "| computing fwd / dq / dkv | VMEM | SMEM | splash: S, temp / args, grid steps "
+        "fwd / dq / dkv |"
         + (f" before ({before['revision']}): temp / args, padded |" if before else ""),
-        "| --- " * (15 + bool(before)) + "|",
+        "| --- " * (16 + bool(before)) + "|",
     ]
     for r in rows:
         steps = " / ".join(f"{r['grid_steps'][k]:,}" for k in KERNEL_ORDER)
@@ -389,10 +431,25 @@ def memory_markdown(rows: list[dict], before: dict | None = None) -> list[str]:
             f"| {r['generation']} | {r['batch']} | {r['seq']} | "
             f"{'causal' if r['causal'] else 'full'} | {r['blocks'][0]} x {r['blocks'][1]} | "
             f"{hbm} | {steps} | {prepared} | {visited} | {mib(r['vmem'])} | "
-            f"{r['smem'] / 1024:.1f} KiB |"
+            f"{r['smem'] / 1024:.1f} KiB | {splash_cell(r.get('splash'))} |"
             + (f" {before_cell(then.get((r['generation'], r['batch'], r['seq'], r['causal'])))} |"
                if before else ""))
     return lines + [""]
+
+
+def splash_cell(splash: dict | None) -> str:
+    """Splash attention's figures beside a memory-table row (splash_row)."""
+    if splash is None:
+        return "-"
+    if not splash["compiles"]:
+        return f"S={splash['seq']}: did not compile ({splash['error']})"
+    steps = " / ".join(f"{splash['grid_steps'][k]:,}" for k in SPLASH_KERNELS)
+    return f"S={splash['seq']}, {splash['hbm_temp'] / splash['hbm_args']:.2f}, {steps}"
+
+
+# Splash attention's kernels, in KERNEL_ORDER's order (forward, dq, dk / dv).
+SPLASH_KERNELS = ("splash_mha_fwd_residuals", "splash_mha_dq_no_residuals",
+                  "splash_mha_dkv_no_residuals")
 
 
 def before_cell(row: dict | None) -> str:
@@ -474,8 +531,9 @@ def estimate_markdown(rows: list[dict]) -> list[str]:
         "forward / dq / dk-dv.",
         "",
         "| generation | B | S | mask | MXU | HBM | estimate, traced grid "
-        "| estimate, prepared plan | prepared / traced, all three |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| estimate, prepared plan | prepared / traced, all three "
+        "| splash's grid steps x the step cost, all three |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         e = estimates(r)
@@ -485,9 +543,12 @@ def estimate_markdown(rows: list[dict]) -> list[str]:
 
         ratio = (sum(e[k]["prepared"] for k in KERNEL_ORDER)
                  / sum(e[k]["traced"] for k in KERNEL_ORDER))
+        splash = r.get("splash")
+        overhead = ("-" if splash is None else
+                    f"{sum(splash['grid_steps'].values()) * STEP_SECONDS * 1e3:.2f}")
         lines.append(f"| {r['generation']} | {r['batch']} | {r['seq']} | "
                      f"{'causal' if r['causal'] else 'full'} | {ms('mxu')} | {ms('hbm')} | "
-                     f"{ms('traced')} | {ms('prepared')} | {ratio:.2f} |")
+                     f"{ms('traced')} | {ms('prepared')} | {ratio:.2f} | {overhead} |")
     return lines + [""]
 
 
