@@ -250,26 +250,45 @@ def phoenix_rows(batch: int, seq: int):
                            (batch, seq))
 
 
-def visited_steps(impl, seg, causal: bool, kv_heads: int) -> dict:
-    """The grid steps that compute, per kernel, for concrete segment ids: the plan's counts
-    (forward and dq over key blocks, dk / dv over query blocks) times the kv heads."""
+def visits(impl, seg, causal: bool, kv_heads: int) -> dict:
+    """For concrete segment ids, per kernel, times the kv heads: ``visited_steps``, the
+    compute block pairs the plan visits (forward and dq over key blocks, dk / dv over query
+    blocks), ``dma_visits``, the DMA blocks holding them (what the pipeline fetches), and
+    ``dma_blocks``, the DMA blocks' tokens (queries for dk / dv, keys for the others)."""
     import numpy as np
 
+    from rankattn.backends import pallas_tpu
     from rankattn.blocks import segments_and_plan
 
     batch, seq = seg.shape
-    _, _, plan = segments_and_plan(seg, batch, seq, seq, impl.sizes(seq), causal)
+    sizes = impl.sizes(seq)
+    _, _, plan = segments_and_plan(seg, batch, seq, seq, sizes, causal)
+    n_q, n_k = plan.kv_index.shape[1:]
+    q_sub = pallas_tpu.sub_blocks(impl.dma(), sizes.block_q, n_q)
+    k_sub = pallas_tpu.sub_blocks(impl.dma(), sizes.block_k, n_k)
     per_query, per_key = (int(np.asarray(c).sum()) * kv_heads for c in (plan.count, plan.q_count))
-    return dict(rankattn_tpu_forward=per_query, rankattn_tpu_dq=per_query,
-                rankattn_tpu_dkv=per_key)
+    dma_query, dma_key = (
+        int(np.asarray(pallas_tpu.dma_lists(index, full, count, sub)[2]).sum()) * kv_heads
+        for index, full, count, sub in ((plan.kv_index, plan.full_count, plan.count, k_sub),
+                                        (plan.q_index, plan.q_full_count, plan.q_count, q_sub)))
+
+    def per_kernel(query_side, key_side):
+        return dict(rankattn_tpu_forward=query_side, rankattn_tpu_dq=query_side,
+                    rankattn_tpu_dkv=key_side)
+
+    return dict(visited_steps=per_kernel(per_query, per_key),
+                dma_visits=per_kernel(dma_query, dma_key),
+                dma_blocks=per_kernel(k_sub * sizes.block_k, q_sub * sizes.block_q))
 
 
-def splash_row(batch: int, seq: int, causal: bool, sizes, sharding) -> dict:
+def splash_row(batch: int, seq: int, causal: bool, sizes, dma: dict, sharding) -> dict:
     """JAX's splash attention compiled beside it (issue 37, item 6): jit(value_and_grad) of
     sum(out) over q, k, v (its lse has no backward), 20 / 4 heads (GQA native), D=128, bf16,
     cap 30, the closest static mask (causal, or full for the bidirectional rows: splash has
     no dynamic candidate isolation), vmapped over the batch, at S rounded up to its blocks
-    (it takes no ragged length) with our blocks. Its temp and argument HBM and grid steps."""
+    (it takes no ragged length) with our compute blocks, and as its DMA blocks (block_kv,
+    block_q_dkv) the largest multiple of them up to ours that divides its S. Its temp and
+    argument HBM and grid steps."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -278,12 +297,18 @@ def splash_row(batch: int, seq: int, causal: bool, sizes, sharding) -> dict:
     hq, hkv = MEMORY_HEADS
     bq, bk = sizes.block_q, sizes.block_k
     length = -(-seq // max(bq, bk)) * max(bq, bk)
+
+    def dma_block(block, ours):
+        return max(m for m in range(block, ours + 1, block) if length % m == 0)
+
+    block_kv = dma_block(bk, dma["rankattn_tpu_forward"])
     one = sm.CausalMask((length, length)) if causal else sm.FullMask((length, length))
     kernel = sk.make_splash_mha(
         sm.MultiHeadMask([one] * hq), head_shards=1, q_seq_shards=1, attn_logits_soft_cap=30.0,
-        block_sizes=sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk,
-                                  block_q_dkv=bq, block_kv_dkv=bk, block_kv_dkv_compute=bk,
-                                  block_q_dq=bq, block_kv_dq=bk))
+        block_sizes=sk.BlockSizes(block_q=bq, block_kv=block_kv, block_kv_compute=bk,
+                                  block_q_dkv=dma_block(bq, dma["rankattn_tpu_dkv"]),
+                                  block_kv_dkv=bk, block_kv_dkv_compute=bk,
+                                  block_q_dq=bq, block_kv_dq=block_kv))
 
     def loss(q, k, v):
         return jax.vmap(kernel)(q, k, v).astype(jnp.float32).sum()
@@ -338,9 +363,11 @@ def child(generation: str, what: str) -> None:
                 *args[:3]).jaxpr)
             row.update(batch=batch, seq=seq, causal=causal,
                        blocks=list(dataclasses.astuple(impl.sizes(seq))),
-                       visited_steps=visited_steps(impl, seg, causal, hkv),
-                       prepared_grid_steps=prepared,
-                       splash=splash_row(batch, seq, causal, impl.sizes(seq), one_chip))
+                       prepared_grid_steps=prepared)
+            if hasattr(impl, "dma"):  # not in a --before revision's src
+                row.update(visits(impl, seg, causal, hkv))
+                row.update(splash=splash_row(batch, seq, causal, impl.sizes(seq),
+                                             row["dma_blocks"], one_chip))
             print("ROW " + json.dumps(row), flush=True)
         return
     for cfg in (Config(**c) for c in what):
@@ -401,17 +428,23 @@ def memory_markdown(rows: list[dict], before: dict | None = None) -> list[str]:
         f"tokens, then {CANDIDATES} candidates). HBM from `compiled.memory_analysis()`; "
         "padded row vectors: distinct f32 / s32 / pred shapes `[..., S, 1]` in "
         "`compiled.as_text()` (TPU tiles them (8, 128): 128 times their bytes). Grid steps: "
-        "every step of the program's forward / dq / dk-dv calls, with the segment ids traced "
-        "(the worst case, every block pair: the steps past a row's visits issue no DMA but "
-        "pay the pipeline's per-step overhead) and with the same segment ids' plan prepared "
-        "by `rankattn.plan` and closed over (a step per visit, plus one per own block that "
-        "visits nothing, for the longest batch row); computing: the steps the plan visits "
-        "for those segment ids, all rows. Splash: JAX's splash attention compiled alike "
-        "(sum(out) only: its lse has no backward) with the closest static mask (causal, or "
-        "full for the bidirectional rows), at S rounded up to the blocks, our blocks; its grid "
-        "has a step per query head, ours per kv head (G = 5 heads a step).",
+        "every step of the program's forward / dq / dk-dv calls, each step fetching one "
+        "DMA block (keys for the forward and dq, queries for dk / dv: the DMA column, key / "
+        "query tokens) and computing the compute blocks (q x k) in it that its plan visits, "
+        "with the segment ids traced (the worst case, every pair of an own block and a DMA "
+        "block: the steps past a row's visits issue no DMA but pay the pipeline's per-step "
+        "overhead) and with the same segment ids' plan prepared by `rankattn.plan` and "
+        "closed over (a step per visited DMA block, plus one per own block that visits "
+        "nothing, for the longest batch row); computing: the compute block pairs the plan "
+        "visits for those segment ids, all rows. Splash: JAX's splash attention compiled "
+        "alike (sum(out) only: its lse has no backward) with the closest static mask (causal, "
+        "or full for the bidirectional rows), at S rounded up to the blocks, our compute "
+        "blocks, and as DMA blocks (its block_kv, block_q_dkv) the largest multiple of them "
+        "up to ours that divides its S; its grid has a step per query head, ours per kv head "
+        "(G = 5 heads a step).",
         "",
-        "| generation | B | S | mask | blocks (q x k) | compiles | args | HBM temp | temp / args "
+        "| generation | B | S | mask | blocks (q x k), DMA | compiles | args | HBM temp "
+        "| temp / args "
         "| padded row vectors | grid steps fwd / dq / dkv, traced | prepared plan "
         "| computing fwd / dq / dkv | VMEM | SMEM | splash: S, temp / args, grid steps "
         "fwd / dq / dkv |"
@@ -429,7 +462,8 @@ def memory_markdown(rows: list[dict], before: dict | None = None) -> list[str]:
             hbm = f"no: {r['error']} | | | |"
         lines.append(
             f"| {r['generation']} | {r['batch']} | {r['seq']} | "
-            f"{'causal' if r['causal'] else 'full'} | {r['blocks'][0]} x {r['blocks'][1]} | "
+            f"{'causal' if r['causal'] else 'full'} | {r['blocks'][0]} x {r['blocks'][1]}, "
+            f"{r['dma_blocks']['rankattn_tpu_forward']} / {r['dma_blocks']['rankattn_tpu_dkv']} | "
             f"{hbm} | {steps} | {prepared} | {visited} | {mib(r['vmem'])} | "
             f"{r['smem'] / 1024:.1f} KiB | {splash_cell(r.get('splash'))} |"
             + (f" {before_cell(then.get((r['generation'], r['batch'], r['seq'], r['causal'])))} |"
@@ -471,24 +505,25 @@ STEP_SECONDS = 0.35e-6
 MATMULS = {"rankattn_tpu_forward": 2, "rankattn_tpu_dq": 3, "rankattn_tpu_dkv": 4}
 
 
-def kernel_bytes(kernel: str, row: dict, visits: int, group: int, d: int = 128) -> int:
-    """HBM bytes one kernel moves (bf16 blocks, f32 / s32 rows): each visit fetches the
-    visited side's blocks, each own block (per batch row and kv head) its own side's once.
-    A block repeated on consecutive steps is not fetched again (the pipeline's rule)."""
+def kernel_bytes(kernel: str, row: dict, group: int, d: int = 128) -> int:
+    """HBM bytes one kernel moves (bf16 blocks, f32 / s32 rows): each visited DMA block
+    the visited side's blocks and rows, each own block (per batch row and kv head) its own
+    side's once. A block repeated on consecutive steps is not fetched again (the
+    pipeline's rule)."""
     bq, bk = row["blocks"]
+    visits, dma = row["dma_visits"][kernel], row["dma_blocks"][kernel]
     own_q = row["batch"] * MEMORY_HEADS[1] * -(-row["seq"] // bq)
     own_k = row["batch"] * MEMORY_HEADS[1] * -(-row["seq"] // bk)
-    kv_block, q_block = 2 * bk * d, 2 * group * bq * d   # bf16 bytes of one block
     if kernel == "rankattn_tpu_forward":  # visits: k, v, poison and segment rows
-        return (visits * (2 * kv_block + 8 * bk)
-                + own_q * (2 * q_block + 4 * group * bq + 2 * 2 * bq * d + 8 * bq))
+        return (visits * (2 * 2 * dma * d + 8 * dma)
+                + own_q * (2 * 2 * group * bq * d + 4 * group * bq + 2 * 2 * bq * d + 8 * bq))
     if kernel == "rankattn_tpu_dq":       # visits: k, v, segment row
-        return (visits * (2 * kv_block + 4 * bk)
-                + own_q * (3 * q_block + 8 * group * bq + 2 * 2 * bq * d + 4 * bq))
+        return (visits * (2 * 2 * dma * d + 4 * dma)
+                + own_q * (3 * 2 * group * bq * d + 8 * group * bq + 2 * 2 * bq * d + 4 * bq))
     # dk / dv, visits: q, dO, lse, delta, segment row; own: k, v, dk, dv and the own-key
     # term's queries and dO at the key block's positions
-    return (visits * (2 * q_block + 8 * group * bq + 4 * bq)
-            + own_k * (4 * kv_block + 2 * 2 * group * bk * d + 8 * group * bk))
+    return (visits * (2 * 2 * group * dma * d + 8 * group * dma + 4 * dma)
+            + own_k * (4 * 2 * bk * d + 2 * 2 * group * bk * d + 8 * group * bk))
 
 
 def estimates(row: dict) -> dict:
@@ -504,7 +539,7 @@ def estimates(row: dict) -> dict:
     for kernel in KERNEL_ORDER:
         visits = row["visited_steps"][kernel]  # visited block pairs, all rows and kv heads
         mxu = visits * MATMULS[kernel] * 2 * group * bq * bk * 128 / info.bf16_ops_per_second
-        hbm = kernel_bytes(kernel, row, visits, group) / info.mem_bw_bytes_per_second
+        hbm = kernel_bytes(kernel, row, group) / info.mem_bw_bytes_per_second
         out[kernel] = {grid: max(mxu, hbm) + row[steps][kernel] * STEP_SECONDS
                        for grid, steps in (("traced", "grid_steps"),
                                            ("prepared", "prepared_grid_steps"))}
@@ -522,7 +557,8 @@ def estimate_markdown(rows: list[dict]) -> list[str]:
         "**Estimates only: no TPU has run these kernels.** The shapes of the table above. Per "
         "kernel: MXU time = visited block pairs x its matmuls (forward 2, dq 3, dk / dv 4) x "
         "2 G bq bk D flops at the chip's bf16 peak; HBM time = the bytes its blocks move (each "
-        "visit the visited side's blocks and rows, each own block its own side's once) at the "
+        "visited DMA block the visited side's blocks and rows, each own block its own side's "
+        "once) at the "
         "chip's HBM bandwidth, both per TensorCore from JAX's `pltpu.get_tpu_info_for_chip`; "
         f"an estimate = max(MXU, HBM) + grid steps x {STEP_SECONDS * 1e6:.2f} us, the fixed "
         "cost of a pipeline step (an assumption: TPU_NOTES puts it at a few tenths of a "
@@ -569,8 +605,9 @@ def markdown(report: dict) -> str:
         f"**{ok} of {len(rows)} compile.** VMEM is the kernels' plan (every block double-"
         "buffered, tiles padded to (8, 128) / (16, 128), plus scratch; the largest of the three "
         "kernels) against the chip's VMEM; SMEM is the scalar-prefetch plan lists of one call. "
-        "HBM temp is XLA's `memory_analysis()` of the whole program. Mosaic compiled every row "
-        "under its default scoped VMEM limit (no `vmem_limit_bytes` in the backend's table). "
+        "HBM temp is XLA's `memory_analysis()` of the whole program. The scoped VMEM limit is "
+        "the backend table's: 32 MiB on v5e (its 16 MiB default fails float32 D=256 GQA 5 with "
+        "512-token DMA blocks), Mosaic's default on v6e and TPU7x. "
         "No TPU has run these kernels: nothing here measures speed.",
         "",
         "| generation | dtype | D | G | mask | cap | blocks (q x k) | compiles "

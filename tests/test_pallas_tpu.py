@@ -13,9 +13,11 @@
   dim (and the per-shard kernels); the float32 dots ask Mosaic for fp32 precision; no
   kernel operand is a per-row vector padded to 128 lanes and no product contracts a
   transposed lhs (issue 37); the lowering rejects what interpret mode accepts.
-* Block skipping: the forward's visit counter equals the plan's counts; the schedule (the
-  grid's scalar prefetch) visits each list in order and repeats its last step; a prepared
-  plan's grid is its visits; the kernels read q, k, v and dO unpadded and uncleaned. The
+* Block skipping: the forward's visit counter equals the plan's counts; DMA blocks gather
+  the lists' blocks with their kinds, and the schedule (the grid's scalar prefetch) visits
+  each list in order and repeats its last step; a prepared plan's grid is its visits; DMA
+  blocks of several compute blocks give the same bits as one; the kernels read q, k, v and
+  dO unpadded and uncleaned. The
   TPU simulator's race detector on two cores finds nothing in the forward, dq and dk / dv
   kernels.
 * The per-shard kernel of context sharding and Phoenix's causal drop-in against the
@@ -39,10 +41,10 @@ from conftest import SMALL_TPU
 from helpers import random_qkv, random_segments
 from rankattn import semantics
 from rankattn.backends import BACKENDS, BlockSizes, PallasTpu
-from rankattn.backends.pallas_tpu import (FIRST, FULL, LAST, OVERFLOW, PARTIAL, SKIP, TARGETS,
-                                          TpuTarget,
-                                          call_ranges, list_dtype, pltpu, rows_per_call,
-                                          schedule, tpu_attention)
+from rankattn.backends.pallas_tpu import (FIRST, FULL, KIND_BITS, KIND_SHIFT, LAST, OVERFLOW,
+                                          PARTIAL, TARGETS, TpuTarget, call_ranges, dma_lists,
+                                          list_dtype, pltpu, rows_per_call, schedule,
+                                          tpu_attention)
 from rankattn.blocks import segments_and_plan
 from rankattn.validate import AttentionCall
 from tolerances import FIELDS, assert_close_f32
@@ -127,9 +129,11 @@ def test_float16_and_float64_are_declined_with_the_fix(dtype, fragment):
 
 
 def test_only_a_block_list_over_the_smem_budget_is_declined():
-    """A row of 131072 tokens in 128-token blocks has a schedule of up to 1024 x 1024 steps
-    (three int16 arrays: 6 MiB), over v5e's 512 KiB budget: it runs as calls over ranges of
-    blocks. Declined only where one block's 1024 steps (6144 bytes) exceed the budget."""
+    """A row of 131072 tokens in 128-token blocks and v5e's 512-token DMA blocks has a
+    schedule of up to 1024 x 256 steps (three int16 arrays: 1.5 MiB), over v5e's 512 KiB
+    budget: it runs as calls over ranges of blocks. Declined only where one block's steps
+    exceed the budget: 1024 steps (6144 bytes) at DMA blocks of 128 tokens, not 256 steps
+    (1536 bytes) at 512."""
     call = AttentionCall(
         q=jax.ShapeDtypeStruct((1, 131072, 2, 128), jnp.bfloat16),
         k=jax.ShapeDtypeStruct((1, 131072, 1, 128), jnp.bfloat16),
@@ -137,9 +141,10 @@ def test_only_a_block_list_over_the_smem_budget_is_declined():
         causal=False, scale=1.0, softcap=None, softcap_method="tanh")
     assert PallasTpu(target="v5e").not_supported_reasons(call) == []
     tiny = TpuTarget("tiny", BlockSizes(128, 128), smem_budget=6000)
-    (reason,) = PallasTpu(target=tiny).not_supported_reasons(call)
+    assert PallasTpu(target=tiny).not_supported_reasons(call) == []
+    (reason,) = PallasTpu(target=tiny, dma_block=128).not_supported_reasons(call)
     assert "6144 bytes" in reason and "6000-byte budget" in reason
-    assert "block_sizes" in reason
+    assert "block_sizes or dma_block" in reason
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -149,6 +154,8 @@ def test_only_a_block_list_over_the_smem_budget_is_declined():
     (dict(target="v4"), "target='v4'"),
     (dict(max_visits=0), "max_visits=0"),
     (dict(max_visits=2.5), "max_visits=2.5"),
+    (dict(dma_block=100), "dma_block=100"),
+    (dict(dma_block=True), "dma_block=True"),
 ])
 def test_options_are_checked(kwargs, fragment):
     with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
@@ -157,17 +164,19 @@ def test_options_are_checked(kwargs, fragment):
 
 
 def test_calls_split_to_fit_the_smem_budget_give_the_same_bits():
-    """Rows of 40 tokens in 16-token blocks: int16 schedules of at most 3 x 3 steps, three
-    arrays, 54 bytes a row and 18 a block. A 110-byte budget takes 2 rows a call; 20 bytes
-    takes one row a call, each over query block 0, 1 or 2 (forward, dq) and key blocks
-    alike (dk / dv). Out, lse and the gradients equal those of one call, bit for bit."""
+    """Rows of 40 tokens in 16-token blocks, DMA blocks of one block: int16 schedules of at
+    most 3 x 3 steps, three arrays, 54 bytes a row and 18 a block. A 110-byte budget takes
+    2 rows a call; 20 bytes takes one row a call, each over query block 0, 1 or 2 (forward,
+    dq) and key blocks alike (dk / dv). Out, lse and the gradients equal those of one call,
+    bit for bit."""
     assert list_dtype(3, 3) == jnp.int16 and list_dtype(40000, 3) == jnp.int32
-    assert rows_per_call(3, 3, 3, 110) == 2 and rows_per_call(2, 3, 3, 20) == 1
+    assert rows_per_call(3, [(3, 3)] * 2, 110) == 2 and rows_per_call(2, [(3, 3)] * 2, 20) == 1
+    assert rows_per_call(3, [(3, 1), (3, 3)], 110) == 2 and rows_per_call(3, [(3, 1)], 40) == 2
     assert [list(r) for r in call_ranges(1, 3, 3, 20)] == [[0], [1], [2]]
     q, k, v, w = random_qkv(3, 2, 40, 2, 1, 8)
     seg = jnp.asarray(random_segments(4, 2, 40, "packed"))
     options = dict(causal=True, scale=0.5, softcap=None, softcap_method="tanh",
-                   block_sizes=BlockSizes(16, 16), interpret=True)
+                   block_sizes=BlockSizes(16, 16), dma_block=16, interpret=True)
 
     def results(smem_budget):
         def f(q, k, v):
@@ -304,20 +313,22 @@ def test_float32_dots_ask_for_full_precision_and_16_bit_dots_do_not():
     for dtype, want in ((jnp.float32, {"fp32"}), (jnp.bfloat16, set())):
         lowered = lower_for_tpu(PallasTpu(), 1, 300, 2, 1, 128, dtype, softcap=5.0)
         text = "\n".join(mosaic_modules(lowered))
-        # forward 2, dq 3, dk / dv 4, each once for full and once for partial blocks
-        assert text.count("tpu.matmul") == 2 * (2 + 3 + 4)
+        # forward 2, dq 3, dk / dv 4, each once for full and once for partial blocks, for
+        # each of a DMA block's 3 compute blocks (300 tokens: 3 blocks of 128)
+        assert text.count("tpu.matmul") == 3 * 2 * (2 + 3 + 4)
         assert set(re.findall(r"contract_precision<(\w+)>", text)) == want, dtype
 
 
 def test_no_kernel_product_contracts_a_transposed_lhs():
     """Issue 37: the dk / dv kernel works key-major (s^T = k q^T, dv = p^T dO and dk = ds^T
     q as plain products), so no MXU product in any kernel contracts its lhs' first axis
-    (a transpose per product before)."""
+    (a transpose per product before). 300 tokens in 128-token blocks: DMA blocks of 3,
+    each compute block's products unrolled, full and masked."""
     lowered = lower_for_tpu(PallasTpu(), 1, 300, 10, 2, 128, jnp.bfloat16, causal=True,
                             softcap=5.0)
     dims = re.findall(r"tpu.matmul.*dimension_numbers = #tpu.dot_dimension_numbers<\[(\d)\]",
                       "\n".join(mosaic_modules(lowered)))
-    assert len(dims) == 2 * (2 + 3 + 4) and set(dims) == {"1"}, dims
+    assert len(dims) == 3 * 2 * (2 + 3 + 4) and set(dims) == {"1"}, dims
 
 
 def test_lowering_catches_what_interpret_mode_accepts():
@@ -349,17 +360,28 @@ def test_each_query_block_computes_exactly_its_listed_key_blocks():
     assert_close_f32(out, want[0], "out")
 
 
+def dma_visits(index, count, factor: int = 4):
+    """Per own block, the DMA blocks (``factor`` blocks each) its list's visited blocks lie
+    in: how many distinct ones (numpy, [B, nOwn])."""
+    index, count = np.asarray(index), np.asarray(count)
+    return np.array([[len({int(x) // factor for x in index[b, i, :count[b, i]]})
+                      for i in range(index.shape[1])] for b in range(index.shape[0])])
+
+
 def test_a_prepared_plan_runs_a_grid_of_its_visits():
     """Issue 37: a plan prepared from concrete segment ids and closed over has known counts,
-    so each kernel's grid (b, kv head, step) has a step per visit plus one per own block
-    with an empty list, for its longest batch row (issue 37's target: at most 1.25x the
-    visits plus one per own block); passed as a jit argument (traced) it keeps the worst
-    case, 5 x 5 steps. Results and gradients are the same bits either way."""
+    so each kernel's grid (b, kv head, step) has a step per visited DMA block (4 blocks of
+    16 tokens) plus one per own block with an empty list, for its longest batch row (issue
+    37's target: at most 1.25x the visits plus one per own block); passed as a jit argument
+    (traced) it keeps the worst case, 5 own blocks x 2 DMA blocks. Results and gradients are
+    the same bits either way."""
     q, k, v, w = random_qkv(17, 2, 70, 4, 2, 8)
     seg = jnp.asarray(random_segments(18, 2, 70, "packed"))
     plan = rankattn.plan(segment_ids=seg, causal=True, impl=SMALL_TPU)
     lists = plan.block_plan(BlockSizes(16, 16))
-    want = {int(np.maximum(np.asarray(c), 1).sum(1).max()) for c in (lists.count, lists.q_count)}
+    visits = [dma_visits(lists.kv_index, lists.count), dma_visits(lists.q_index, lists.q_count)]
+    assert (visits[0] < np.asarray(lists.count)).any()  # some DMA blocks hold several visits
+    want = {int(np.maximum(n, 1).sum(1).max()) for n in visits}
 
     def results(q, k, v, plan):
         def f(q, k, v):
@@ -371,11 +393,34 @@ def test_a_prepared_plan_runs_a_grid_of_its_visits():
     grids = [{int(n) for n in re.findall(r"grid=\(\d+, \d+, (\d+)\)", str(jaxpr))}
              for jaxpr in (jax.make_jaxpr(prepared)(q, k, v),
                            jax.make_jaxpr(results)(q, k, v, plan))]
-    assert grids == [want, {25}], (grids, want)
-    for counts in (lists.count, lists.q_count):
-        visits, n_own = int(np.asarray(counts).sum(1).max()), counts.shape[1]
-        assert max(want) <= 1.25 * visits + n_own
+    assert grids == [want, {10}], (grids, want)
+    for n in visits:
+        assert max(want) <= 1.25 * int(n.sum(1).max()) + n.shape[1]
     for name, a, b in zip(FIELDS, jax.jit(prepared)(q, k, v), jax.jit(results)(q, k, v, plan)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
+
+
+def test_dma_blocks_of_several_compute_blocks_give_the_same_bits():
+    """Issue 37, item 3: visited blocks fetched 3 compute blocks at a time (DMA blocks of 48
+    tokens over 16-token blocks: 70 tokens make 5 blocks, so the second DMA block holds 2,
+    the last one ragged) compute the same block pairs in the same order as one block a
+    fetch, skipping the compute blocks their plan skips: out, lse and the gradients are the
+    same bits, with packed causal sessions, a cap and a per-head multiplier."""
+    q, k, v, w = random_qkv(41, 2, 70, 4, 2, 8)
+    seg = jnp.asarray(random_segments(42, 2, 70, "packed"))
+    mult = jnp.asarray(np.random.default_rng(43).uniform(0.5, 2, (2, 70, 4)), jnp.float32)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def results(dma_block):
+        def f(q, k, v):
+            return rankattn.attention(
+                q, k, v, segment_ids=seg, causal=True, softcap=2.0, logit_multiplier=mult,
+                impl=PallasTpu(BlockSizes(16, 16), interpret=True, dma_block=dma_block),
+                return_lse=True)
+        (out, lse), pullback = jax.vjp(f, q, k, v)
+        return [out, lse, *pullback((jnp.asarray(w), jnp.ones_like(lse)))]
+
+    for name, a, b in zip(FIELDS, results(16), results(48)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
 
 
@@ -420,46 +465,69 @@ def test_the_kernels_read_q_k_v_and_d_out_unpadded_and_uncleaned(monkeypatch):
         assert_close_f32(np.where(nan, 0, a), np.where(nan, 0, b), field)
 
 
+def test_dma_lists_hold_the_visited_blocks_with_their_kinds():
+    """Lists over 5 blocks in DMA blocks of 2 (the last one ragged). Own block 0 visits 3
+    (full), 0 and 4 (partial): DMA blocks 0 (its first block partial), 1 (its second full)
+    and 2 (its first partial). Own block 1 visits nothing. Own block 2 visits 1 and 0, both
+    full: DMA block 0 alone, both halves full. Visited DMA blocks come first, in order, then
+    the others with code 0; the same known and traced."""
+    index = jnp.array([[[3, 0, 4, 1, 2], [2, 0, 1, 3, 4], [1, 0, 2, 3, 4]]], jnp.int32)
+    full, count = jnp.array([[1, 0, 2]]), jnp.array([[3, 0, 2]])
+    first_partial = PARTIAL << KIND_SHIFT
+    second_full = FULL << (KIND_SHIFT + KIND_BITS)
+    both_full = FULL << KIND_SHIFT | second_full
+    for lists in (dma_lists(index, full, count, 2), jax.jit(dma_lists, static_argnums=3)(
+            index, full, count, 2)):
+        dma, code, n = (np.asarray(x)[0].tolist() for x in lists)
+        assert n == [3, 0, 1]
+        assert [row[:c] for row, c in zip(dma, n)] == [[0, 1, 2], [], [0]]
+        assert code == [[first_partial, second_full, first_partial], [0, 0, 0], [both_full, 0, 0]]
+
+
 def test_the_schedule_visits_each_list_in_order_and_then_repeats_its_last_step():
-    """Row 0 has three own blocks with lists [3, 1] (one full), [] and [2]; row 1 lists
-    [0, 1, 2] (all full), [1] and []. Known lists: a step per visit, one step computing
-    nothing for an empty list (it still opens and closes its block, so its output is
-    written), and row 0, shorter, repeats its last pair with nothing to do (the same block
-    indices: the pipeline fetches nothing). Traced (under jit): 3 steps per own block, those
-    past its count repeating its last visited block."""
+    """Row 0 has three own blocks with lists [3, 1], [] and [2]; row 1 lists [0, 1, 2], [1]
+    and [] (each entry a DMA block with its compute blocks' kinds, a / b below). Known
+    lists: a step per visit, one step computing nothing for an empty list (it still opens
+    and closes its block, so its output is written), and row 0, shorter, repeats its last
+    pair with nothing to do (the same block indices: the pipeline fetches nothing). Traced
+    (under jit): 3 steps per own block, those past its count repeating its last visited
+    block and computing nothing."""
+    a, b = FULL << KIND_SHIFT, PARTIAL << (KIND_SHIFT + KIND_BITS)
     index = jnp.array([[[3, 1, 0], [2, 0, 1], [2, 1, 0]],
                        [[0, 1, 2], [1, 0, 0], [0, 0, 0]]], jnp.int32)  # [B=2, nOwn=3, V=3]
-    full, count = jnp.array([[1, 0, 0], [3, 0, 0]]), jnp.array([[2, 0, 1], [3, 1, 0]])
-    own, visit, code = (np.asarray(x) for x in schedule(index, full, count))
+    code = jnp.array([[[a, b, 0], [0, 0, 0], [b, 0, 0]], [[a, a, a], [b, 0, 0], [0, 0, 0]]])
+    count = jnp.array([[2, 0, 1], [3, 1, 0]])
+    own, visit, steps = (np.asarray(x) for x in schedule(index, code, count))
     assert own.tolist() == [[0, 0, 1, 2, 2], [0, 0, 0, 1, 2]]
     assert visit.tolist() == [[3, 1, 2, 2, 2], [0, 1, 2, 1, 0]]
-    assert code.tolist() == [
-        [FULL | FIRST, PARTIAL | LAST, SKIP | FIRST | LAST, PARTIAL | FIRST | LAST, SKIP],
-        [FULL | FIRST, FULL, FULL | LAST, PARTIAL | FIRST | LAST, SKIP | FIRST | LAST]]
-    own, visit, code = (np.asarray(x)[0] for x in jax.jit(schedule)(index, full, count))
+    assert steps.tolist() == [
+        [a | FIRST, b | LAST, FIRST | LAST, b | FIRST | LAST, 0],
+        [a | FIRST, a, a | LAST, b | FIRST | LAST, FIRST | LAST]]
+    own, visit, steps = (np.asarray(x)[0] for x in jax.jit(schedule)(index, code, count))
     assert own.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert visit.tolist() == [3, 1, 1, 2, 2, 2, 2, 2, 2]
-    assert code.tolist() == [FULL | FIRST, PARTIAL | LAST, SKIP, SKIP | FIRST | LAST, SKIP,
-                             SKIP, PARTIAL | FIRST | LAST, SKIP, SKIP]
+    assert steps.tolist() == [a | FIRST, b | LAST, 0, FIRST | LAST, 0, 0, b | FIRST | LAST, 0, 0]
     # Traced with max_visits=2: 2 steps per own block; row 1's first list (3 entries) visits
     # two and its last step carries OVERFLOW.
-    own, visit, code = (np.asarray(x)[1] for x in jax.jit(schedule, static_argnums=3)(
-        index, full, count, 2))
+    own, visit, steps = (np.asarray(x)[1] for x in jax.jit(schedule, static_argnums=3)(
+        index, code, count, 2))
     assert own.tolist() == [0, 0, 1, 1, 2, 2] and visit.tolist() == [0, 1, 1, 1, 0, 0]
-    assert code.tolist() == [FULL | FIRST, FULL | LAST | OVERFLOW, PARTIAL | FIRST | LAST,
-                             SKIP, SKIP | FIRST | LAST, SKIP]
+    assert steps.tolist() == [a | FIRST, a | LAST | OVERFLOW, b | FIRST | LAST, 0,
+                              FIRST | LAST, 0]
 
 
 def test_max_visits_bounds_a_traced_grid_and_an_overrun_block_is_nan():
-    """Under jit with traced segment ids the grid is every block pair (5 x 5 steps at 70
-    tokens in 16-token blocks); PallasTpu(max_visits=M) makes it 5 x M. With M the longest
-    list the results are the same bits. With one less, the blocks whose lists overran come
+    """Under jit with traced segment ids the grid is every pair of a block and a DMA block
+    (5 x 3 steps at 70 tokens in 16-token blocks, DMA blocks of 2); PallasTpu(max_visits=M)
+    makes it 5 x M. With M the longest list of DMA blocks the results are the same bits. With one less, the blocks whose lists overran come
     back NaN (out and lse of their queries, dq of their queries, dk / dv of their keys),
     never a partial sum, and every other query's out and lse are the same bits."""
     q, k, v, w = random_qkv(31, 2, 70, 4, 2, 8)
     seg = jnp.asarray(random_segments(32, 2, 70, "packed"))
     _, _, lists = segments_and_plan(seg, 2, 70, 70, BlockSizes(16, 16), True)
-    longest = int(max(np.max(lists.count), np.max(lists.q_count)))
+    per_query, per_key = (dma_visits(index, count, 2) for index, count in (
+        (lists.kv_index, lists.count), (lists.q_index, lists.q_count)))
+    longest = int(max(per_query.max(), per_key.max()))
 
     def results(impl):
         @jax.jit
@@ -473,16 +541,18 @@ def test_max_visits_bounds_a_traced_grid_and_an_overrun_block_is_nan():
                                              str(jax.make_jaxpr(f)(q, k, v, seg)))}
         return [np.asarray(x) for x in f(q, k, v, seg)], steps
 
-    unbounded, steps = results(SMALL_TPU)
-    bounded, bounded_steps = results(PallasTpu(BlockSizes(16, 16), interpret=True,
-                                               max_visits=longest))
-    assert steps == {25} and bounded_steps == {5 * longest} and longest < 5
+    def impl(max_visits=None):
+        return PallasTpu(BlockSizes(16, 16), interpret=True, dma_block=32, max_visits=max_visits)
+
+    unbounded, steps = results(impl())
+    bounded, bounded_steps = results(impl(longest))
+    assert steps == {15} and bounded_steps == {5 * longest} and 1 < longest < 3
     for name, a, b in zip(FIELDS, bounded, unbounded):
         np.testing.assert_array_equal(a, b, name)
 
-    short, _ = results(PallasTpu(BlockSizes(16, 16), interpret=True, max_visits=longest - 1))
-    over_q = np.repeat(np.asarray(lists.count) > longest - 1, 16, axis=1)[:, :70]  # [B, S]
-    over_k = np.repeat(np.asarray(lists.q_count) > longest - 1, 16, axis=1)[:, :70]
+    short, _ = results(impl(longest - 1))
+    over_q = np.repeat(per_query > longest - 1, 16, axis=1)[:, :70]  # [B, S]
+    over_k = np.repeat(per_key > longest - 1, 16, axis=1)[:, :70]
     assert over_q.any() and not over_q.all() and over_k.any()
     out, lse, dq, dk, dv = short
     for name, x, rows in (("out", out, over_q), ("dq", dq, over_q), ("dk", dk, over_k),

@@ -53,12 +53,14 @@ def test_temp_hbm_stays_within_twice_the_arguments(generation):
 def test_the_time_estimate_follows_its_stated_model():
     """TPU_COMPILE.md's estimate (issue 37, item 6), on a made-up row without libtpu: one row
     of 256 tokens in 128 x 128 blocks on v5e (197 bf16 TFLOP/s, 820 GB/s in JAX's table),
-    3 visited block pairs per kv head. The forward's MXU time is 12 pairs x 2 matmuls x
-    2 G bq bk D flops at the peak; every estimate is max(MXU, HBM) plus its grid's steps at
-    0.35 us; HBM covers at least q, k, v and out once; a smaller grid costs less."""
+    3 visited block pairs per kv head, in 2 visits of one 256-token DMA block. The forward's
+    MXU time is 12 pairs x 2 matmuls x 2 G bq bk D flops at the peak; every estimate is
+    max(MXU, HBM) plus its grid's steps at 0.35 us; HBM covers at least q, k, v and out once;
+    a smaller grid costs less."""
     kernels = tpu_compile.KERNEL_ORDER
     row = dict(generation="v5e", batch=1, seq=256, causal=True, blocks=[128, 128],
-               visited_steps={k: 12 for k in kernels}, grid_steps={k: 16 for k in kernels},
+               visited_steps={k: 12 for k in kernels}, dma_visits={k: 8 for k in kernels},
+               dma_blocks={k: 256 for k in kernels}, grid_steps={k: 16 for k in kernels},
                prepared_grid_steps={k: 12 for k in kernels})
     e = tpu_compile.estimates(row)
     forward = e["rankattn_tpu_forward"]

@@ -3,19 +3,23 @@
 Three kernels, each over a grid (batch, kv head, step) whose first two dimensions are
 "parallel" and whose last, "arbitrary", walks a schedule made from a block plan's lists
 (:mod:`rankattn.blocks`, :func:`schedule`): per step, the own block (whose output the
-program accumulates), the visited block and what to do (compute it full or masked, or
-nothing; open and / or close the own block). The schedule is scalar prefetch (SMEM; int16
-while the indices fit, :func:`list_dtype`), so the BlockSpec index maps fetch only the
-listed blocks. For a plan prepared by :func:`rankattn.plan` and closed over, the grid is a
-step per visit plus one per own block that visits nothing (a step that only writes its
-output), for the longest batch row; under jit with traced segment ids it is the worst
-case, every block pair (steps past a list's count repeat its last block: no DMA, nothing
+program accumulates), the visited DMA block and what to do (open and / or close the own
+block; compute each compute block of the DMA block full or masked, or skip it). The
+visited side is fetched in DMA blocks of up to 4 compute blocks (512 tokens by default,
+:data:`TARGETS`, :func:`dma_lists`), as splash attention's block_kv is apart from its
+block_kv_compute: a quarter of the steps and their fixed cost, each DMA larger. The
+schedule is scalar prefetch (SMEM; int16 while the indices fit, :func:`list_dtype`), so
+the BlockSpec index maps fetch only the listed blocks. For a plan prepared by
+:func:`rankattn.plan` and closed over, the grid is a step per visited DMA block plus one
+per own block that visits nothing (a step that only writes its output), for the longest
+batch row; under jit with traced segment ids it is the worst case, every pair of an own
+block and a DMA block (steps past a list's count repeat its last block: no DMA, nothing
 computed, but the pipeline's per-step overhead). Batches whose schedules exceed the
 generation's SMEM budget run as several calls of fewer rows or own blocks:
 
 * forward, own blocks the query blocks: the online softmax over the key blocks of
-  ``kv_index[b, i]``, full blocks first (no mask arithmetic), then partial ones (the mask
-  from segment-id vectors, :func:`rankattn.semantics.sees_history`); at the own block's
+  ``kv_index[b, i]`` in order, full ones without mask arithmetic, partial ones masked
+  (from segment-id vectors, :func:`rankattn.semantics.sees_history`); at the own block's
   last step the candidates' own-key logit joins as one more column and out / lse are
   written.
 * dq, the same schedule, recomputing p from the saved log-sum-exp.
@@ -73,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -109,7 +114,10 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 class TpuTarget:
     """The TPU generation the kernels are configured for.
 
-    ``block_sizes``: query x key blocks (multiples of 128: both index lane-dense rows).
+    ``block_sizes``: query x key compute blocks (multiples of 128: both index lane-dense
+    rows). ``dma_block``: the tokens of a visited block as the pipeline fetches it, one DMA
+    holding up to :data:`MAX_SUB_BLOCKS` compute blocks (:func:`sub_blocks`): the key
+    blocks the forward and dq visit, the query blocks dk / dv visit.
     ``smem_budget``: bytes of scalar prefetch (the plan lists) one kernel call may hold;
     larger batches are split into calls of fewer rows (:func:`rows_per_call`), longer rows
     into calls over ranges of blocks (:func:`_call`).
@@ -120,18 +128,25 @@ class TpuTarget:
     block_sizes: BlockSizes
     smem_budget: int
     vmem_limit_bytes: int | None = None
+    dma_block: int = 512
 
 
 # Blocks per generation (benchmarks/TPU_COMPILE.md: all 144 configurations of float32 /
 # bfloat16 x D 64 / 128 / 256 x GQA 1 / 5 x causal x cap compile deviceless, forward and
-# backward, within Mosaic's default scoped VMEM: the largest plan, float32 D = 256 GQA 5, is
-# 6.3 MiB on v5e and 10.1 MiB on v6e / TPU7x, so no entry sets vmem_limit_bytes). 128 query
-# rows per head; the G heads of a group make G * 128 MXU rows. Keys: 128 on v5e (128 x 128
-# MXUs), 256 on v6e and TPU7x (256 x 256 MXUs, so a [rows, 256] logit tile fills one). No
-# TPU has timed them. The list budget is half of each generation's 1 MiB SMEM
+# backward). Compute blocks: 128 query rows per head, the G heads of a group making G * 128
+# MXU rows; keys 128 on v5e (128 x 128 MXUs), 256 on v6e and TPU7x (256 x 256 MXUs, so a
+# [rows, 256] logit tile fills one). DMA blocks: 512 tokens everywhere (4 compute blocks on
+# v5e, 2 of v6e's keys), a quarter of the grid steps of 128-token fetches, chosen from VMEM:
+# the largest plan, float32 D = 256 GQA 5, is 13.9 MiB on v5e and 17.7 MiB on v6e / TPU7x
+# (bf16 D = 128 GQA 5, Phoenix's: 3.6 / 4.7 MiB). v6e and TPU7x compile it within Mosaic's
+# default scoped VMEM; v5e's 16 MiB default fails it once Mosaic's temporaries join the plan
+# (CompileTimeScopedVmemOom), so v5e asks 32 MiB of its 128 MiB; 1024-token DMA blocks would double the
+# visited blocks' share and waste more of each fetch on a causal diagonal. No TPU has timed
+# them. The list budget is half of each generation's 1 MiB SMEM
 # (pltpu.get_tpu_info_for_chip), leaving room for Mosaic's own.
 TARGETS = {
-    "v5e": TpuTarget("v5e", BlockSizes(128, 128), smem_budget=512 << 10),
+    "v5e": TpuTarget("v5e", BlockSizes(128, 128), smem_budget=512 << 10,
+                     vmem_limit_bytes=32 << 20),
     "v6e": TpuTarget("v6e", BlockSizes(128, 256), smem_budget=512 << 10),
     "tpu7x": TpuTarget("tpu7x", BlockSizes(128, 256), smem_budget=512 << 10),
 }
@@ -176,11 +191,12 @@ def list_bytes(n_own: int, n_visits: int, dtype) -> int:
     return jnp.dtype(dtype).itemsize * 3 * n_own * n_visits
 
 
-def rows_per_call(batch: int, n_q: int, n_k: int, budget: int) -> int:
+def rows_per_call(batch: int, lists, budget: int) -> int:
     """How many batch rows one kernel call takes so its plan lists fit ``budget`` bytes (at
-    least one: :func:`_call` splits a row's blocks further)."""
-    dtype = list_dtype(n_q, n_k)
-    per_row = max(list_bytes(n_q, n_k, dtype), list_bytes(n_k, n_q, dtype))
+    least one: :func:`_call` splits a row's blocks further); ``lists``: each kernel's
+    (own blocks, visited DMA blocks) per row."""
+    per_row = max(list_bytes(n_own, n_visits, list_dtype(n_own, n_visits))
+                  for n_own, n_visits in lists)
     return max(1, min(batch, budget // per_row))
 
 
@@ -195,7 +211,7 @@ class _Static:
     own_key: bool     # self-attention with a mask: candidates add their own key
     positions: bool   # a ShardMask's positions (two more inputs), not the tokens' indices
     multiplied: bool  # a logit multiplier per query row (one more input)
-    block_q: int
+    block_q: int      # the compute blocks (the own blocks too)
     block_k: int
     group: int        # query heads per kv head
     q_len: int        # the queries' and keys' true lengths: a ragged last block reads past
@@ -203,9 +219,19 @@ class _Static:
     interpret: Any    # False, True or a pltpu.InterpretParams (hashable)
     vmem_limit_bytes: int | None
     smem_budget: int  # bytes of plan lists per kernel call (see _call)
+    q_sub: int = 1    # query blocks per DMA block (dk / dv visit them; sub_blocks)
+    k_sub: int = 1    # key blocks per DMA block (forward and dq visit them)
     count_visits: bool = False  # the forward also outputs visits per query block (tests)
     q_ranges: tuple = ()  # the query blocks of each forward / dq call (call_ranges)
     k_ranges: tuple = ()  # the key blocks of each dk / dv call
+
+    @property
+    def dma_q(self) -> int:
+        return self.q_sub * self.block_q
+
+    @property
+    def dma_k(self) -> int:
+        return self.k_sub * self.block_k
 
     def launch(self, name: str):
         semantics_ = ("parallel", "parallel", "arbitrary")
@@ -230,17 +256,55 @@ def _dot(a, b, contract):
 NN, NT = (1, 0), (1, 1)
 
 
-# A step's code in the schedule (:func:`schedule`): what it computes, and whether it opens
-# and / or closes its own block (initialises the accumulators; finishes and writes them).
+# A step's code in the schedule (:func:`schedule`): whether it opens and / or closes its own
+# block (initialises the accumulators; finishes and writes them), and what it computes in
+# each compute block of its visited DMA block, two bits each from KIND_SHIFT on.
+FIRST, LAST = 1, 2
+OVERFLOW = 4  # with LAST: the own block's list was longer than max_visits, its results NaN
 SKIP, FULL, PARTIAL = 0, 1, 2  # nothing; a full block (no mask arithmetic); a masked one
-FIRST, LAST = 4, 8
-OVERFLOW = 16  # with LAST: the own block's list was longer than max_visits, its results NaN
+KIND_SHIFT, KIND_BITS = 3, 2
+# Compute blocks per DMA block, at most: their kinds and the flags share one int16 code.
+MAX_SUB_BLOCKS = 4
 
 
-def schedule(index, full, count, max_visits: int | None = None):
-    """The flattened grid of one direction's block lists (index [B, nOwn, V], full and count
-    [B, nOwn]) as (own block, visited block, code) [B, steps] int32; code SKIP / FULL /
-    PARTIAL plus FIRST and / or LAST.
+def sub_blocks(dma_block: int, block: int, n_blocks: int) -> int:
+    """How many compute blocks of ``block`` tokens one DMA block of about ``dma_block``
+    tokens holds: at least 1, at most :data:`MAX_SUB_BLOCKS` and ``n_blocks`` (a sequence
+    shorter than a DMA block takes one DMA block of its compute blocks)."""
+    return max(1, min(MAX_SUB_BLOCKS, dma_block // block, n_blocks))
+
+
+def kinds_code(kinds):
+    """Per compute block kinds [..., f] (SKIP / FULL / PARTIAL) as one code [...]."""
+    shifts = KIND_SHIFT + KIND_BITS * np.arange(kinds.shape[-1])
+    return (kinds << shifts).sum(-1)
+
+
+def dma_lists(index, full, count, factor: int):
+    """One direction's block lists (index [B, nOwn, V], full and count [B, nOwn]: a
+    :class:`BlockPlan`'s, every list a permutation of the V visitable blocks) over DMA blocks
+    of ``factor`` of them: (index [B, nOwn, W], code [B, nOwn, W], count [B, nOwn]) with
+    W = ceil(V / factor); per own block the DMA blocks holding a visited block, in order,
+    each with its compute blocks' kinds (:func:`kinds_code`), then the others (code 0).
+    Sorts only (no gather: a gather's [..., n, 1] indices would be padded 128-fold on TPU)."""
+    batch, n_own, width = index.shape
+    place = jnp.argsort(index, axis=-1)  # each visitable block's place in its list
+    kind = jnp.where(place < full[..., None], FULL,
+                     jnp.where(place < count[..., None], PARTIAL, SKIP)).astype(jnp.int32)
+    n_dma = -(-width // factor)
+    kind = jnp.pad(kind, [(0, 0), (0, 0), (0, n_dma * factor - width)])
+    code = kinds_code(kind.reshape(batch, n_own, n_dma, factor))
+    unvisited = (code == 0).astype(jnp.int32)
+    dma = jnp.broadcast_to(jnp.arange(n_dma, dtype=jnp.int32), code.shape)
+    _, dma, code = jax.lax.sort((unvisited, dma, code), dimension=2, num_keys=1)
+    return dma, code, (1 - unvisited).sum(-1, dtype=jnp.int32)
+
+
+def schedule(index, code, count, max_visits: int | None = None):
+    """The flattened grid of one direction's DMA block lists (:func:`dma_lists`: index and
+    code [B, nOwn, W], count [B, nOwn]) as (own block, visited DMA block, step code)
+    [B, steps] int32; a step's code is its visited block's (the kinds of its compute
+    blocks) plus FIRST and / or LAST.
 
     Where the lists are known now (a plan prepared by :func:`rankattn.plan` and closed
     over, or an eager call), numpy arrays, compact: per batch row, every own block's visits
@@ -248,34 +312,33 @@ def schedule(index, full, count, max_visits: int | None = None):
     empty (it still opens and closes it, so its output is written); rows shorter than the
     longest repeat their last step (the same block indices: the pipeline fetches nothing,
     and nothing is computed). Steps: the longest row's visits plus its empty own blocks.
-    Where traced (under jit), the worst case: V steps per own block, or ``max_visits``
+    Where traced (under jit), the worst case: W steps per own block, or ``max_visits``
     where given, the ones past its count repeating its last visited block; an own block
     whose list is longer than ``max_visits`` visits its first ``max_visits`` blocks and
     its last step carries OVERFLOW (the kernels write NaN results for it: never a silently
     partial sum). Computed with broadcasts and reductions only, so no gather leaves a
     [..., n, 1] index array (TPU pads it 128-fold) around the kernels."""
-    known = [concrete(x) for x in (index, full, count)]
+    known = [concrete(x) for x in (index, code, count)]
     if all(x is not None for x in known):
         return _compact_schedule(*(np.asarray(x, np.int64) for x in known))
     batch, n_own, width = index.shape
     width = width if max_visits is None else min(width, max_visits)
-    index = index[..., :width]
-    count, full = count.astype(jnp.int32)[..., None], full.astype(jnp.int32)[..., None]
+    index, code = index[..., :width], code[..., :width]
+    count = count.astype(jnp.int32)[..., None]
     t = jnp.arange(width, dtype=jnp.int32)
     steps = jnp.minimum(jnp.maximum(count, 1), width)  # the steps that open, visit, close
     last_entry = jnp.sum(jnp.where(t == jnp.maximum(jnp.minimum(count, width) - 1, 0), index,
                                    0), axis=-1, keepdims=True)
     visit = jnp.where(t < count, index, last_entry).astype(jnp.int32)
-    kind = jnp.where(t < full, FULL, jnp.where(t < count, PARTIAL, SKIP))
     closes = t == steps - 1
-    code = (kind + FIRST * (t == 0) + LAST * closes
+    code = (jnp.where(t < count, code, 0) + FIRST * (t == 0) + LAST * closes
             + OVERFLOW * (closes & (count > width)))
     own = jnp.broadcast_to(jnp.arange(n_own, dtype=jnp.int32)[:, None], (n_own, width))
     return tuple(jnp.broadcast_to(x, (batch, n_own, width)).reshape(batch, n_own * width)
                  for x in (own, visit, code))
 
 
-def _compact_schedule(index, full, count):
+def _compact_schedule(index, code, count):
     """:func:`schedule` of known lists (numpy int64)."""
     batch, n_own, width = index.shape
     per_block = np.maximum(count, 1)
@@ -290,14 +353,17 @@ def _compact_schedule(index, full, count):
     def own_blocks(x):
         return np.take_along_axis(x, own, axis=1)
 
+    def entries(x):
+        return np.take_along_axis(x.reshape(batch, -1), entry, axis=1)
+
     t = step - own_blocks(start)
-    n, n_full = own_blocks(count), own_blocks(full)
+    n = own_blocks(count)
     entry = own * width + np.minimum(t, np.maximum(n - 1, 0))
-    visit = np.take_along_axis(index.reshape(batch, -1), entry, axis=1)
-    kind = np.where(t < n_full, FULL, np.where(t < n, PARTIAL, SKIP))
-    code = kind + FIRST * (t == 0) + LAST * (t == own_blocks(per_block) - 1)
-    code = np.where(np.arange(steps)[None] < total, code, SKIP)
-    return tuple(x.astype(np.int32) for x in (own, visit, code))
+    visit = entries(index)
+    step_code = (np.where(t < n, entries(code), 0) + FIRST * (t == 0)
+                 + LAST * (t == own_blocks(per_block) - 1))
+    step_code = np.where(np.arange(steps)[None] < total, step_code, 0)
+    return tuple(x.astype(np.int32) for x in (own, visit, step_code))
 
 
 def call_ranges(batch: int, n_own: int, n_visits: int, budget: int) -> list[range]:
@@ -310,32 +376,38 @@ def call_ranges(batch: int, n_own: int, n_visits: int, budget: int) -> list[rang
 
 class Schedules(NamedTuple):
     """The kernels' grids (scalar prefetch), one (own, visit, code, offset) per call:
-    ``queries`` for the forward and dq (own blocks: query blocks), ``keys`` for dk / dv;
-    offset [1] int32 is the call's first own block."""
+    ``queries`` for the forward and dq (own blocks: query blocks; visits: key DMA blocks),
+    ``keys`` for dk / dv (own: key blocks; visits: query DMA blocks); offset [1] int32 is
+    the call's first own block."""
 
     queries: tuple
     keys: tuple
 
 
-def schedules(plan: BlockPlan, budget: int, max_visits: int | None = None):
+def schedules(plan: BlockPlan, budget: int, max_visits: int | None, q_sub: int, k_sub: int):
     """(:class:`Schedules`, the query-block ranges, the key-block ranges): the
-    :func:`schedule` of each kernel call (:func:`call_ranges`) of ``plan``; ``max_visits``
-    bounds a traced plan's schedule (:func:`schedule`)."""
-    traced = concrete(plan.count) is None or concrete(plan.q_count) is None
+    :func:`schedule` of each kernel call (:func:`call_ranges`) of ``plan``, over DMA blocks
+    of ``k_sub`` key blocks (forward, dq) and ``q_sub`` query blocks (dk / dv);
+    ``max_visits`` bounds a traced plan's schedule (:func:`schedule`)."""
+    lists = (plan.kv_index, plan.full_count, plan.count, plan.q_index, plan.q_full_count,
+             plan.q_count)
+    traced = any(concrete(x) is None for x in lists)
 
-    def calls(index, full, count):
+    def calls(index, full, count, factor):
+        with jax.ensure_compile_time_eval():  # known lists stay known (numpy schedules)
+            index, code, count = dma_lists(index, full, count, factor)
         batch, n_own, width = index.shape
         dtype = list_dtype(n_own, width)
         bound = min(width, max_visits) if traced and max_visits is not None else width
         ranges = call_ranges(batch, n_own, bound, budget)
         return tuple(
             tuple(jnp.asarray(x, dtype) for x in schedule(
-                *(x[:, r.start:r.stop] for x in (index, full, count)), max_visits))
+                *(x[:, r.start:r.stop] for x in (index, code, count)), max_visits))
             + (jnp.array([r.start], jnp.int32),)
             for r in ranges), tuple(ranges)
 
-    queries, q_ranges = calls(plan.kv_index, plan.full_count, plan.count)
-    keys, k_ranges = calls(plan.q_index, plan.q_full_count, plan.q_count)
+    queries, q_ranges = calls(*lists[:3], k_sub)
+    keys, k_ranges = calls(*lists[3:], q_sub)
     return Schedules(queries, keys), q_ranges, k_ranges
 
 
@@ -378,36 +450,46 @@ def _finite_rows(x, first, length: int, rows_per_head: int):
     return jnp.where(ok, x, jnp.zeros((), x.dtype))
 
 
-def _q_rows(st: _Static, ref, first):
-    """The q block [G, n, D] whose first position is ``first`` as finite rows [G * n, D]."""
-    return _finite_rows(_rows(ref[...]), first, st.q_len, ref.shape[1])
+def _sub(c: int, n: int) -> slice:
+    """The rows of compute block c (``n`` tokens) within a DMA block: a static slice."""
+    return slice(c * n, (c + 1) * n)
 
 
-def _kv_rows(st: _Static, ref, first):
-    """The k or v block [n, W] whose first position is ``first``, finite."""
-    return _finite_rows(ref[...], first, st.kv_len, ref.shape[0])
+def _q_rows(st: _Static, ref, first, part=slice(None)):
+    """The rows ``part`` of the q block [G, n, D], whose first position is ``first``, as
+    finite rows [G * rows, D]."""
+    x = ref[:, part, :]
+    return _finite_rows(_rows(x), first, st.q_len, x.shape[1])
 
 
-def _d_out_rows(st: _Static, ref, lse_column):
-    """The dO block as rows [G * n, Dv], zero in the rows whose saved lse is +inf (poisoned
-    rows and those past the queries' end: :func:`_attention_bwd`), so that p = 0 there
-    meets a finite dO."""
-    return jnp.where(lse_column == jnp.inf, 0, _rows(ref[...])).astype(ref.dtype)
+def _kv_rows(st: _Static, ref, first, part=slice(None)):
+    """The rows ``part`` of the k or v block [n, W], whose first is at ``first``, finite."""
+    x = ref[part, :]
+    return _finite_rows(x, first, st.kv_len, x.shape[0])
 
 
-def _mask(st: _Static, r: dict, q_start, k_start, keys_major: bool = False):
-    """The history part of the mask (rankattn.semantics) for a block pair, bool [bq, bk],
-    from the kernel's segment-id refs seg_q [1, bq] and seg_k [1, bk] (lane-dense rows) and
+def _d_out_rows(st: _Static, ref, lse_column, part=slice(None)):
+    """The rows ``part`` of the dO block as rows [G * rows, Dv], zero in the rows whose
+    saved lse is +inf (poisoned rows and those past the queries' end:
+    :func:`_attention_bwd`), so that p = 0 there meets a finite dO."""
+    return jnp.where(lse_column == jnp.inf, 0, _rows(ref[:, part, :])).astype(ref.dtype)
+
+
+def _mask(st: _Static, r: dict, q_start, k_start, q_part=slice(None), k_part=slice(None),
+          keys_major: bool = False):
+    """The history part of the mask (rankattn.semantics) for a pair of compute blocks, bool
+    [bq, bk], from the lanes ``q_part`` and ``k_part`` of the kernel's segment-id refs seg_q
+    and seg_k (lane-dense rows [1, n]: a DMA block's hold several compute blocks) and
     either the position refs pos_q / pos_k (a ShardMask's) or the blocks' first indices.
     ``keys_major``: the transposed mask of the group, [bk, G * bq] (keys on rows, the
     queries of each head on lanes), built at that width: Mosaic cannot concatenate bool
     vectors at lane offsets that are not multiples of 128."""
     if st.positions:
-        pos_q, pos_k = r["pos_q"][...], r["pos_k"][...]
+        pos_q, pos_k = r["pos_q"][:, q_part], r["pos_k"][:, k_part]
     else:
         pos_q = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, st.block_q), 1)
         pos_k = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)
-    seg_q, seg_k = r["seg_q"][...], r["seg_k"][...]
+    seg_q, seg_k = r["seg_q"][:, q_part], r["seg_k"][:, k_part]
     if keys_major:
         def tiled(row):
             return jnp.concatenate([row] * st.group, axis=1)
@@ -424,9 +506,11 @@ def _segment_names(st: _Static) -> list[str]:
 def _segment_specs(st: _Static, seg, queries_visited: bool):
     """(BlockSpecs, arrays) of ``seg`` (seg_q and seg_k [B, 1, S] and, with st.positions,
     pos_q / pos_k alike): the query side at the program's own block and the key side at the
-    visited one, or the other way round (dk / dv)."""
-    q_side = _spec(st, "seg_row", st.block_q, visited=queries_visited)
-    k_side = _spec(st, "seg_row", st.block_k, visited=not queries_visited)
+    visited DMA block, or the other way round (dk / dv)."""
+    q_side = _spec(st, "seg_row", st.dma_q if queries_visited else st.block_q,
+                   visited=queries_visited)
+    k_side = _spec(st, "seg_row", st.block_k if queries_visited else st.dma_k,
+                   visited=not queries_visited)
     return [q_side, k_side] * (len(seg) // 2), list(seg)
 
 
@@ -457,20 +541,23 @@ class _Step:
         self.b, p = pl.program_id(0), pl.program_id(2)
         self.own = own_ref[self.b, p].astype(jnp.int32)
         self.block = offset_ref[0] + self.own
-        self.visit = visit_ref[self.b, p].astype(jnp.int32)
-        code = code_ref[self.b, p].astype(jnp.int32)
-        self.kind = code & 3
-        self.first, self.last = (code & FIRST) != 0, (code & LAST) != 0
-        self.overflow = (code & OVERFLOW) != 0  # its results NaN (schedule's max_visits)
+        self.visit = visit_ref[self.b, p].astype(jnp.int32)  # a DMA block
+        self.code = code_ref[self.b, p].astype(jnp.int32)
+        self.first, self.last = (self.code & FIRST) != 0, (self.code & LAST) != 0
+        self.overflow = (self.code & OVERFLOW) != 0  # its results NaN (schedule's max_visits)
 
     def nan_if_overflow(self, x):
         """x, or NaN throughout where this own block's list overran max_visits."""
         return jnp.where(self.overflow, jnp.nan, x)
 
-    def visits(self, visit):
-        """Run ``visit(masked)`` if this step computes a block: full or partial."""
-        pl.when(self.kind == FULL)(lambda: visit(False))
-        pl.when(self.kind == PARTIAL)(lambda: visit(True))
+    def visits(self, visit, n_sub: int):
+        """Run ``visit(c, masked)`` for each of the visited DMA block's ``n_sub`` compute
+        blocks c that this step computes, full or partial (unrolled: the slices of the DMA
+        block stay static)."""
+        for c in range(n_sub):
+            kind = (self.code >> (KIND_SHIFT + KIND_BITS * c)) & (2 ** KIND_BITS - 1)
+            pl.when(kind == FULL)(functools.partial(visit, c, False))
+            pl.when(kind == PARTIAL)(functools.partial(visit, c, True))
 
 
 # The operands' layouts (module docstring): name -> (the block shape holding ``rows``
@@ -557,20 +644,20 @@ def _forward_kernel(own_ref, visit_ref, code_ref, offset_ref, *refs, st: _Static
 
     q_start = step.block * st.block_q
 
-    def visit(masked: bool):
-        j = step.visit
+    def visit(c: int, masked: bool):
+        part, k_start = _sub(c, st.block_k), step.visit * st.dma_k + c * st.block_k
         q = _q_rows(st, r["q"], q_start)
-        k, v = (_kv_rows(st, r[n], j * st.block_k) for n in ("k", "v"))
+        k, v = (_kv_rows(st, r[n], k_start, part) for n in ("k", "v"))
         s2, _ = flash_math.capped_logits(st, _dot(q, k, NT))
-        s2 = flash_math.times(s2, mult) + r["poison"][...]  # NaN for keys with non-finite k / v
+        s2 = flash_math.times(s2, mult) + r["poison"][:, part]  # NaN: keys with non-finite k, v
         if masked:
-            s2 = _masked(st, s2, _mask(st, r, q_start, j * st.block_k))
+            s2 = _masked(st, s2, _mask(st, r, q_start, k_start, k_part=part))
         r["acc"][...], r["m"][...], r["l"][...] = flash_math.online_softmax_step(
             s2, v, r["m"][...], r["l"][...], r["acc"][...], lambda p, v: _dot(p, v, NN))
         if st.count_visits:
             r["visits"][...] += 1
 
-    step.visits(visit)
+    step.visits(visit, st.k_sub)
 
     @pl.when(step.last)
     def _():
@@ -597,10 +684,11 @@ def _forward(st: _Static, q, k, v, seg, grids: Schedules, poison, multiplier):
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
     n_q = st.q_ranges[-1].stop
-    bq, bk = st.block_q, st.block_k
+    bq = st.block_q
     in_specs, args = _segment_specs(st, seg, queries_visited=False)
-    in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
-                 _spec(st, "kv", bk, dv, visited=True), _spec(st, "kv_row", bk, visited=True)]
+    in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", st.dma_k, d, visited=True),
+                 _spec(st, "kv", st.dma_k, dv, visited=True),
+                 _spec(st, "kv_row", st.dma_k, visited=True)]
     args += [q, k, v, poison]
     if st.own_key:  # the keys, values and poison at the query block's own positions
         in_specs += [_spec(st, "kv", bq, d), _spec(st, "kv", bq, dv), _spec(st, "kv_row", bq)]
@@ -643,20 +731,20 @@ def _dq_kernel(own_ref, visit_ref, code_ref, offset_ref, *refs, st: _Static):
     q_start = step.block * st.block_q
     lse = _group_column(r["lse"][...])  # [G * bq, 1]
 
-    def visit(masked: bool):
-        j = step.visit
-        k, v = (_kv_rows(st, r[n], j * st.block_k) for n in ("k", "v"))
+    def visit(c: int, masked: bool):
+        part, k_start = _sub(c, st.block_k), step.visit * st.dma_k + c * st.block_k
+        k, v = (_kv_rows(st, r[n], k_start, part) for n in ("k", "v"))
         qk = _dot(_q_rows(st, r["q"], q_start), k, NT)
         s2, s = flash_math.capped_logits(st, qk)
         s2 = flash_math.times(s2, mult)
         if masked:
-            s2 = _masked(st, s2, _mask(st, r, q_start, j * st.block_k))
+            s2 = _masked(st, s2, _mask(st, r, q_start, k_start, k_part=part))
         p = jnp.exp2(s2 - flash_math.lse2(lse))
         dp = _dot(_d_out_rows(st, r["do"], lse), v, NT)
         ds = flash_math.logit_grads(st, p, dp, _group_column(r["delta"][...]), s, mult)
         r["acc"][...] += _dot(ds.astype(k.dtype), k, NN)
 
-    step.visits(visit)
+    step.visits(visit, st.k_sub)
 
     @pl.when(step.last)
     def _():
@@ -682,10 +770,10 @@ def _dq(st: _Static, q, k, v, seg, grids: Schedules, d_out, lse, delta, multipli
     in the rows that pass no gradient: :func:`_attention_bwd`)."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
-    bq, bk = st.block_q, st.block_k
+    bq = st.block_q
     in_specs, args = _segment_specs(st, seg, queries_visited=False)
-    in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", bk, d, visited=True),
-                 _spec(st, "kv", bk, dv, visited=True), _spec(st, "group", bq, dv),
+    in_specs += [_spec(st, "group", bq, d), _spec(st, "kv", st.dma_k, d, visited=True),
+                 _spec(st, "kv", st.dma_k, dv, visited=True), _spec(st, "group", bq, dv),
                  _spec(st, "group_row", bq), _spec(st, "group_row", bq)]
     args += [q, k, v, d_out, lse, delta]
     if st.own_key:
@@ -720,25 +808,26 @@ def _dkv_kernel(own_ref, visit_ref, code_ref, offset_ref, *refs, st: _Static):
         r["dk_acc"][...] = jnp.zeros(r["dk_acc"].shape, jnp.float32)
         r["dv_acc"][...] = jnp.zeros(r["dv_acc"].shape, jnp.float32)
 
-    def visit(masked: bool):
-        i = step.visit
+    def visit(c: int, masked: bool):
         # Key-major: s^T = k q^T [bk, G * bq], so dv = p^T dO and dk = ds^T q are plain
         # products and the queries' lse / delta / multiplier are lane-dense rows.
-        q = _q_rows(st, r["q"], i * st.block_q)
-        do = _d_out_rows(st, r["do"], _group_column(r["lse"][...]))
-        mult = _group_row(r["mult"][...]) if st.multiplied else None
+        part, q_start = _sub(c, st.block_q), step.visit * st.dma_q + c * st.block_q
+        q = _q_rows(st, r["q"], q_start, part)
+        lse = r["lse"][:, part]  # [G, bq]
+        do = _d_out_rows(st, r["do"], _group_column(lse), part)
+        mult = _group_row(r["mult"][:, part]) if st.multiplied else None
         s2, s = flash_math.capped_logits(st, _dot(k, q, NT))
         s2 = flash_math.times(s2, mult)
         if masked:
-            mask = _mask(st, r, i * st.block_q, k_start, keys_major=True)
+            mask = _mask(st, r, q_start, k_start, q_part=part, keys_major=True)
             s2 = jnp.where(mask, s2, -jnp.inf)
-        p = jnp.exp2(s2 - flash_math.lse2(_group_row(r["lse"][...])))
+        p = jnp.exp2(s2 - flash_math.lse2(_group_row(lse)))
         r["dv_acc"][...] += _dot(p.astype(do.dtype), do, NN)
-        ds = flash_math.logit_grads(st, p, _dot(v, do, NT), _group_row(r["delta"][...]), s,
-                                    mult)
+        ds = flash_math.logit_grads(st, p, _dot(v, do, NT), _group_row(r["delta"][:, part]),
+                                    s, mult)
         r["dk_acc"][...] += _dot(ds.astype(q.dtype), q, NN)
 
-    step.visits(visit)
+    step.visits(visit, st.q_sub)
 
     @pl.when(step.last)
     def _():
@@ -764,15 +853,15 @@ def _dkv(st: _Static, q, k, v, seg, grids: Schedules, d_out, lse, delta, multipl
     """dk [B, Hkv, Skv, D] and dv [B, Hkv, Skv, Dv]; other arguments as :func:`_dq`."""
     b, hkv, g, _, d = q.shape
     dv = v.shape[-1]
-    bq, bk = st.block_q, st.block_k
+    bk = st.block_k
     in_specs, args = _segment_specs(st, seg, queries_visited=True)
-    in_specs += [_spec(st, "group", bq, d, visited=True), _spec(st, "kv", bk, d),
-                 _spec(st, "kv", bk, dv), _spec(st, "group", bq, dv, visited=True),
-                 _spec(st, "group_row", bq, visited=True),
-                 _spec(st, "group_row", bq, visited=True)]
+    in_specs += [_spec(st, "group", st.dma_q, d, visited=True), _spec(st, "kv", bk, d),
+                 _spec(st, "kv", bk, dv), _spec(st, "group", st.dma_q, dv, visited=True),
+                 _spec(st, "group_row", st.dma_q, visited=True),
+                 _spec(st, "group_row", st.dma_q, visited=True)]
     args += [q, k, v, d_out, lse, delta]
     if st.multiplied:
-        in_specs.append(_spec(st, "group_row", bq, visited=True))
+        in_specs.append(_spec(st, "group_row", st.dma_q, visited=True))
         args.append(multiplier)
     if st.own_key:
         in_specs += [_spec(st, "seg_row", bk), _spec(st, "group", bk, d),
@@ -839,7 +928,8 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
                   softcap_method: str, block_sizes: BlockSizes, block_plan: BlockPlan | None = None,
                   interpret=False, logit_multiplier=None, shard_mask=None,
                   smem_budget: int = 512 << 10, vmem_limit_bytes: int | None = None,
-                  max_visits: int | None = None, count_visits: bool = False):
+                  dma_block: int = 512, max_visits: int | None = None,
+                  count_visits: bool = False):
     """Blocked attention on Pallas Mosaic TPU; arguments and results as
     :func:`rankattn.attention` (q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv];
     out [B, Sq, Hq, Dv] in q's dtype, lse float32 [B, Hq, Sq]; ``logit_multiplier``:
@@ -848,7 +938,8 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
     keys bring their own segment ids and every token its position: the history part only).
 
     ``max_visits``: see :class:`PallasTpu`.
-    ``block_sizes``: as :func:`plan_sizes` gives them for this length. ``block_plan``, if
+    ``block_sizes``: the compute blocks, as :func:`plan_sizes` gives them for this length;
+    ``dma_block``: the visited blocks' DMA (:func:`sub_blocks`). ``block_plan``, if
     given, is the self-attention plan of these segment ids at those sizes; without one it
     is made here. The kernels' plan lists (scalar prefetch) stay within ``smem_budget``
     bytes per call: calls take chunks of batch rows (:func:`rows_per_call`), and a row whose
@@ -862,11 +953,14 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
     bq, bk = block_sizes.block_q, block_sizes.block_k
     seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, block_sizes, causal,
                                                  block_plan, shard_mask)
+    n_q, n_k = block_plan.kv_index.shape[1:]
+    q_sub, k_sub = sub_blocks(dma_block, bq, n_q), sub_blocks(dma_block, bk, n_k)
     # q, k and v are read as given, their last blocks ragged (the kernels zero what lies
     # past their ends). The per-position rows (segment ids, positions, poison, multiplier,
-    # lse, delta) are padded, to one length for queries and keys: the own-key term reads
-    # keys at query blocks and queries at key blocks. Padding has segment id 0: invisible.
-    length = round_up(max(sq, skv), max(bq, bk))
+    # lse, delta) are padded, to one length for queries and keys (the own-key term reads
+    # keys at query blocks and queries at key blocks) covering every DMA block. Padding has
+    # segment id 0: invisible.
+    length = round_up(max(sq, skv), math.lcm(q_sub * bq, k_sub * bk))
     seg_q, seg_k = pad_axis1(seg_q, length), pad_axis1(seg_k, length)
     positions = ()
     if shard_mask is not None:  # padding repeats the last position (blocks.pad_positions)
@@ -887,10 +981,9 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
                  block_q=bq, block_k=bk, group=hq // hkv, q_len=sq, kv_len=skv,
                  interpret=interpret,
                  vmem_limit_bytes=vmem_limit_bytes, smem_budget=smem_budget,
-                 count_visits=count_visits)
+                 q_sub=q_sub, k_sub=k_sub, count_visits=count_visits)
 
-    n_q, n_k = block_plan.kv_index.shape[1:]
-    chunk = rows_per_call(b, n_q, n_k, smem_budget)
+    chunk = rows_per_call(b, [(n_q, -(-n_k // k_sub)), (n_k, -(-n_q // q_sub))], smem_budget)
     results = []
     for start in range(0, b, chunk):
         rows = slice(start, start + chunk)
@@ -901,7 +994,7 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
         plan = jax.tree.map(lambda x: x[rows], block_plan)
         # The schedules are made here, where a prepared plan's lists are still known (inside
         # the custom VJP every operand is traced): their lengths are the grids'.
-        grids, q_ranges, k_ranges = schedules(plan, smem_budget, max_visits)
+        grids, q_ranges, k_ranges = schedules(plan, smem_budget, max_visits, q_sub, k_sub)
         st_rows = dataclasses.replace(st, q_ranges=q_ranges, k_ranges=k_ranges)
         core = _forward if count_visits else _attention
         results.append(core(st_rows, q_h[rows], k_h[rows], v_h[rows], seg, grids, poison[rows],
@@ -921,16 +1014,20 @@ class PallasTpu(Backend):
     the device on a TPU machine and uses ``PORTABLE_TARGET`` (v5e's) elsewhere; or "v5e",
     "v6e", "tpu7x", a :class:`TpuTarget`. ``block_sizes`` overrides the target's blocks
     (block_q a multiple of 8, block_k of 8, one dividing the other; on a TPU both must be
-    multiples of 128, since both index lane-dense rows, unless a call fits one block).
+    multiples of 128, since both index lane-dense rows, unless a call fits one block): the
+    compute blocks. ``dma_block`` overrides the target's DMA block (tokens): the visited
+    blocks (keys in the forward and dq, queries in dk / dv) are fetched that many tokens at
+    a time and computed block by block, each step skipping the compute blocks its plan
+    skips (:func:`sub_blocks`: up to 4 compute blocks a DMA block).
 
     ``max_visits`` bounds the grid where the block plan is traced (segment ids traced under
     jit, or a plan passed into jit as an argument): each query block then gets at most that
-    many steps over key blocks (and each key block over query blocks in the backward)
-    instead of one per block. A block whose list is longer comes back NaN (out and lse of
-    its queries, dq, or dk / dv of its keys): never a silently partial sum. Leave it None
-    unless you know your masks' longest list (a causal row of n blocks visits up to n); a
-    plan prepared by :func:`rankattn.plan` and closed over needs no bound, its grid being
-    exactly its visits.
+    many steps over key DMA blocks (and each key block over query DMA blocks in the
+    backward) instead of one per DMA block. A block whose list is longer comes back NaN (out
+    and lse of its queries, dq, or dk / dv of its keys): never a silently partial sum. Leave
+    it None unless you know your masks' longest list (a causal row of n tokens visits up to
+    n / dma_block DMA blocks, rounded up); a plan prepared by :func:`rankattn.plan` and
+    closed over needs no bound, its grid being exactly its visits.
 
     ``interpret``: False (default) compiles for the TPU; True runs the same kernels in
     Pallas' generic interpreter on any backend (CPU included; slow, for tests); a
@@ -947,7 +1044,7 @@ class PallasTpu(Backend):
     takes_shard_mask = True
 
     def __init__(self, block_sizes: BlockSizes | None = None, *, target=None, interpret=False,
-                 max_visits: int | None = None):
+                 dma_block: int | None = None, max_visits: int | None = None):
         if block_sizes is not None:
             bq, bk = block_sizes.block_q, block_sizes.block_k
             if bq % SUBLANES or bk % SUBLANES or (max(bq, bk) % min(bq, bk)):
@@ -959,6 +1056,11 @@ class PallasTpu(Backend):
                 and isinstance(interpret, pltpu.InterpretParams)):
             raise fail("RA116", f"PallasTpu interpret={interpret!r}; pass True, False or a "
                                 "jax.experimental.pallas.tpu.InterpretParams(...).")
+        if dma_block is not None and (isinstance(dma_block, bool) or not isinstance(
+                dma_block, int) or dma_block < 1 or dma_block % SUBLANES):
+            raise fail("RA116", f"PallasTpu dma_block={dma_block!r}; pass None (the target's) "
+                                f"or a positive multiple of {SUBLANES} tokens, e.g. 512 (a "
+                                "multiple of the blocks; a multiple of 128 on a TPU).")
         if max_visits is not None and (isinstance(max_visits, bool)
                                        or not isinstance(max_visits, int) or max_visits < 1):
             raise fail("RA116", f"PallasTpu max_visits={max_visits!r}; pass None (every block "
@@ -967,6 +1069,7 @@ class PallasTpu(Backend):
         self.block_sizes = block_sizes
         self.target = None if target is None else target_of(target)
         self.interpret = interpret
+        self.dma_block = dma_block
         self.max_visits = max_visits
 
     def tpu_target(self) -> TpuTarget:
@@ -983,6 +1086,10 @@ class PallasTpu(Backend):
     def sizes(self, seq_len: int) -> BlockSizes:
         """The blocks of a call of ``seq_len`` tokens (queries or keys, the longer)."""
         return plan_sizes(self.block_sizes or self.tpu_target().block_sizes, seq_len)
+
+    def dma(self) -> int:
+        """The DMA block (tokens) the kernels fetch visited blocks by."""
+        return self.dma_block or self.tpu_target().dma_block
 
     def platform_reasons(self) -> list[str]:
         if IMPORT_ERROR is not None:
@@ -1004,14 +1111,15 @@ class PallasTpu(Backend):
         seq = max(call.q.shape[1], call.k.shape[1])
         sizes = self.sizes(seq)
         n_q, n_k = -(-seq // sizes.block_q), -(-seq // sizes.block_k)
-        one_block = list_bytes(1, min(max(n_q, n_k), self.max_visits or max(n_q, n_k)),
-                               list_dtype(n_q, n_k))
+        visits = max(-(-n_k // sub_blocks(self.dma(), sizes.block_k, n_k)),
+                     -(-n_q // sub_blocks(self.dma(), sizes.block_q, n_q)))
+        one_block = list_bytes(1, min(visits, self.max_visits or visits), list_dtype(n_q, n_k))
         budget = self.tpu_target().smem_budget
         if one_block > budget:
             return [f"pallas_tpu: one block's list of {seq} tokens at blocks {sizes.block_q} x "
-                    f"{sizes.block_k} takes {one_block} bytes of SMEM, over the {budget}-byte "
-                    f"budget of {self.tpu_target().name}; pass larger block_sizes, or use "
-                    "impl='xla'"]
+                    f"{sizes.block_k} (DMA blocks of {self.dma()}) takes {one_block} bytes of "
+                    f"SMEM, over the {budget}-byte budget of {self.tpu_target().name}; pass "
+                    "larger block_sizes or dma_block, or use impl='xla'"]
         return []
 
     def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
@@ -1027,7 +1135,7 @@ class PallasTpu(Backend):
                              block_plan=blocks, interpret=self.interpret,
                              logit_multiplier=call.logit_multiplier,
                              shard_mask=call.shard_mask, smem_budget=target.smem_budget,
-                             vmem_limit_bytes=target.vmem_limit_bytes,
+                             vmem_limit_bytes=target.vmem_limit_bytes, dma_block=self.dma(),
                              max_visits=self.max_visits)
 
     @staticmethod
@@ -1039,6 +1147,8 @@ class PallasTpu(Backend):
         options = [f"{self.block_sizes or 'blocks per TPU generation'}"]
         if self.target is not None:
             options.append(f"target={self.target.name}")
+        if self.dma_block is not None:
+            options.append(f"dma_block={self.dma_block}")
         if self.interpret is not False:
             options.append(f"interpret={self.interpret!r}")
         if self.max_visits is not None:
