@@ -519,9 +519,10 @@ def test_the_schedule_visits_each_list_in_order_and_then_repeats_its_last_step()
 def test_max_visits_bounds_a_traced_grid_and_an_overrun_block_is_nan():
     """Under jit with traced segment ids the grid is every pair of a block and a DMA block
     (5 x 3 steps at 70 tokens in 16-token blocks, DMA blocks of 2); PallasTpu(max_visits=M)
-    makes it 5 x M. With M the longest list of DMA blocks the results are the same bits. With one less, the blocks whose lists overran come
-    back NaN (out and lse of their queries, dq of their queries, dk / dv of their keys),
-    never a partial sum, and every other query's out and lse are the same bits."""
+    makes it 5 x M. With M the longest list of DMA blocks the results are the same bits.
+    With one less, the blocks whose lists overran come back NaN (out and lse of their
+    queries, dq of their queries, dk / dv of their keys), never a partial sum, and every
+    other query's out and lse are the same bits."""
     q, k, v, w = random_qkv(31, 2, 70, 4, 2, 8)
     seg = jnp.asarray(random_segments(32, 2, 70, "packed"))
     _, _, lists = segments_and_plan(seg, 2, 70, 70, BlockSizes(16, 16), True)

@@ -140,9 +140,9 @@ class TpuTarget:
 # the largest plan, float32 D = 256 GQA 5, is 13.9 MiB on v5e and 17.7 MiB on v6e / TPU7x
 # (bf16 D = 128 GQA 5, Phoenix's: 3.6 / 4.7 MiB). v6e and TPU7x compile it within Mosaic's
 # default scoped VMEM; v5e's 16 MiB default fails it once Mosaic's temporaries join the plan
-# (CompileTimeScopedVmemOom), so v5e asks 32 MiB of its 128 MiB; 1024-token DMA blocks would double the
-# visited blocks' share and waste more of each fetch on a causal diagonal. No TPU has timed
-# them. The list budget is half of each generation's 1 MiB SMEM
+# (CompileTimeScopedVmemOom), so v5e asks 32 MiB of its 128 MiB; 1024-token DMA blocks
+# would double the visited blocks' share and waste more of each fetch on a causal diagonal.
+# No TPU has timed them. The list budget is half of each generation's 1 MiB SMEM
 # (pltpu.get_tpu_info_for_chip), leaving room for Mosaic's own.
 TARGETS = {
     "v5e": TpuTarget("v5e", BlockSizes(128, 128), smem_budget=512 << 10,
