@@ -160,6 +160,10 @@ ERROR_CASES = [
      ["impls=['xla']", "impl=['xla']"]),
     ("multiplier-shape", "RA127", T, lambda: attend(logit_multiplier=np.ones((2, 7))),
      ["logit_multiplier", "(2, 7)", "[B, Sq] = (2, 8)"]),
+    ("mosaic-interpret-under-jit", "RA128", V,
+     lambda: jax.jit(lambda q: attend(q=q, k=q, v=q, impl=rankattn.backends.MosaicGpu(
+         interpret=True)))(x(dtype=jnp.bfloat16)),
+     ["MosaicGpu(interpret=True)", "jax.jit", "eagerly"]),
     ("phoenix-temp-shape", "RA124", V,
      lambda: rankattn.phoenix.ranker_attention_v2.mha(x(), x(h=1), x(h=1), np.ones((2, 9)), SEG),
      ["temp", "(2, 9)", "(2, 8)"]),

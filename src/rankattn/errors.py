@@ -227,6 +227,16 @@ _KINDS = [
         "real factor per query, [B, Sq], or per query and head, [B, Sq, Hq].",
         "Pass an int or float array shaped [B, Sq] or [B, Sq, Hq] (e.g. Phoenix's temp), or "
         "None for no multiplier.", RankattnTypeError),
+    ErrorKind(
+        "RA128", "a kernel interpreter cannot run under jit here",
+        "MosaicGpu(interpret=True) runs its kernel in JAX's Mosaic GPU interpreter, whose "
+        "warpgroups are threads that each run jitted code and wait on each other's barriers. "
+        "Inside an outer jit on a machine with few cores they can wait for XLA CPU threads "
+        "the outer program holds: measured, a deadlock on 2 cores. rankattn refuses the call "
+        "rather than hang.",
+        "Call it outside jax.jit (eagerly: jax.grad and jax.vjp are fine), or use "
+        "impl=rankattn.backends.PallasTriton(interpret=True) or impl='xla' under jit; on a "
+        "Hopper GPU use MosaicGpu() (compiled, no interpreter)."),
     # --- The Flax NNX adapter, rankattn.flax (RA3xx). ------------------------------------------
     # Listed here rather than registered by rankattn.flax, which imports flax: the catalog and
     # docs/errors.md must not depend on an optional package being installed.

@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,9 +64,9 @@ except ImportError as error:  # pragma: no cover - depends on the installed JAX
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def plan_sizes(sizes: BlockSizes, seq_len: int) -> BlockSizes:
-    """Blocks no longer than the sequence needs (a power of two >= 16)."""
-    longest = max(MIN_BLOCK, next_power_of_2(seq_len))
+def plan_sizes(sizes: BlockSizes, seq_len: int, smallest: int = MIN_BLOCK) -> BlockSizes:
+    """Blocks no longer than the sequence needs (a power of two >= ``smallest``)."""
+    longest = max(smallest, next_power_of_2(seq_len))
     return BlockSizes(min(sizes.block_q, longest), min(sizes.block_k, longest))
 
 
@@ -88,6 +89,9 @@ class _Static:
     num_warps: int
     num_stages: int
     interpret: bool
+    # The forward kernel: None for this module's; or another with :func:`_forward`'s contract
+    # and lse (rankattn.backends.mosaic_gpu), whose results these backward kernels take.
+    forward: Callable | None = None
 
     def launch(self):
         return dict(interpret=self.interpret,
@@ -467,11 +471,11 @@ def _dkv_call(st: _Static, grads: tuple[str, ...], q, k, v, seg, plan: BlockPlan
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
-    return _forward(st, q, k, v, seg, plan, poison, multiplier)
+    return (st.forward or _forward)(st, q, k, v, seg, plan, poison, multiplier)
 
 
 def _attention_fwd(st, q, k, v, seg, plan, poison, multiplier):
-    out, lse = _forward(st, q, k, v, seg, plan, poison, multiplier)
+    out, lse = (st.forward or _forward)(st, q, k, v, seg, plan, poison, multiplier)
     return (out, lse), (q, k, v, seg, plan, out, lse, multiplier)
 
 
@@ -498,25 +502,30 @@ def _pad_last(x, length: int):
     return x if not extra else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def _pad_head_dim(x):
-    """Zero-pad the last axis to a power of two >= 16 (zeros change no dot product)."""
-    return _pad_last(x, padded_head_dim(x.shape[-1]))
+def _pad_head_dim(x, multiple: int = 1):
+    """Zero-pad the last axis to a power of two >= 16 and a multiple of ``multiple`` (zeros
+    change no dot product)."""
+    return _pad_last(x, round_up(padded_head_dim(x.shape[-1]), multiple))
 
 
 def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: float | None,
                      softcap_method: str, config: KernelConfig,
                      block_plan: BlockPlan | None = None,
                      precision: str = "highest", interpret: bool = False,
-                     logit_multiplier=None):
+                     logit_multiplier=None, forward: Callable | None = None,
+                     head_dim_multiple: int = 1, smallest_block: int = MIN_BLOCK):
     """Blocked attention on Pallas/Triton; arguments and results as :func:`rankattn.attention`
     (``logit_multiplier``: float32 [B, Sq, Hq], finite, or None).
 
     ``block_plan``, if given, is the self-attention plan of these segment ids
-    at ``plan_sizes(config.block_sizes, S)``; without one it is made here.
+    at ``plan_sizes(config.block_sizes, S)``; without one it is made here. ``forward``
+    replaces the forward kernel (see ``_Static.forward``); ``head_dim_multiple``: head
+    dims are padded to a multiple of it too, and ``smallest_block`` bounds the blocks of
+    short sequences from below (that kernel's tiles).
     """
     b, sq, hq, d = q.shape
     skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
-    sizes = plan_sizes(config.block_sizes, max(sq, skv))
+    sizes = plan_sizes(config.block_sizes, max(sq, skv), smallest_block)
     bq, bk = sizes.block_q, sizes.block_k
     seg_q, seg_k, block_plan = segments_and_plan(segment_ids, b, sq, skv, sizes, causal,
                                                  block_plan)
@@ -526,7 +535,7 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
     seg = (pad_axis1(seg_q, s_pad), pad_axis1(seg_k, s_pad))
     (q, q_poison), (k, k_poison), (v, v_poison) = map(semantics.split_nonfinite, (q, k, v))
     poison = pad_axis1(k_poison + v_poison, s_pad).transpose(0, 2, 1)  # [B, Hkv, S_pad]
-    q_p, k_p, v_p = (pad_axis1(_pad_head_dim(x), s_pad) for x in (q, k, v))
+    q_p, k_p, v_p = (pad_axis1(_pad_head_dim(x, head_dim_multiple), s_pad) for x in (q, k, v))
 
     d_pad, dv_pad = q_p.shape[-1], v_p.shape[-1]
     multiplier = None
@@ -539,7 +548,7 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
                  num_warps=config.num_warps,
                  num_stages=(config.num_stages
                              or _default_stages(sizes, d_pad, dv_pad, q.dtype.itemsize)),
-                 interpret=interpret)
+                 interpret=interpret, forward=forward)
     out, lse = _attention(st, q_p, k_p, v_p, seg, block_plan, poison, multiplier)
     return semantics.poison_rows(out[:, :sq, :, :dv], lse[:, :, :sq], q_poison)
 
