@@ -31,6 +31,10 @@ if os.environ.get("RANKATTN_MESH_TESTS") != "1":
     collect_ignore_glob = ["distributed/*"]
 if os.environ.get("RANKATTN_RANKER_TESTS") != "1":
     collect_ignore_glob = [*globals().get("collect_ignore_glob", []), "ranker/*"]
+# tests/mosaic/ runs the Mosaic GPU interpreter (threads, patched internals):
+# tests/test_mosaic_gpu.py runs it in a subprocess with RANKATTN_MOSAIC_TESTS=1.
+if os.environ.get("RANKATTN_MOSAIC_TESTS") != "1":
+    collect_ignore_glob = [*globals().get("collect_ignore_glob", []), "mosaic/*"]
 # tests/x64/ needs jax_enable_x64, fixed when JAX starts: tests/test_float64.py runs it.
 if os.environ.get("RANKATTN_X64_TESTS") != "1":
     collect_ignore_glob = [*globals().get("collect_ignore_glob", []), "x64/*"]

@@ -1,122 +1,24 @@
-"""The mosaic_gpu backend: its forward kernel (Pallas Mosaic GPU, warp-specialised) in JAX's
-Mosaic GPU interpreter with the race detector, gradients through pallas_triton's backward,
-against the float64 oracle; lowering for CUDA without a GPU; declines and options.
-
-Interpret mode runs a kernel's grid blocks one after another, each in three threads (about
-2.5 s a block here), so CI runs one compact case; the rest carry the ``mosaic_interpret``
-marker (``pytest -m mosaic_interpret tests/test_mosaic_gpu.py``, 42 s here). Each
-interpret test dumps every thread's stack and exits its process past a timeout (an
-exception in one warpgroup leaves the others waiting at a barrier). Interpret mode runs
-eagerly: under jit it is refused (RA128, tests/test_errors.py).
+"""The mosaic_gpu backend: lowering for CUDA without a GPU, declines and options, and its
+interpret-mode suite (tests/mosaic/, the kernel against the float64 oracle) in a process of
+its own.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import faulthandler
 import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import rankattn
-from helpers import (Case, check_results, lower_for_cuda, objective, random_segments,
-                     rounded_values)
-from rankattn.backends import MosaicGpu
-from rankattn.backends import mosaic_gpu_interpret
+from helpers import lower_for_cuda, run_suite
+from rankattn.backends import MosaicGpu, mosaic_gpu_interpret
 from rankattn.validate import AttentionCall
 
-INTERPRETER = MosaicGpu(interpret=True)
-TIMEOUT_S = 60  # about three times the slowest case's quiet time here (16 s)
 
-
-def segments(case: Case, seed: int):
-    return tuple(map(tuple, random_segments(seed, case.batch, case.seq, "packed").tolist()))
-
-
-def eager_results(case: Case, impl) -> dict:
-    """Out, lse and the gradients of the oracle tests' objective, computed eagerly."""
-    q, k, v, w = (jnp.asarray(x).astype(case.dtype) for x in rounded_values(case))
-    mask_kw, mask = case.mask_arg()
-
-    def loss(q, k, v):
-        out, lse = rankattn.attention(q, k, v, **({mask_kw: mask} if mask_kw else {}),
-                                      **case.options(),
-                                      logit_multiplier=case.logit_multiplier(),
-                                      return_lse=True, impl=impl)
-        return objective(out, lse, jnp.asarray(w)), (out, lse)
-
-    (_, (out, lse)), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
-    return {name: np.asarray(x).astype(np.float64)
-            for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads))}
-
-
-def check_interpreted(case: Case) -> None:
-    faulthandler.dump_traceback_later(TIMEOUT_S, exit=True)
-    try:
-        got = eager_results(case, INTERPRETER)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-    assert not mosaic_gpu_interpret.races_found()
-    check_results(case, got)
-    blind = ~case.dense_mask().any(-1)  # rows that see nothing: exactly 0 and -inf
-    assert np.all(got["out"][blind] == 0) and np.all(np.isneginf(
-        got["lse"].transpose(0, 2, 1)[blind]))
-
-
-# 150 tokens: two query blocks of 128 (the second ragged) over four key blocks of 64; packed
-# sessions with candidates and padding, causal history with a cap, GQA 2, D=96 (padded to 128).
-COMPACT = Case(batch=1, seq=150, heads_q=2, heads_kv=1, dim=96, dtype="bfloat16",
-               mask="segment_ids", causal=True, softcap=5.0, seed=5)
-MORE = [
-    # GQA 5, D=64, a per-head logit multiplier, not causal
-    Case(batch=1, seq=100, heads_q=5, heads_kv=1, dim=64, dtype="float16", mask="segment_ids",
-         multiplier="heads", seed=6),
-    # two rows, soft_sign cap, one query block of 64 rows (at most 64 tokens)
-    Case(batch=2, seq=40, heads_q=2, heads_kv=1, dim=64, dtype="bfloat16", mask="segment_ids",
-         causal=True, softcap=2.0, softcap_method="soft_sign", seed=7),
-    # no mask: one session, no own key, D=32 (padded to 64)
-    Case(batch=1, seq=130, heads_q=2, heads_kv=2, dim=32, dtype="float16", seed=8),
-]
-
-
-def test_forward_and_gradients_match_the_oracle():
-    check_interpreted(dataclasses.replace(COMPACT, mask_values=segments(COMPACT, 5)))
-
-
-@pytest.mark.mosaic_interpret
-@pytest.mark.parametrize("case", MORE, ids=lambda c: f"S{c.seq}-G{c.heads_q // c.heads_kv}"
-                                                     f"-D{c.dim}")
-def test_more_cases_match_the_oracle(case):
-    if case.mask != "none":
-        case = dataclasses.replace(case, mask_values=segments(case, case.seed))
-    check_interpreted(case)
-
-
-@pytest.mark.mosaic_interpret
-def test_a_non_finite_key_poisons_exactly_the_rows_that_see_it():
-    """An inf in k at one history position: the rows that see it are NaN, the others as the
-    reference's (finite rows compared; NaN patterns equal)."""
-    q, k, v = (jnp.asarray(np.random.default_rng(9).normal(size=(1, 100, 2, 64)), jnp.bfloat16)
-               for _ in range(3))
-    k = k.at[0, 10, 0, 3].set(jnp.inf)
-    seg = jnp.asarray(random_segments(10, 1, 100, "packed"))
-    options = dict(segment_ids=seg, causal=True, return_lse=True)
-    faulthandler.dump_traceback_later(TIMEOUT_S, exit=True)
-    try:
-        out, lse = rankattn.attention(q, k, v, impl=INTERPRETER, **options)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-    assert not mosaic_gpu_interpret.races_found()
-    want_out, want_lse = rankattn.attention(q, k, v, impl="reference", **options)
-    for got, want in ((out, want_out), (lse, want_lse)):
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-        ok = np.isfinite(want)
-        np.testing.assert_allclose(got[ok], want[ok], atol=3e-2)
-    assert np.isnan(np.asarray(lse)).any()
+def test_the_interpret_suite_in_its_own_process():
+    run_suite("mosaic", dict(RANKATTN_MOSAIC_TESTS="1"), timeout=180)
 
 
 def test_it_lowers_for_cuda_without_a_gpu():
@@ -159,7 +61,7 @@ def test_what_it_cannot_run_is_declined_with_the_fix(call, fragment):
 def test_by_name_it_needs_a_hopper_gpu():
     (reason,) = MosaicGpu().platform_reasons()
     assert "mosaic_gpu needs a GPU" in reason
-    assert INTERPRETER.platform_reasons() == []
+    assert MosaicGpu(interpret=True).platform_reasons() == []
     assert mosaic_gpu_interpret.IMPORT_ERROR is None  # the interpreter's fixes apply here
 
 
