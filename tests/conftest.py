@@ -85,8 +85,10 @@ SMALL_BLOCKS = Xla(BlockSizes(16, 8))
 SMALL_TRITON = PallasTriton(BlockSizes(16, 16), interpret=True)
 SMALL_CPU = Cpu(BlockSizes(16, 8))
 # The Mosaic TPU kernels in Pallas' generic interpreter, which does not enforce TPU's (8, 128)
-# block rule: 16 x 16 blocks make block skipping visible at the named tests' lengths.
-SMALL_TPU = PallasTpu(BlockSizes(16, 16), interpret=True)
+# block rule: 16 x 16 blocks make block skipping visible at the named tests' lengths. One
+# compute block per DMA block: the interpreter runs each DMA block's compute blocks unrolled
+# (11 s more of this suite at 4); tests/test_pallas_tpu.py checks DMA blocks of several.
+SMALL_TPU = PallasTpu(BlockSizes(16, 16), interpret=True, dma_block=16)
 # (Default xla blocks are one block at the named tests' lengths, S <= 40, so "xla" there would
 # repeat what "xla-16x8" checks at more block edges; TestXlaDefaultBlocks* run the defaults.)
 BACKENDS = [

@@ -22,8 +22,8 @@ def test_the_interpret_suite_in_its_own_process():
 
 
 def test_it_lowers_for_cuda_without_a_gpu():
-    """jit(value_and_grad) lowered for CUDA on this CPU machine: one Mosaic GPU custom call
-    (the forward) and Triton's dq and dk / dv kernels."""
+    """jit(value_and_grad) lowered for CUDA on this CPU machine: three Mosaic GPU custom calls
+    (forward, dq, dk / dv) and no Triton kernel."""
     args = [jax.ShapeDtypeStruct((2, 300, 20, 128), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, 300, 4, 128), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, 300, 4, 128), jnp.bfloat16),
@@ -35,9 +35,8 @@ def test_it_lowers_for_cuda_without_a_gpu():
         return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
 
     text = lower_for_cuda(jax.value_and_grad(loss, (0, 1, 2)), *args).as_text()
-    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1, "one forward kernel"
-    kernels = set(re.findall(r'name = "(rankattn_\w+)"', text))
-    assert "rankattn_dq" in kernels and "rankattn_forward" not in kernels, kernels
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3, "forward, dq, dk / dv"
+    assert "__gpu$xla.gpu.triton" not in text and "rankattn_dq" not in text
 
 
 def call_of(dtype=jnp.bfloat16, d=128, dv=None, shard_mask=None) -> AttentionCall:

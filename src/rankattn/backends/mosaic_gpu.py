@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from rankattn.backends import flash_math, mosaic_gpu_interpret
 from rankattn.backends.base import Backend
-from rankattn.backends.pallas_triton import PallasTriton, plan_sizes, triton_attention
+from rankattn.backends.pallas_triton import Kernels, PallasTriton, plan_sizes, triton_attention
 from rankattn.blocks import BlockPlan, BlockSizes
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
@@ -61,188 +61,460 @@ except ImportError as error:  # pragma: no cover - depends on the installed JAX
     IMPORT_ERROR = str(error)
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
-ROWS = 64        # a warpgroup's wgmma rows
-BLOCK_K = 64
-COMPUTE_WARPGROUPS = 2
+ROWS = 64        # a warpgroup's wgmma rows, and the tokens of one pipeline step
+BLOCK = 128      # the plan's query and key blocks (64 for sequences of at most 64 tokens)
 HEAD_DIMS = (64, 128)  # the tiles' head dims (smaller ones padded to 64 by XLA)
-PIPELINE_DEPTH = 2     # key blocks in flight
+PIPELINE_DEPTH = 2     # blocks in flight from the memory warpgroup
+MEMORY_REGISTERS = 40  # per thread of the memory warpgroup (setmaxnreg)
 CANDIDATE = 1 << 30    # a candidate row's position: past every key
+
+
+def _token_rows(seg, s: int):
+    """(row_seg, row_pos, key_seg), int32 [B, S]: :func:`rankattn.semantics.sees_history`
+    recast so that a partial block's mask is two compares (:func:`_sees`). A query's
+    |segment id| and its position (a candidate's: ``CANDIDATE``, past every key); a key's
+    segment id, -1 for padding and candidates (which are no one's history)."""
+    seg_q, seg_k = (x.astype(jnp.int32) for x in seg)
+    row_pos = jnp.where(seg_q < 0, CANDIDATE, jnp.arange(s, dtype=jnp.int32)[None])
+    return jnp.abs(seg_q), row_pos, jnp.where(seg_k > 0, seg_k, -1)
+
+
+def _sees(st, row_seg, row_pos, key_seg, key_pos):
+    """The history mask from :func:`_token_rows`' rows, each broadcast to the logits' shape."""
+    sees = row_seg == key_seg
+    return sees & (key_pos <= row_pos) if st.causal else sees
+
+
+def _along(x, shape, axis: int):
+    """A vector broadcast along ``axis`` of ``shape`` (a per-row vector: axis 0)."""
+    return jax.lax.broadcast_in_dim(x, shape, [axis])
+
+
+def _matmul(shape, a, b, then=None):
+    """a @ b by wgmma into a fresh float32 accumulator of ``shape``, read back after ``then()``
+    (work overlapping the tensor cores). Fresh, then added by the caller: the interpreter
+    lacks ``run_state`` / ``ACC.init``."""
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        if then is not None:
+            then()
+        return acc_ref[...]
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def _transposed(ref):
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+def _start_copies(copies, barriers, wg, warpgroups: int):
+    """TMA copies (gmem source, smem destination) for warpgroup ``wg``, each on its own barrier;
+    returns a function that waits for them all."""
+    for i, (source, destination) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(source, destination, barriers.at[i * warpgroups + wg])
+
+    def wait():
+        for i in range(len(copies)):
+            plgpu.barrier_wait(barriers.at[i * warpgroups + wg])
+    return wait
+
+
+def _sub_block(index_ref, per_entry: int, t):
+    """The 64-token block of pipeline step ``t`` over a plan list whose entries are blocks of
+    ``per_entry`` x 64 tokens."""
+    return index_ref[t // per_entry] * per_entry + t % per_entry
+
+
+def _launch(st, kernel, out_type, scratch, grid, grid_names, warpgroups: int, *args):
+    return plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
+        num_threads=warpgroups + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=mosaic_gpu_interpret.interpret_params() if st.interpret else None,
+    )(*args)
+
+
+# --- Forward and dq: a query block's rows against its list's key blocks. ----------------
+
+
+def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, grads=None):
+    """The forward (``grads`` None): (out, lse); or dq (``grads`` = (d_out, lse, delta)).
+
+    Grid (query head, query block, batch); each compute warpgroup owns 64 of the block's
+    rows, copied once with their per-row vectors, and both share the memory warpgroup's
+    stream of key blocks (K, V, the keys' segment ids, and in the forward their poison).
+    """
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    warpgroups, per_entry = st.block_q // ROWS, st.block_k // ROWS
+    forward = grads is None
+    row_seg, row_pos, key_seg = _token_rows(seg, s)
+    # Per-query rows: (name, [B, S] or [B, heads, S] array, which head indexes it).
+    rows_in = [("seg", row_seg, None), ("pos", row_pos, None)]
+    if multiplier is not None:
+        rows_in.append(("mult", multiplier.astype(jnp.float32), "q"))
+    if forward and st.own_key:
+        rows_in.append(("own_poison", poison, "kv"))
+    tiles_in = [q]  # [B, S, Hq, D] tiles of the block's rows
+    if not forward:
+        d_out, lse, delta = grads
+        rows_in += [("lse2", flash_math.lse2(lse), "q"), ("delta", delta, "q")]
+        tiles_in.append(d_out)
+    names = [name for name, _, _ in rows_in]
+    streamed = [k, v, key_seg] + ([poison] if forward else [])
+    n_in = len(tiles_in) + len(streamed) + 3 + len(rows_in)
+
+    def kernel(*refs):
+        tile_refs, refs = refs[:len(tiles_in)], refs[len(tiles_in):]
+        k_ref, v_ref, key_seg_ref, *refs = refs
+        poison_ref, refs = (refs[0], refs[1:]) if forward else (None, refs)
+        index_ref, full_ref, count_ref, *refs = refs
+        row_refs, refs = refs[:len(rows_in)], refs[len(rows_in):]
+        outs, (tile_smem, row_smem, own_smem, out_smem), barriers, schedule_barrier = (
+            refs[:-3], *refs[-3:])
+        bi, qb, h = (jax.lax.axis_index(n) for n in ("batch", "q_block", "heads"))
+        wg = jax.lax.axis_index("wg")
+        kv_head = jax.lax.div(h, jnp.array(st.group, h.dtype))
+        rows = pl.ds(qb * st.block_q + wg * ROWS, ROWS)
+        heads = dict(q=h, kv=kv_head)
+        q_smem = tile_smem[0].at[wg]
+
+        def row(name):
+            return row_smem[names.index(name)].at[wg][...]
+
+        def by_row(name, shape):
+            return _along(row(name), shape, 0)
+
+        def schedule():  # the two compute warpgroups take turns at the tensor cores
+            if forward and warpgroups > 1:
+                plgpu.barrier_arrive(schedule_barrier)
+                plgpu.barrier_wait(schedule_barrier)
+
+        def compute(pipeline):
+            copies = [(ref.at[bi, rows, h], tile_smem[i].at[wg])
+                      for i, ref in enumerate(tile_refs)]
+            copies += [(ref.at[bi, rows] if head is None else ref.at[bi, heads[head], rows],
+                        row_smem[i].at[wg]) for i, (ref, (_, _, head)) in
+                       enumerate(zip(row_refs, rows_in))]
+            if st.own_key:
+                copies += [(ref.at[bi, rows, kv_head], own_smem[i].at[wg])
+                           for i, ref in enumerate((k_ref, v_ref))]
+            _start_copies(copies, barriers, wg, warpgroups)()
+            if forward:
+                carry = (jnp.zeros((ROWS, d), jnp.float32),
+                         jnp.full((ROWS,), -jnp.inf, jnp.float32),
+                         jnp.zeros((ROWS,), jnp.float32))
+            else:
+                carry = jnp.zeros((ROWS, d), jnp.float32)
+            if forward and warpgroups > 1:
+                pl.when(wg == 1)(schedule)
+            carry = pipeline(carry)
+            if forward and warpgroups > 1:
+                pl.when(wg == 0)(schedule)
+            own = None
+            if st.own_key:  # each candidate's logit on its own key
+                k_own, v_own = (own_smem[i].at[wg][...].astype(jnp.float32) for i in range(2))
+                s_own, s_scaled = flash_math.own_logits(
+                    st, q_smem[...], k_own, jnp.where(row("pos") == CANDIDATE, -1, 1),
+                    row("own_poison") if forward else 0.0,
+                    row("mult") if multiplier is not None else None)
+                own = (k_own, v_own, s_own, s_scaled)
+            (finish_forward if forward else finish_dq)(carry, own)
+
+        def finish_forward(carry, own):
+            acc, m, l = carry
+            if own is not None:  # the own-key logit joins the softmax as one more column
+                _, v_own, s_own, _ = own
+                m_new = jnp.maximum(m, s_own)
+                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                p_own, alpha = jnp.exp2(s_own - shift), jnp.exp2(m - shift)
+                acc = _along(alpha, acc.shape, 0) * acc + _along(p_own, acc.shape, 0) * v_own
+                l, m = l * alpha + p_own, m_new
+            seen = l != 0  # NaN (a poisoned row) counts as seen
+            safe_l = jnp.where(seen, l, 1.0)
+            q_smem[...] = (acc / _along(safe_l, acc.shape, 0)).astype(q.dtype)  # out, via SMEM
+            out_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(safe_l)) * flash_math.LN2,
+                                             -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, outs[0].at[bi, rows, h])
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], outs[1].at[bi, h, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        def finish_dq(dq, own):
+            if own is not None:
+                k_own, v_own, s_own, s_scaled = own
+                p = jnp.exp2(s_own - row("lse2"))
+                dp = (tile_smem[1].at[wg][...].astype(jnp.float32) * v_own).sum(1)
+                ds = flash_math.logit_grads(st, p, dp, row("delta"), s_scaled,
+                                            row("mult") if multiplier is not None else None)
+                dq = dq + _along(ds, dq.shape, 0) * k_own
+            q_smem[...] = dq.astype(q.dtype)  # dq, via SMEM (q is no longer read)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, outs[0].at[bi, rows, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        def step(indices, k_smem, v_smem, key_seg_smem, *refs):
+            (t,) = indices
+            poison_smem, refs = (refs[0], refs[1:]) if forward else (None, refs)
+            k_consumed, v_consumed, key_seg_consumed, *refs = refs
+            poison_consumed, (carry,) = (refs[0], refs[1:]) if forward else (None, refs)
+            shape = (ROWS, ROWS)
+            s2, s_scaled = flash_math.capped_logits(
+                st, _matmul(shape, q_smem, _transposed(k_smem), schedule))
+            if forward:
+                plgpu.barrier_arrive(k_consumed)
+            if multiplier is not None:
+                s2 = s2 * by_row("mult", shape)
+            if forward:
+                s2 = s2 + _along(poison_smem[...], shape, 1)
+                plgpu.barrier_arrive(poison_consumed)
+
+            def masked(s2):
+                key_pos = (jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+                           + _sub_block(index_ref.at[bi, qb], per_entry, t) * ROWS)
+                sees = _sees(st, by_row("seg", shape), by_row("pos", shape),
+                             _along(key_seg_smem[...], shape, 1), key_pos)
+                return jnp.where(sees, s2, -jnp.inf)
+
+            s2 = jax.lax.cond(t // per_entry < full_ref[bi, qb], lambda s2: s2, masked, s2)
+            plgpu.barrier_arrive(key_seg_consumed)
+            if forward:
+                acc, m, l = carry
+                m_new = jnp.maximum(m, s2.max(axis=1))
+                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing
+                alpha = jnp.exp2(m - shift)
+                p = jnp.exp2(s2 - _along(shift, shape, 0))
+                l = l * alpha + p.sum(axis=1)
+                schedule()
+                acc = _along(alpha, acc.shape, 0) * acc + _matmul(
+                    (ROWS, d), p.astype(q.dtype), v_smem)
+                plgpu.barrier_arrive(v_consumed)
+                return acc, m_new, l
+            p = jnp.exp2(s2 - by_row("lse2", shape))
+            dp = _matmul(shape, tile_smem[1].at[wg], _transposed(v_smem))
+            plgpu.barrier_arrive(v_consumed)
+            ds = flash_math.logit_grads(st, p, dp, by_row("delta", shape), s_scaled,
+                                        by_row("mult", shape) if multiplier is not None
+                                        else None)
+            dq = carry + _matmul((ROWS, d), ds.astype(q.dtype), k_smem)
+            plgpu.barrier_arrive(k_consumed)
+            return dq
+
+        def key_block(t):
+            return _sub_block(index_ref.at[bi, qb], per_entry, t), 0
+
+        def key_row(t):
+            return (_sub_block(index_ref.at[bi, qb], per_entry, t),)
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            step, grid=(count_ref[bi, qb] * per_entry,), max_concurrent_steps=PIPELINE_DEPTH,
+            num_compute_wgs=warpgroups, memory_registers=MEMORY_REGISTERS, wg_axis="wg",
+            manual_consumed_barriers=True, compute_context=compute,
+            in_specs=[plgpu.BlockSpec(block_shape=(ROWS, d), index_map=key_block)] * 2
+            + [plgpu.BlockSpec(block_shape=(ROWS,), index_map=key_row)] * (len(streamed) - 2),
+            out_specs=[])
+        pipeline(k_ref.at[bi, :, kv_head, :], v_ref.at[bi, :, kv_head, :],
+                 key_seg_ref.at[bi], *([poison_ref.at[bi, kv_head]] if forward else []))
+
+    row_dtypes = dict(seg=jnp.int32, pos=jnp.int32)
+    own = 2 if st.own_key else 0
+    copies = len(tiles_in) + len(rows_in) + own
+    scratch = (
+        (tuple(plgpu.SMEM((warpgroups, ROWS, d), q.dtype) for _ in tiles_in),
+         tuple(plgpu.SMEM((warpgroups, ROWS), row_dtypes.get(n, jnp.float32)) for n in names),
+         tuple(plgpu.SMEM((warpgroups, ROWS, d), q.dtype) for _ in range(own)),
+         plgpu.SMEM((warpgroups, ROWS), jnp.float32)),
+        plgpu.Barrier(num_barriers=warpgroups * copies),
+        plgpu.Barrier(num_arrivals=warpgroups),
+    )
+    out_type = [jax.ShapeDtypeStruct((b, s, hq, d), q.dtype)]
+    if forward:
+        out_type.append(jax.ShapeDtypeStruct((b, hq, s), jnp.float32))
+    args = [*tiles_in, *streamed, plan.kv_index.astype(jnp.int32),
+            plan.full_count.astype(jnp.int32), plan.count.astype(jnp.int32),
+            *(x for _, x, _ in rows_in)]
+    assert len(args) == n_in
+    results = _launch(st, kernel, out_type, scratch, (hq, s // st.block_q, b),
+                      ("heads", "q_block", "batch"), warpgroups, *args)
+    return tuple(results) if forward else results[0]
 
 
 def mosaic_forward(st, q, k, v, seg, plan: BlockPlan, poison, multiplier):
     """out [B, S, Hq, D] (q's dtype) and lse float32 [B, Hq, S] on inputs padded as
     :func:`rankattn.backends.pallas_triton._forward` takes them, for a plan of
-    BlockSizes(``st.block_q``, 64) with ``st.block_q`` 64 or 128 (one or two compute
-    warpgroups), D in :data:`HEAD_DIMS`."""
+    BlockSizes(``st.block_q``, ``st.block_k``), each 64 or 128, D in :data:`HEAD_DIMS`."""
+    _check_shapes(st, q, k, v)
+    return _query_major(st, q, k, v, seg, plan, multiplier, poison=poison.astype(jnp.float32))
+
+
+def mosaic_dq(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
+    """dq [B, S, Hq, D] as :func:`rankattn.backends.pallas_triton._dq`."""
+    _check_shapes(st, q, k, v)
+    return _query_major(st, q, k, v, seg, plan, multiplier, grads=(d_out, lse, delta))
+
+
+def mosaic_dkv(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
+    """dk, dv [B, S, Hkv, D] as :func:`rankattn.backends.pallas_triton._dkv`: the key-major
+    kernel's sums over the plan's query blocks (float32), plus the candidates' own-key terms
+    in the same XLA fusion that casts them."""
+    _check_shapes(st, q, k, v)
+    dk, dv = _key_major(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
+    if st.own_key:
+        dk_own, dv_own = _own_key_kv_grads(st, q, k, v, seg[0], d_out, lse, delta, multiplier)
+        dk, dv = dk + dk_own, dv + dv_own
+    return dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
+    """dk, dv float32 [B, S, Hkv, D] of the history part.
+
+    Grid (kv head, key block, batch); each compute warpgroup owns 64 of the block's keys
+    (K, V and their segment ids copied once) and accumulates their dk and dv in registers
+    over the G query heads of the group, so K / V are read once per group. Both share the
+    memory warpgroup's stream of (query head, query block) steps: Q, dO, the queries'
+    segment ids and positions, lse, delta and the multiplier, from the plan's transposed
+    list (the query blocks that see this key block), once per query head.
+    """
     b, s, hq, d = q.shape
     hkv = k.shape[2]
-    warpgroups = st.block_q // ROWS
-    assert st.block_k == BLOCK_K and st.block_q in (ROWS, 2 * ROWS), (st.block_q, st.block_k)
-    assert d in HEAD_DIMS and k.shape == v.shape == (b, s, hkv, d), (q.shape, v.shape)
-    n_q = s // st.block_q
+    warpgroups, per_entry = st.block_k // ROWS, st.block_q // ROWS
     multiplied = multiplier is not None
-    seg_q, seg_k = (x.astype(jnp.int32) for x in seg)
-    row_seg = jnp.abs(seg_q)
-    row_pos = jnp.where(seg_q < 0, CANDIDATE, jnp.arange(s, dtype=jnp.int32)[None])
-    key_seg = jnp.where(seg_k > 0, seg_k, -1)
-    # Per-query rows, each copied into a [warpgroups, 64] shared-memory buffer.
-    row_names = ["seg", "pos"] + ["mult"] * multiplied + ["own_poison"] * st.own_key
-    row_dtypes = dict(seg=jnp.int32, pos=jnp.int32, mult=jnp.float32, own_poison=jnp.float32)
+    row_seg, row_pos, key_seg = _token_rows(seg, s)
+    per_head_rows = [flash_math.lse2(lse), delta] + ([multiplier.astype(jnp.float32)]
+                                                     if multiplied else [])
 
-    def kernel(q_ref, k_ref, v_ref, index_ref, full_ref, count_ref, row_seg_ref, row_pos_ref,
-               key_seg_ref, poison_ref, *refs):
-        mult_ref, refs = (refs[0], refs[1:]) if multiplied else (None, refs)
-        out_ref, lse_ref, smem, q_barriers, row_barriers, own_barriers, schedule_barrier = refs
-        qo_smem, lse_smem, row_smem, own_smem = smem
-        bi, qb, h = (jax.lax.axis_index(n) for n in ("batch", "q_block", "heads"))
+    def kernel(q_ref, do_ref, row_seg_ref, row_pos_ref, *refs):
+        head_row_refs, refs = refs[:len(per_head_rows)], refs[len(per_head_rows):]
+        (k_ref, v_ref, key_seg_ref, index_ref, full_ref, count_ref, dk_ref, dv_ref,
+         (kv_smem, key_seg_smem, out_smem), barriers) = refs
+        bi, kb, kv_head = (jax.lax.axis_index(n) for n in ("batch", "k_block", "heads"))
         wg = jax.lax.axis_index("wg")
-        kv_head = jax.lax.div(h, jnp.array(st.group, h.dtype))
-        rows = pl.ds(qb * st.block_q + wg * ROWS, ROWS)
-        row_sources = dict(seg=row_seg_ref.at[bi, rows], pos=row_pos_ref.at[bi, rows])
-        if multiplied:
-            row_sources["mult"] = mult_ref.at[bi, h, rows]
-        if st.own_key:
-            row_sources["own_poison"] = poison_ref.at[bi, kv_head, rows]
+        keys = pl.ds(kb * st.block_k + wg * ROWS, ROWS)
+        k_smem, v_smem = kv_smem[0].at[wg], kv_smem[1].at[wg]
+        # Steps run the list once per query head of the group: head-major.
+        per_head = jnp.maximum(count_ref[bi, kb] * per_entry, 1)
 
-        def row(name):
-            return row_smem[row_names.index(name)].at[wg][...]
+        def query_block(t):
+            return _sub_block(index_ref.at[bi, kb], per_entry, t % per_head)
 
-        def by_row(x, shape):
-            return jax.lax.broadcast_in_dim(x, shape, [0])
-
-        def schedule():  # the two compute warpgroups take turns at the tensor cores
-            if warpgroups > 1:
-                plgpu.barrier_arrive(schedule_barrier)
-                plgpu.barrier_wait(schedule_barrier)
+        def head(t):
+            return kv_head * st.group + t // per_head
 
         def compute(pipeline):
-            q_smem = qo_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, h], q_smem, q_barriers.at[wg])
-            for i, name in enumerate(row_names):
-                plgpu.copy_gmem_to_smem(row_sources[name], row_smem[i].at[wg],
-                                        row_barriers.at[i * warpgroups + wg])
-            if st.own_key:
-                for i, ref in enumerate((k_ref, v_ref)):
-                    plgpu.copy_gmem_to_smem(ref.at[bi, rows, kv_head], own_smem[i].at[wg],
-                                            own_barriers.at[i * warpgroups + wg])
-            plgpu.barrier_wait(q_barriers.at[wg])
-            for i in range(len(row_names)):
-                plgpu.barrier_wait(row_barriers.at[i * warpgroups + wg])
-            carry = (jnp.zeros((ROWS, d), jnp.float32), jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                     jnp.zeros((ROWS,), jnp.float32))
-            if warpgroups > 1:
-                pl.when(wg == 1)(schedule)
-            acc, m, l = pipeline(carry)
-            if warpgroups > 1:
-                pl.when(wg == 0)(schedule)
-            if st.own_key:  # the own-key logit joins the softmax as one more column
-                for i in range(2):
-                    plgpu.barrier_wait(own_barriers.at[i * warpgroups + wg])
-                k_own, v_own = (own_smem[i].at[wg][...].astype(jnp.float32) for i in range(2))
-                s_own, _ = flash_math.own_logits(
-                    st, q_smem[...], k_own, jnp.where(row("pos") == CANDIDATE, -1, 1),
-                    row("own_poison"), row("mult") if multiplied else None)
-                m_new = jnp.maximum(m, s_own)
-                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                p_own, alpha = jnp.exp2(s_own - shift), jnp.exp2(m - shift)
-                acc = by_row(alpha, acc.shape) * acc + by_row(p_own, acc.shape) * v_own
-                l, m = l * alpha + p_own, m_new
-            seen = l != 0  # NaN (a poisoned row) counts as seen
-            safe_l = jnp.where(seen, l, 1.0)
-            q_smem[...] = (acc / by_row(safe_l, acc.shape)).astype(q.dtype)  # out, via SMEM
-            lse_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(safe_l)) * flash_math.LN2,
-                                             -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, out_ref.at[bi, rows, h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, h, rows])
-            plgpu.wait_smem_to_gmem(0)
+            _start_copies([(k_ref.at[bi, keys, kv_head], k_smem),
+                           (v_ref.at[bi, keys, kv_head], v_smem),
+                           (key_seg_ref.at[bi, keys], key_seg_smem.at[wg])],
+                          barriers, wg, warpgroups)()
+            zeros = jnp.zeros((ROWS, d), jnp.float32)
+            for ref, grad in zip((dk_ref, dv_ref), pipeline((zeros, zeros))):
+                out_smem.at[wg][...] = grad  # via SMEM, one gradient at a time
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], ref.at[bi, keys, kv_head])
+                plgpu.wait_smem_to_gmem(0)
 
-        def step(indices, k_smem, v_smem, key_seg_smem, poison_smem, k_consumed, v_consumed,
-                 key_seg_consumed, poison_consumed, carry):
+        def step(indices, q_smem, do_smem, seg_smem, pos_smem, lse2_smem, delta_smem, *refs):
             (t,) = indices
-            acc, m, l = carry
-            shape = (ROWS, BLOCK_K)
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem.at[wg], plgpu.transpose_ref(k_smem, (1, 0)))
-                schedule()
-                return acc_ref[...]
-
-            s2, _ = flash_math.capped_logits(
-                st, pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32)))
-            plgpu.barrier_arrive(k_consumed)
-            if multiplied:
-                s2 = s2 * by_row(row("mult"), shape)
-            s2 = s2 + jax.lax.broadcast_in_dim(poison_smem[...], shape, [1])
-            plgpu.barrier_arrive(poison_consumed)
+            mult_smem, refs = (refs[0], refs[1:]) if multiplied else (None, refs)
+            q_consumed, do_consumed, seg_consumed, pos_consumed, *refs = refs
+            lse2_consumed, delta_consumed, *refs = refs
+            mult_consumed, ((dk, dv),) = (refs[0], refs[1:]) if multiplied else (None, refs)
+            shape = (ROWS, ROWS)  # keys x queries
+            by_query = lambda ref: _along(ref[...], shape, 1)  # noqa: E731
+            s2, s_scaled = flash_math.capped_logits(
+                st, _matmul(shape, k_smem, _transposed(q_smem)))
+            mult = by_query(mult_smem) if multiplied else None
+            s2 = flash_math.times(s2, mult)
 
             def masked(s2):
-                sees = by_row(row("seg"), shape) == jax.lax.broadcast_in_dim(
-                    key_seg_smem[...], shape, [1])
-                if st.causal:
-                    key_pos = (jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-                               + index_ref[bi, qb, t] * BLOCK_K)
-                    sees &= key_pos <= by_row(row("pos"), shape)
+                key_pos = (jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+                           + kb * st.block_k + wg * ROWS)
+                sees = _sees(st, by_query(seg_smem), by_query(pos_smem),
+                             _along(key_seg_smem.at[wg][...], shape, 0), key_pos)
                 return jnp.where(sees, s2, -jnp.inf)
 
-            s2 = jax.lax.cond(t < full_ref[bi, qb], lambda s2: s2, masked, s2)
-            plgpu.barrier_arrive(key_seg_consumed)
-            m_new = jnp.maximum(m, s2.max(axis=1))
-            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing
-            alpha = jnp.exp2(m - shift)
-            p = jnp.exp2(s2 - by_row(shift, shape))
-            l = l * alpha + p.sum(axis=1)
-            p = p.astype(q.dtype)
-            schedule()
+            s2 = jax.lax.cond((t % per_head) // per_entry < full_ref[bi, kb], lambda s2: s2,
+                              masked, s2)
+            plgpu.barrier_arrive(seg_consumed)
+            plgpu.barrier_arrive(pos_consumed)
+            p = jnp.exp2(s2 - by_query(lse2_smem))
+            plgpu.barrier_arrive(lse2_consumed)
+            dv = dv + _matmul((ROWS, d), p.astype(q.dtype), do_smem)
+            dp = _matmul(shape, v_smem, _transposed(do_smem))
+            plgpu.barrier_arrive(do_consumed)
+            ds = flash_math.logit_grads(st, p, dp, by_query(delta_smem), s_scaled, mult)
+            plgpu.barrier_arrive(delta_consumed)
+            if multiplied:
+                plgpu.barrier_arrive(mult_consumed)
+            dk = dk + _matmul((ROWS, d), ds.astype(q.dtype), q_smem)
+            plgpu.barrier_arrive(q_consumed)
+            return dk, dv
 
-            def pv(acc_ref):  # into a fresh accumulator: run_state is not interpreted
-                plgpu.wgmma(acc_ref, p, v_smem)
-                return acc_ref[...]
+        def tile(t):
+            return query_block(t), head(t), 0
 
-            acc = by_row(alpha, acc.shape) * acc + pl.run_scoped(
-                pv, plgpu.ACC((ROWS, d), jnp.float32))
-            plgpu.barrier_arrive(v_consumed)
-            return acc, m_new, l
+        def token_row(t):
+            return (query_block(t),)
 
-        def key_block(t):
-            return index_ref[bi, qb, t], 0
-
-        def key_row(t):
-            return (index_ref[bi, qb, t],)
+        def head_row(t):
+            return head(t), query_block(t)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            step, grid=(count_ref[bi, qb],), max_concurrent_steps=PIPELINE_DEPTH,
-            num_compute_wgs=warpgroups, memory_registers=40, wg_axis="wg",
-            manual_consumed_barriers=True, compute_context=compute,
-            in_specs=[plgpu.BlockSpec(block_shape=(BLOCK_K, d), index_map=key_block)] * 2
-            + [plgpu.BlockSpec(block_shape=(BLOCK_K,), index_map=key_row)] * 2,
+            step, grid=(st.group * count_ref[bi, kb] * per_entry,),
+            max_concurrent_steps=PIPELINE_DEPTH, num_compute_wgs=warpgroups,
+            memory_registers=MEMORY_REGISTERS, wg_axis="wg", manual_consumed_barriers=True,
+            compute_context=compute,
+            in_specs=[plgpu.BlockSpec(block_shape=(ROWS, None, d), index_map=tile)] * 2
+            + [plgpu.BlockSpec(block_shape=(ROWS,), index_map=token_row)] * 2
+            + [plgpu.BlockSpec(block_shape=(None, ROWS), index_map=head_row)]
+            * len(per_head_rows),
             out_specs=[])
-        pipeline(k_ref.at[bi, :, kv_head, :], v_ref.at[bi, :, kv_head, :],
-                 key_seg_ref.at[bi], poison_ref.at[bi, kv_head])
+        pipeline(q_ref.at[bi], do_ref.at[bi], row_seg_ref.at[bi], row_pos_ref.at[bi],
+                 *(ref.at[bi] for ref in head_row_refs))
 
-    own_smem = tuple(plgpu.SMEM((warpgroups, ROWS, d), q.dtype) for _ in range(2 * st.own_key))
     scratch = (
-        (plgpu.SMEM((warpgroups, ROWS, d), q.dtype), plgpu.SMEM((warpgroups, ROWS), jnp.float32),
-         tuple(plgpu.SMEM((warpgroups, ROWS), row_dtypes[n]) for n in row_names), own_smem),
-        plgpu.Barrier(num_barriers=warpgroups),
-        plgpu.Barrier(num_barriers=warpgroups * len(row_names)),
-        plgpu.Barrier(num_barriers=warpgroups * max(1, 2 * st.own_key)),
-        plgpu.Barrier(num_arrivals=warpgroups),
+        (tuple(plgpu.SMEM((warpgroups, ROWS, d), k.dtype) for _ in range(2)),
+         plgpu.SMEM((warpgroups, ROWS), jnp.int32),
+         plgpu.SMEM((warpgroups, ROWS, d), jnp.float32)),
+        plgpu.Barrier(num_barriers=warpgroups * 3),
     )
-    interpret = mosaic_gpu_interpret.interpret_params() if st.interpret else None
-    args = [q, k, v, plan.kv_index.astype(jnp.int32), plan.full_count.astype(jnp.int32),
-            plan.count.astype(jnp.int32), row_seg, row_pos.astype(jnp.int32), key_seg,
-            poison.astype(jnp.float32)] + ([multiplier.astype(jnp.float32)] if multiplied else [])
-    return plgpu.kernel(
-        kernel,
-        out_type=[jax.ShapeDtypeStruct((b, s, hq, d), q.dtype),
-                  jax.ShapeDtypeStruct((b, hq, s), jnp.float32)],
-        scratch_types=scratch, grid=(hq, n_q, b), grid_names=("heads", "q_block", "batch"),
-        num_threads=warpgroups + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
-    )(*args)
+    grad = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.float32)
+    return _launch(st, kernel, [grad, grad], scratch, (hkv, s // st.block_k, b),
+                   ("heads", "k_block", "batch"), warpgroups, q, d_out, row_seg, row_pos,
+                   *per_head_rows, k, v, key_seg, plan.q_index.astype(jnp.int32),
+                   plan.q_full_count.astype(jnp.int32), plan.q_count.astype(jnp.int32))
+
+
+def _own_key_kv_grads(st, q, k, v, seg_q, d_out, lse, delta, multiplier):
+    """The candidates' own-key terms of dk and dv, float32 [B, S, Hkv, D]: per token, summed
+    over the group's query heads at the same position (elementwise, so XLA fuses it with
+    the kernel's sums; no block visits it)."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    f32 = jnp.float32
+
+    def grouped(x):  # [B, S, Hq, D] -> [B, S, Hkv, G, D]
+        return x.astype(f32).reshape(b, s, hkv, st.group, d)
+
+    def per_row(x):  # [B, Hq, S] -> [B, S, Hkv, G]
+        return x.astype(f32).transpose(0, 2, 1).reshape(b, s, hkv, st.group)
+
+    q_g, do_g = grouped(q), grouped(d_out)
+    k_own, v_own = (x.astype(f32)[:, :, :, None] for x in (k, v))
+    mult = None if multiplier is None else per_row(multiplier)
+    s2, s_scaled = flash_math.own_logits(st, q_g, k_own, seg_q[:, :, None, None],
+                                         multiplier=mult)
+    p = jnp.exp2(s2 - flash_math.lse2(per_row(lse)))
+    ds = flash_math.logit_grads(st, p, (do_g * v_own).sum(-1), per_row(delta), s_scaled, mult)
+    return (ds[..., None] * q_g).sum(3), (p[..., None] * do_g).sum(3)
+
+
+MOSAIC_KERNELS = Kernels(mosaic_forward, mosaic_dq, mosaic_dkv)
+
+
+def _check_shapes(st, q, k, v):
+    assert st.block_q in (ROWS, 2 * ROWS) and st.block_k in (ROWS, 2 * ROWS), st
+    assert q.shape[-1] in HEAD_DIMS and k.shape == v.shape == (*q.shape[:2], *k.shape[2:]) \
+        and k.shape[-1] == q.shape[-1], (q.shape, k.shape, v.shape)
 
 
 # --- The backend. ---------------------------------------------------------------------
@@ -321,7 +593,7 @@ class MosaicGpu(Backend):
         return reasons + self.triton.not_supported_reasons(call)
 
     def sizes(self, seq_len: int) -> BlockSizes:
-        return plan_sizes(BlockSizes(COMPUTE_WARPGROUPS * ROWS, BLOCK_K), seq_len, ROWS)
+        return plan_sizes(BlockSizes(BLOCK, BLOCK), seq_len, ROWS)
 
     def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
         return (self.sizes(seq_len),)
@@ -334,8 +606,7 @@ class MosaicGpu(Backend):
                                 "impl='xla' under jit.")
         base = self.triton.config(call.q.dtype, max(call.q.shape[-1], call.v.shape[-1]),
                                   call.q.shape[2] // call.k.shape[2])
-        config = dataclasses.replace(base, block_sizes=BlockSizes(COMPUTE_WARPGROUPS * ROWS,
-                                                                 BLOCK_K))
+        config = dataclasses.replace(base, block_sizes=BlockSizes(BLOCK, BLOCK))
         blocks = None
         if call.plan is not None:
             blocks = call.plan.block_plan(self.sizes(call.q.shape[1]))
@@ -343,7 +614,7 @@ class MosaicGpu(Backend):
                                 scale=call.scale, softcap=call.softcap,
                                 softcap_method=call.softcap_method, config=config,
                                 block_plan=blocks, interpret=self.interpret,
-                                logit_multiplier=call.logit_multiplier, forward=mosaic_forward,
+                                logit_multiplier=call.logit_multiplier, kernels=MOSAIC_KERNELS,
                                 head_dim_multiple=HEAD_DIMS[0], smallest_block=ROWS)
 
     @staticmethod

@@ -89,9 +89,9 @@ class _Static:
     num_warps: int
     num_stages: int
     interpret: bool
-    # The forward kernel: None for this module's; or another with :func:`_forward`'s contract
-    # and lse (rankattn.backends.mosaic_gpu), whose results these backward kernels take.
-    forward: Callable | None = None
+    # The kernels: None for this module's; or another set with the contracts of
+    # :func:`_forward`, :func:`_dq` and :func:`_dkv` (rankattn.backends.mosaic_gpu).
+    kernels: "Kernels | None" = None
 
     def launch(self):
         return dict(interpret=self.interpret,
@@ -469,13 +469,26 @@ def _dkv_call(st: _Static, grads: tuple[str, ...], q, k, v, seg, plan: BlockPlan
 # --- The differentiable core, on padded inputs. -----------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """A forward, dq and dk / dv kernel with the contracts of this module's :func:`_forward`,
+    :func:`_dq` and :func:`_dkv`: padded inputs, one block plan, lse and delta [B, Hq, S_pad]."""
+
+    forward: Callable
+    dq: Callable
+    dkv: Callable
+
+
+TRITON_KERNELS = Kernels(_forward, _dq, _dkv)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
-    return (st.forward or _forward)(st, q, k, v, seg, plan, poison, multiplier)
+    return (st.kernels or TRITON_KERNELS).forward(st, q, k, v, seg, plan, poison, multiplier)
 
 
 def _attention_fwd(st, q, k, v, seg, plan, poison, multiplier):
-    out, lse = (st.forward or _forward)(st, q, k, v, seg, plan, poison, multiplier)
+    out, lse = (st.kernels or TRITON_KERNELS).forward(st, q, k, v, seg, plan, poison, multiplier)
     return (out, lse), (q, k, v, seg, plan, out, lse, multiplier)
 
 
@@ -488,8 +501,9 @@ def _attention_bwd(st, residuals, cotangents):
     # The forward wrote nQ * bq rows; the dk / dv kernel reads rows up to the padded length.
     rows = q.shape[1]
     d_out, lse, delta = pad_axis1(d_out, rows), _pad_last(lse, rows), _pad_last(delta, rows)
-    dq = _dq(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
-    dk, dv = _dkv(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
+    kernels = st.kernels or TRITON_KERNELS
+    dq = kernels.dq(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
+    dk, dv = kernels.dkv(st, q, k, v, seg, plan, d_out, lse, delta, multiplier)
     return dq, dk, dv, None, None, None, None
 
 
@@ -512,14 +526,14 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
                      softcap_method: str, config: KernelConfig,
                      block_plan: BlockPlan | None = None,
                      precision: str = "highest", interpret: bool = False,
-                     logit_multiplier=None, forward: Callable | None = None,
+                     logit_multiplier=None, kernels: Kernels | None = None,
                      head_dim_multiple: int = 1, smallest_block: int = MIN_BLOCK):
     """Blocked attention on Pallas/Triton; arguments and results as :func:`rankattn.attention`
     (``logit_multiplier``: float32 [B, Sq, Hq], finite, or None).
 
     ``block_plan``, if given, is the self-attention plan of these segment ids
-    at ``plan_sizes(config.block_sizes, S)``; without one it is made here. ``forward``
-    replaces the forward kernel (see ``_Static.forward``); ``head_dim_multiple``: head
+    at ``plan_sizes(config.block_sizes, S)``; without one it is made here. ``kernels``
+    replaces this module's (see :class:`Kernels`); ``head_dim_multiple``: head
     dims are padded to a multiple of it too, and ``smallest_block`` bounds the blocks of
     short sequences from below (that kernel's tiles).
     """
@@ -548,7 +562,7 @@ def triton_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softca
                  num_warps=config.num_warps,
                  num_stages=(config.num_stages
                              or _default_stages(sizes, d_pad, dv_pad, q.dtype.itemsize)),
-                 interpret=interpret, forward=forward)
+                 interpret=interpret, kernels=kernels)
     out, lse = _attention(st, q_p, k_p, v_p, seg, block_plan, poison, multiplier)
     return semantics.poison_rows(out[:, :sq, :, :dv], lse[:, :, :sq], q_poison)
 
