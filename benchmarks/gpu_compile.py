@@ -56,6 +56,9 @@ TARGETS = {
     "sm_89": ("l4.txtpb", "L4; like every 99 KB part: RTX 3090 / 4090, A10, L40S", 48),
 }
 KERNELS = ("rankattn_forward", "rankattn_dq", "rankattn_dkv", "rankattn_dk", "rankattn_dv")
+MOSAIC_SUFFIX = "_mosaic_gpu_kernel"  # of a Mosaic GPU kernel's PTX entry
+# mosaic_gpu's kernels are for sm_90a (wgmma); ptxas rejects wgmma for sm_100a.
+MOSAIC_TARGETS = ("sm_90",)
 # Shared memory the driver reserves per resident block.
 RESERVED_SHARED_PER_BLOCK = 1024
 
@@ -73,10 +76,15 @@ class Config:
     causal: bool = False
     softcap_method: str | None = None
     precision: str = "highest"  # of float32 dots (PallasTriton's option)
+    impl: str = "pallas_triton"  # or "mosaic_gpu" (sm_90 only: wgmma)
 
     @property
     def label(self) -> str:
         parts = [self.dtype, f"D={self.head_dim}", f"{self.q_heads}/{self.kv_heads} heads"]
+        if self.impl != "pallas_triton":
+            parts.insert(0, f"**{self.impl}**")
+        if self.seq_len != Config.seq_len:
+            parts.append(f"S={self.seq_len}")
         if self.precision != "highest":
             parts.append(f"precision {self.precision}")
         if self.causal:
@@ -96,6 +104,21 @@ def configs(axes: list[str] | None = None) -> list[Config]:
     out += [Config("causal", causal=True)]
     out += [Config("softcap", softcap_method=m) for m in ("tanh", "soft_sign")]
     out += [Config("causal+softcap", causal=True, softcap_method="tanh")]
+    return [c for c in out if axes is None or c.axis in axes]
+
+
+def mosaic_configs(axes: list[str] | None = None) -> list[Config]:
+    """mosaic_gpu's: its 16-bit dtypes and head dims, GQA groups 1-8, causal and not, with and
+    without a cap, and a sequence of at most 64 tokens (one 64-row warpgroup a block)."""
+    mosaic = lambda axis, **kw: Config(axis, impl="mosaic_gpu", **kw)  # noqa: E731
+    out = [mosaic("default"), mosaic("dtype", dtype="float16"), mosaic("head_dim", head_dim=64)]
+    out += [mosaic("gqa", q_heads=h, kv_heads=kv) for h, kv in ((4, 4), (20, 4), (8, 1))]
+    out += [mosaic("causal", causal=True)]
+    out += [mosaic("softcap", softcap_method=m) for m in ("tanh", "soft_sign")]
+    out += [mosaic("causal+softcap", causal=True, softcap_method="tanh"),
+            mosaic("causal+softcap", causal=True, softcap_method="tanh", head_dim=64,
+                   q_heads=20, kv_heads=4)]
+    out += [mosaic("seq_len", seq_len=40)]
     return [c for c in out if axes is None or c.axis in axes]
 
 
@@ -233,7 +256,7 @@ def child(target: str, cfgs_json: str, options_json: str):
     from jax.sharding import SingleDeviceSharding
 
     import rankattn
-    from rankattn.backends import BlockSizes, PallasTriton
+    from rankattn.backends import BlockSizes, MosaicGpu, PallasTriton
     from rankattn.backends.gpu_config import lowering_without_gpu
 
     cfgs = json.loads(cfgs_json)
@@ -253,15 +276,22 @@ def child(target: str, cfgs_json: str, options_json: str):
         spec = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
         b, s, d = 1, cfg.seq_len, cfg.head_dim
 
-        def loss(q, k, v, seg, cfg=cfg, options=options):
+        if cfg.impl == "mosaic_gpu":  # defaults only; an instance is not checked against
+            impl = MosaicGpu()          # this process's (CPU) backend
+        else:
+            impl = PallasTriton(target=target, precision=cfg.precision, **options)
+
+        def loss(q, k, v, seg, cfg=cfg, impl=impl):
             out, lse = rankattn.attention(
                 q, k, v, segment_ids=seg, causal=cfg.causal,
                 softcap=None if cfg.softcap_method is None else 20.0,
-                softcap_method=cfg.softcap_method or "tanh", return_lse=True,
-                impl=PallasTriton(target=target, precision=cfg.precision, **options))
+                softcap_method=cfg.softcap_method or "tanh", return_lse=True, impl=impl)
             return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
 
         dump = tempfile.mkdtemp(prefix="gpu-compile-")
+        # Mosaic GPU kernels are compiled by the plugin, which writes their PTX and ptxas
+        # report here (XLA's own dump does not hold them).
+        os.environ["MOSAIC_GPU_DUMP_TO"] = dump
         log = os.path.join(dump, "stderr.txt")
         saved = os.dup(2)
         error = None
@@ -279,7 +309,8 @@ def child(target: str, cfgs_json: str, options_json: str):
             finally:
                 os.dup2(saved, 2)
                 os.close(saved)
-        text = open(log).read()
+        text = open(log).read() + "".join(
+            open(p).read() for p in glob.glob(os.path.join(dump, "*.ptxas")))  # Mosaic GPU's
         if "Function properties for" not in text:  # an XLA that runs ptxas in-process
             text += ptxas_on_dump(dump)
         print(json.dumps(dict(config=fields, error=error, kernels=read_kernels(dump, text),
@@ -311,15 +342,19 @@ def ptxas_on_dump(dump: str) -> str:
 
 
 def read_kernels(dump: str, text: str) -> dict:
-    """Per kernel: ptxas' registers / spills / stack (from ``text``, its report), XLA's launch
-    and the PTX's MMA family."""
+    """Per kernel: ptxas' registers / spills / stack / barriers (from ``text``, its report), the
+    launch (XLA's thunk sequence; a Mosaic GPU kernel's PTX and pass log) and the PTX's MMA
+    family. A Mosaic GPU kernel's entry is its name + ``_mosaic_gpu_kernel``."""
     kernels = {}
     for name in KERNELS:
-        m = re.search(rf"Function properties for {name}\n\s*(\d+) bytes stack frame, (\d+) bytes "
-                      rf"spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers", text)
+        m = re.search(rf"Function properties for {name}(?:{MOSAIC_SUFFIX})?\n\s*(\d+) bytes stack "
+                      rf"frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) "
+                      rf"registers(?:, used (\d+) barriers)?", text)
         if m:
             kernels[name] = dict(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]),
                                  registers=int(m[4]))
+            if m[5]:
+                kernels[name]["barriers"] = int(m[5])
     for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
         for m in re.finditer(r"kCustomKernel.*? (rankattn_\w+) grid: \[([\d, ]+)\] threads: "
                              r"\[(\d+), \d+, \d+\]\s+shared_memory: (\d+) bytes", open(path).read()):
@@ -327,9 +362,15 @@ def read_kernels(dump: str, text: str) -> dict:
     for path in glob.glob(os.path.join(dump, "*.ptx")):
         ptx = open(path).read()
         for name in KERNELS:
-            if f".entry {name}(" in ptx:
-                family = "wgmma" if "wgmma." in ptx else "mma.sync" if "mma.sync" in ptx else "none"
-                kernels.setdefault(name, {})["mma"] = family
+            if not re.search(rf"\.entry {name}(?:{MOSAIC_SUFFIX})?\(", ptx):
+                continue
+            family = "wgmma" if "wgmma." in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+            kernels.setdefault(name, {})["mma"] = family
+            log = path.removesuffix(".ptx") + ".mlir-passes.log"
+            threads = re.search(r"\.maxntid (\d+),", ptx)
+            if threads and os.path.exists(log):  # a Mosaic GPU kernel's launch
+                shared = re.search(r"dynamic_shared_memory_size %c(\d+)_i32", open(log).read())
+                kernels[name].update(threads=int(threads[1]), shared=int(shared[1]))
     return kernels
 
 
@@ -355,9 +396,9 @@ def occupancy(kernel: dict, limits: dict) -> float | None:
 
 def run(targets: list[str], axes: list[str] | None, options: dict | None = None) -> dict:
     packages = compiler_dir()
-    cfgs = configs(axes)
     results = {}
     for target in targets:
+        cfgs = configs(axes) + (mosaic_configs(axes) if target in MOSAIC_TARGETS else [])
         print(f"{target}: compiling {len(cfgs)} configurations ...", file=sys.stderr, flush=True)
         results[target] = compile_in_child(target, cfgs, packages, options)
     import jax

@@ -65,7 +65,9 @@ ROWS = 64        # a warpgroup's wgmma rows, and the tokens of one pipeline step
 BLOCK = 128      # the plan's query and key blocks (64 for sequences of at most 64 tokens)
 HEAD_DIMS = (64, 128)  # the tiles' head dims (smaller ones padded to 64 by XLA)
 PIPELINE_DEPTH = 2     # blocks in flight from the memory warpgroup
-MEMORY_REGISTERS = 40  # per thread of the memory warpgroup (setmaxnreg)
+# Registers per thread of the memory warpgroup (setmaxnreg), as FA3's producer: the two compute
+# warpgroups get (512 - 24) / 2, rounded down to 240, which dk / dv's accumulators need.
+MEMORY_REGISTERS = 24
 CANDIDATE = 1 << 30    # a candidate row's position: past every key
 
 
@@ -79,10 +81,15 @@ def _token_rows(seg, s: int):
     return jnp.abs(seg_q), row_pos, jnp.where(seg_k > 0, seg_k, -1)
 
 
-def _sees(st, row_seg, row_pos, key_seg, key_pos):
-    """The history mask from :func:`_token_rows`' rows, each broadcast to the logits' shape."""
+def _sees(st, row_seg, key_seg, positions):
+    """The history mask from :func:`_token_rows`' rows, each broadcast to the logits' shape;
+    ``positions()`` gives the rows' and the keys' positions, made for causal history only (an
+    unused value leaves Mosaic GPU's layout inference without a solution)."""
     sees = row_seg == key_seg
-    return sees & (key_pos <= row_pos) if st.causal else sees
+    if st.causal:
+        row_pos, key_pos = positions()
+        sees &= key_pos <= row_pos
+    return sees
 
 
 def _along(x, shape, axis: int):
@@ -92,14 +99,25 @@ def _along(x, shape, axis: int):
 
 def _matmul(shape, a, b, then=None):
     """a @ b by wgmma into a fresh float32 accumulator of ``shape``, read back after ``then()``
-    (work overlapping the tensor cores). Fresh, then added by the caller: the interpreter
-    lacks ``run_state`` / ``ACC.init``."""
+    (work overlapping the tensor cores)."""
     def body(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
         if then is not None:
             then()
         return acc_ref[...]
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def _accumulate(st, acc, a, b):
+    """acc + a @ b by wgmma, accumulating in acc's registers. Interpret mode takes a fresh
+    accumulator and adds it (the interpreter lacks ``run_state`` / ``ACC.init``); compiled,
+    that would hold a second accumulator live, which dk / dv's registers cannot spare."""
+    if st.interpret:
+        return acc + _matmul(acc.shape, a, b)
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+    return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
 def _transposed(ref):
@@ -124,7 +142,9 @@ def _sub_block(index_ref, per_entry: int, t):
     return index_ref[t // per_entry] * per_entry + t % per_entry
 
 
-def _launch(st, kernel, out_type, scratch, grid, grid_names, warpgroups: int, *args):
+def _launch(st, name: str, kernel, out_type, scratch, grid, grid_names, warpgroups: int,
+            *args):
+    kernel.__name__ = name  # the compiled kernel's name (PTX entry, ptxas report, profiles)
     return plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
         num_threads=warpgroups + 1, thread_name="wg",
@@ -270,10 +290,12 @@ def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, gra
                 plgpu.barrier_arrive(poison_consumed)
 
             def masked(s2):
-                key_pos = (jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-                           + _sub_block(index_ref.at[bi, qb], per_entry, t) * ROWS)
-                sees = _sees(st, by_row("seg", shape), by_row("pos", shape),
-                             _along(key_seg_smem[...], shape, 1), key_pos)
+                def positions():
+                    return by_row("pos", shape), (
+                        jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+                        + _sub_block(index_ref.at[bi, qb], per_entry, t) * ROWS)
+                sees = _sees(st, by_row("seg", shape), _along(key_seg_smem[...], shape, 1),
+                             positions)
                 return jnp.where(sees, s2, -jnp.inf)
 
             s2 = jax.lax.cond(t // per_entry < full_ref[bi, qb], lambda s2: s2, masked, s2)
@@ -286,8 +308,8 @@ def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, gra
                 p = jnp.exp2(s2 - _along(shift, shape, 0))
                 l = l * alpha + p.sum(axis=1)
                 schedule()
-                acc = _along(alpha, acc.shape, 0) * acc + _matmul(
-                    (ROWS, d), p.astype(q.dtype), v_smem)
+                acc = _accumulate(st, _along(alpha, acc.shape, 0) * acc, p.astype(q.dtype),
+                                  v_smem)
                 plgpu.barrier_arrive(v_consumed)
                 return acc, m_new, l
             p = jnp.exp2(s2 - by_row("lse2", shape))
@@ -296,7 +318,7 @@ def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, gra
             ds = flash_math.logit_grads(st, p, dp, by_row("delta", shape), s_scaled,
                                         by_row("mult", shape) if multiplier is not None
                                         else None)
-            dq = carry + _matmul((ROWS, d), ds.astype(q.dtype), k_smem)
+            dq = _accumulate(st, carry, ds.astype(q.dtype), k_smem)
             plgpu.barrier_arrive(k_consumed)
             return dq
 
@@ -334,7 +356,8 @@ def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, gra
             plan.full_count.astype(jnp.int32), plan.count.astype(jnp.int32),
             *(x for _, x, _ in rows_in)]
     assert len(args) == n_in
-    results = _launch(st, kernel, out_type, scratch, (hq, s // st.block_q, b),
+    results = _launch(st, "rankattn_forward" if forward else "rankattn_dq", kernel, out_type,
+                      scratch, (hq, s // st.block_q, b),
                       ("heads", "q_block", "batch"), warpgroups, *args)
     return tuple(results) if forward else results[0]
 
@@ -426,10 +449,11 @@ def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
             s2 = flash_math.times(s2, mult)
 
             def masked(s2):
-                key_pos = (jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-                           + kb * st.block_k + wg * ROWS)
-                sees = _sees(st, by_query(seg_smem), by_query(pos_smem),
-                             _along(key_seg_smem.at[wg][...], shape, 0), key_pos)
+                def positions():
+                    return by_query(pos_smem), (jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+                                                + kb * st.block_k + wg * ROWS)
+                sees = _sees(st, by_query(seg_smem), _along(key_seg_smem.at[wg][...], shape, 0),
+                             positions)
                 return jnp.where(sees, s2, -jnp.inf)
 
             s2 = jax.lax.cond((t % per_head) // per_entry < full_ref[bi, kb], lambda s2: s2,
@@ -438,14 +462,14 @@ def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
             plgpu.barrier_arrive(pos_consumed)
             p = jnp.exp2(s2 - by_query(lse2_smem))
             plgpu.barrier_arrive(lse2_consumed)
-            dv = dv + _matmul((ROWS, d), p.astype(q.dtype), do_smem)
+            dv = _accumulate(st, dv, p.astype(q.dtype), do_smem)
             dp = _matmul(shape, v_smem, _transposed(do_smem))
             plgpu.barrier_arrive(do_consumed)
             ds = flash_math.logit_grads(st, p, dp, by_query(delta_smem), s_scaled, mult)
             plgpu.barrier_arrive(delta_consumed)
             if multiplied:
                 plgpu.barrier_arrive(mult_consumed)
-            dk = dk + _matmul((ROWS, d), ds.astype(q.dtype), q_smem)
+            dk = _accumulate(st, dk, ds.astype(q.dtype), q_smem)
             plgpu.barrier_arrive(q_consumed)
             return dk, dv
 
@@ -478,7 +502,7 @@ def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
         plgpu.Barrier(num_barriers=warpgroups * 3),
     )
     grad = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.float32)
-    return _launch(st, kernel, [grad, grad], scratch, (hkv, s // st.block_k, b),
+    return _launch(st, "rankattn_dkv", kernel, [grad, grad], scratch, (hkv, s // st.block_k, b),
                    ("heads", "k_block", "batch"), warpgroups, q, d_out, row_seg, row_pos,
                    *per_head_rows, k, v, key_seg, plan.q_index.astype(jnp.int32),
                    plan.q_full_count.astype(jnp.int32), plan.q_count.astype(jnp.int32))
