@@ -120,6 +120,14 @@ def test_a_missing_table_is_silent(tmp_path, monkeypatch):
      "head_dim must be [low, high]"),
     (json.dumps({"schema": 1, "entries": [dict(ENTRY, compute_capability="sm_90")]}),
      'compute_capability must be like "9.0"'),
+    (json.dumps({"schema": 1, "entries": [dict(ENTRY, backend="cudnn")]}),
+     "entries[0]: backend must be one of ('pallas_triton', 'mosaic_gpu'), not 'cudnn'"),
+    (json.dumps({"schema": 1, "entries": [dict(ENTRY, backend="mosaic_gpu", config=dict(
+        ENTRY["config"], block_k=32))]}),
+     "entries[0]: config.block_k of a mosaic_gpu entry must be one of (64, 128), not 32"),
+    (json.dumps({"schema": 1, "entries": [dict(ENTRY, backend="mosaic_gpu", config=dict(
+        ENTRY["config"], num_stages=1))]}),
+     "mosaic_gpu entry must be null or one of (2, 3, 4), not 1"),
 ])
 def test_a_malformed_table_falls_back_with_one_warning(tmp_path, monkeypatch, text,
                                                                     reason):
@@ -183,8 +191,21 @@ def test_the_shipped_table_is_well_formed():
 
 
 def test_entries_round_trip_through_json():
-    [entry] = parse_table({"schema": 1, "entries": [ENTRY]})
-    assert entry.config == TUNED and entry.to_json() == ENTRY
+    mosaic = dict(ENTRY, backend="mosaic_gpu")
+    [entry, mosaic_entry] = parse_table({"schema": 1, "entries": [ENTRY, mosaic]})
+    assert entry.config == TUNED and entry.to_json() == ENTRY and "backend" not in ENTRY
+    assert entry.backend == "pallas_triton" and mosaic_entry.backend == "mosaic_gpu"
+    assert mosaic_entry.to_json() == mosaic
+
+
+def test_pallas_triton_reads_only_its_own_entries(tmp_path):
+    """A mosaic_gpu entry before pallas_triton's configures no Triton kernel."""
+    mosaic = dict(ENTRY, backend="mosaic_gpu", config=dict(ENTRY["config"], block_q=64))
+    table = write_table(tmp_path / "t.json", mosaic, ENTRY)
+    assert PallasTriton(target="sm_90", tuned=table).config(jnp.bfloat16, 128, 5) == TUNED
+    only_mosaic = write_table(tmp_path / "m.json", mosaic)
+    assert (PallasTriton(target="sm_90", tuned=only_mosaic).config(jnp.bfloat16, 128, 5)
+            == PallasTriton(target="sm_90", tuned=False).config(jnp.bfloat16, 128, 5))
 
 
 def test_tuned_must_be_a_path_none_or_false():

@@ -5,6 +5,7 @@ its own.
 
 from __future__ import annotations
 
+import json
 import re
 
 import jax
@@ -13,7 +14,8 @@ import pytest
 
 import rankattn
 from helpers import lower_for_cuda, run_suite
-from rankattn.backends import MosaicGpu, mosaic_gpu_interpret
+from rankattn import api
+from rankattn.backends import BlockSizes, MosaicGpu, Xla, mosaic_gpu_interpret
 from rankattn.validate import AttentionCall
 
 
@@ -36,7 +38,8 @@ def test_it_lowers_for_cuda_without_a_gpu():
 
     text = lower_for_cuda(jax.value_and_grad(loss, (0, 1, 2)), *args).as_text()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3, "forward, dq, dk / dv"
-    assert "__gpu$xla.gpu.triton" not in text and "rankattn_dq" not in text
+    assert "__gpu$xla.gpu.triton" not in text
+    assert all(f"rankattn_{k}" in text for k in ("forward", "dq", "dkv")), "the kernels' names"
 
 
 def call_of(dtype=jnp.bfloat16, d=128, dv=None, shard_mask=None) -> AttentionCall:
@@ -64,6 +67,56 @@ def test_by_name_it_needs_a_hopper_gpu():
     assert mosaic_gpu_interpret.IMPORT_ERROR is None  # the interpreter's fixes apply here
 
 
-def test_options_are_checked():
-    with pytest.raises(rankattn.RankattnTypeError, match="RA116"):
-        MosaicGpu(interpret="yes")
+@pytest.mark.parametrize("options, fragment", [
+    (dict(interpret="yes"), "interpret='yes'"),
+    (dict(block_sizes=BlockSizes(128, 32)), "block_sizes=BlockSizes(block_q=128, block_k=32)"),
+    (dict(pipeline_depth=1), "pipeline_depth=1"),
+    (dict(pipeline_depth=True), "pipeline_depth=True"),
+])
+def test_options_are_checked(options, fragment):
+    with pytest.raises(rankattn.RankattnTypeError, match="RA116") as error:
+        MosaicGpu(**options)
+    assert fragment in str(error.value)
+
+
+MOSAIC_ENTRY = {"backend": "mosaic_gpu", "compute_capability": "9.0", "dtype": "bfloat16",
+                "precision": "highest", "head_dim": [65, 128], "group": [1, 8],
+                "config": {"block_q": 64, "block_k": 128, "num_warps": 4, "num_stages": 3,
+                           "split_dkv": False, "key_major": False}}
+TRITON_ENTRY = dict({k: v for k, v in MOSAIC_ENTRY.items() if k != "backend"},
+                    config=dict(MOSAIC_ENTRY["config"], block_q=32, num_warps=8))
+
+
+def table(tmp_path, *entries):
+    path = tmp_path / f"table-{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(json.dumps({"schema": 1, "entries": list(entries)}))
+    return path
+
+
+def test_the_tuned_table_sets_blocks_and_pipeline_depth(tmp_path):
+    tuned = MosaicGpu(tuned=table(tmp_path, TRITON_ENTRY, MOSAIC_ENTRY), target="sm_90")
+    assert tuned.choices(jnp.bfloat16, 128, 5) == (BlockSizes(64, 128), 3)
+    assert tuned.choices(jnp.float16, 128, 5) == (BlockSizes(128, 128), 2)  # no entry
+    assert MosaicGpu(tuned=False).choices(jnp.bfloat16, 128, 5) == (BlockSizes(128, 128), 2)
+    forced = MosaicGpu(BlockSizes(128, 64), pipeline_depth=4,
+                       tuned=table(tmp_path, MOSAIC_ENTRY), target="sm_90")
+    assert forced.choices(jnp.bfloat16, 128, 5) == (BlockSizes(128, 64), 4)
+    assert BlockSizes(64, 128) in tuned.plan_sizes(1000)  # a plan prepares the entry's lists
+
+
+def test_auto_takes_it_only_where_the_gpu_check_timed_it_fastest(tmp_path, monkeypatch):
+    """The first table entry matching the call names the backend impl='auto' takes on this
+    GPU; by name, mosaic_gpu runs whatever the table says."""
+    q = jnp.zeros((1, 40, 2, 128), jnp.bfloat16)
+    kv = jnp.zeros((1, 40, 1, 128), jnp.bfloat16)
+    call = AttentionCall(q=q, k=kv, v=kv, segment_ids=None, causal=False, scale=1.0,
+                         softcap=None, softcap_method="tanh")
+    for entries, takes in [((MOSAIC_ENTRY,), True), ((TRITON_ENTRY, MOSAIC_ENTRY), False),
+                           ((), False)]:
+        mosaic = MosaicGpu(tuned=table(tmp_path, *entries), target="sm_90", interpret=True)
+        assert (mosaic.auto_reasons(call) == []) == takes
+        monkeypatch.setattr(api, "BACKENDS", {"mosaic_gpu": mosaic, "xla": Xla()})
+        assert api.select_backend("auto", call).name == ("mosaic_gpu" if takes else "xla")
+        assert api.select_backend([mosaic, "xla"], call) is mosaic
+    (reason,) = mosaic.auto_reasons(call)
+    assert "gpu.py --tune" in reason and "impl='mosaic_gpu'" in reason

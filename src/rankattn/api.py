@@ -184,6 +184,8 @@ def select_backend(impl, call: AttentionCall, per_shard: bool = False) -> Backen
     reasons = []
     for backend in resolve_impls(impl):
         why = backend.not_supported_reasons(call)
+        if not why and impl in (None, "auto"):
+            why = backend.auto_reasons(call)
         if not why:
             return backend
         reasons += why

@@ -25,7 +25,7 @@ import pytest
 
 import rankattn
 from helpers import Case, check_results, objective, random_segments, rounded_values
-from rankattn.backends import MosaicGpu, mosaic_gpu_interpret
+from rankattn.backends import BlockSizes, MosaicGpu, mosaic_gpu_interpret
 
 INTERPRETER = MosaicGpu(interpret=True)
 TIMEOUT_S = 90  # about three times the slowest case's quiet time here (29 s)
@@ -55,10 +55,10 @@ def eager_results(case: Case, impl) -> dict:
             for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads))}
 
 
-def check_interpreted(case: Case) -> None:
+def check_interpreted(case: Case, impl=INTERPRETER) -> None:
     faulthandler.dump_traceback_later(TIMEOUT_S, exit=True)
     try:
-        got = eager_results(case, INTERPRETER)
+        got = eager_results(case, impl)
     finally:
         faulthandler.cancel_dump_traceback_later()
     assert not mosaic_gpu_interpret.races_found()
@@ -96,6 +96,14 @@ def test_more_cases_match_the_oracle(case):
         empty = [1] if case.batch > 1 else []
         case = dataclasses.replace(case, mask_values=segments(case, case.seed, empty))
     check_interpreted(case)
+
+
+@pytest.mark.mosaic_interpret
+@pytest.mark.parametrize("blocks, depth", [(BlockSizes(64, 128), 3), (BlockSizes(128, 64), 4)])
+def test_other_blocks_and_pipeline_depths_match_the_oracle(blocks, depth):
+    """One compute warpgroup in the forward and dq (two in dk / dv) and the reverse."""
+    check_interpreted(dataclasses.replace(COMPACT, mask_values=segments(COMPACT, 5)),
+                      MosaicGpu(blocks, pipeline_depth=depth, interpret=True))
 
 
 @pytest.mark.mosaic_interpret

@@ -11,9 +11,9 @@ from rankattn.backends.reference import Reference
 from rankattn.backends.xla import Xla
 from rankattn.blocks import BlockSizes
 
-# impl="auto" takes the first that can run on this machine and can run the call (mosaic_gpu
-# after pallas_triton, which runs whatever it can: by name only until a GPU has run it).
-BACKENDS: dict[str, Backend] = {b.name: b for b in (PallasTpu(), PallasTriton(), MosaicGpu(),
+# impl="auto" takes the first that can run on this machine and can run the call; mosaic_gpu
+# only where the GPU check timed it fastest on this GPU (MosaicGpu.auto_reasons).
+BACKENDS: dict[str, Backend] = {b.name: b for b in (PallasTpu(), MosaicGpu(), PallasTriton(),
                                                     Cpu(), Xla(), Reference())}
 
 __all__ = ["BACKENDS", "Backend", "BlockSizes", "Cpu", "GpuTarget", "MosaicGpu", "PallasTpu", "PallasTriton",

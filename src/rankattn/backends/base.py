@@ -36,6 +36,12 @@ class Backend(abc.ABC):
         """Why this backend cannot run ``call``; empty when it can."""
         return []
 
+    def auto_reasons(self, call: AttentionCall) -> list[str]:
+        """Why ``impl='auto'`` passes this backend over for ``call`` although it could run it
+        (consulted after :meth:`not_supported_reasons`, for 'auto' only); empty when it
+        takes it."""
+        return []
+
     def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
         """The block sizes of the :class:`rankattn.Plan` lists this backend may read for
         sequences of ``seq_len`` tokens (every dtype and head dim it may be called with)."""

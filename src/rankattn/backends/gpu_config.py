@@ -173,6 +173,9 @@ TUNED_TABLE_ENV = "RANKATTN_GPU_TUNED"
 TABLE_SCHEMA = 1
 DTYPES = ("bfloat16", "float16", "float32")
 CONFIG_FIELDS = ("block_q", "block_k", "num_warps", "num_stages", "split_dkv", "key_major")
+BACKEND_NAMES = ("pallas_triton", "mosaic_gpu")  # of an entry's "backend" (default the first)
+MOSAIC_TILES = (64, 128)  # mosaic_gpu's block_q / block_k: one or two 64-row warpgroups
+MOSAIC_DEPTHS = (2, 3, 4)  # mosaic_gpu's pipeline depths (see MosaicGpu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +188,11 @@ class TunedEntry:
     head_dim: tuple[int, int]  # inclusive range of the padded head dim (a power of two >= 16)
     group: tuple[int, int]     # inclusive range of query heads per kv head
     config: KernelConfig
+    # The backend whose kernels the entry configures, of BACKEND_NAMES. The first entry that
+    # matches a call also says which of them impl='auto' takes on this GPU (mosaic_gpu only
+    # where benchmarks/gpu.py checked and timed it). For mosaic_gpu, config's block_q and
+    # block_k (64 or 128) and num_stages (its pipeline depth) are read, nothing else.
+    backend: str = "pallas_triton"
 
     def matches(self, capability, dtype: str, precision: str, head_dim: int, group: int) -> bool:
         return (self.compute_capability == tuple(capability) and self.dtype == dtype
@@ -194,7 +202,8 @@ class TunedEntry:
 
     def to_json(self) -> dict:
         c = self.config
-        return dict(compute_capability=".".join(map(str, self.compute_capability)),
+        backend = {} if self.backend == BACKEND_NAMES[0] else dict(backend=self.backend)
+        return dict(**backend, compute_capability=".".join(map(str, self.compute_capability)),
                     dtype=self.dtype, precision=self.precision, head_dim=list(self.head_dim),
                     group=list(self.group),
                     config=dict(block_q=c.block_sizes.block_q, block_k=c.block_sizes.block_k,
@@ -209,7 +218,9 @@ def parse_table(data) -> tuple[TunedEntry, ...]:
     provenance). An entry is ``{"compute_capability": "9.0", "dtype": "bfloat16",
     "precision": "highest", "head_dim": [65, 128], "group": [1, 8], "config": {"block_q":
     64, "block_k": 32, "num_warps": 8, "num_stages": 2, "split_dkv": false, "key_major":
-    false}}`` and may hold a "measured" object (the tuner's timings), which is not read.
+    false}}`` and may hold a "measured" object (the tuner's timings), which is not read,
+    and a "backend" (default "pallas_triton"; "mosaic_gpu": block_q and block_k 64 or 128,
+    num_stages its pipeline depth).
     """
     if not isinstance(data, dict) or data.get("schema") != TABLE_SCHEMA:
         raise ValueError(f"expected an object with \"schema\": {TABLE_SCHEMA}")
@@ -246,10 +257,16 @@ def _parse_entry(index: int, entry) -> TunedEntry:
         raise bad(f"dtype must be one of {DTYPES}, not {entry['dtype']!r}")
     if entry["precision"] not in PRECISIONS:
         raise bad(f"precision must be one of {PRECISIONS}, not {entry['precision']!r}")
+    backend = entry.get("backend", BACKEND_NAMES[0])
+    if backend not in BACKEND_NAMES:
+        raise bad(f"backend must be one of {BACKEND_NAMES}, not {backend!r}")
     config = entry["config"]
     if not isinstance(config, dict) or set(config) != set(CONFIG_FIELDS):
         raise bad(f"config must have exactly the keys {CONFIG_FIELDS}")
     for key in ("block_q", "block_k"):
+        if backend == "mosaic_gpu" and config[key] not in MOSAIC_TILES:
+            raise bad(f"config.{key} of a mosaic_gpu entry must be one of {MOSAIC_TILES}, not "
+                      f"{config[key]!r}")
         if not _is_tile(config[key]):
             raise bad(f"config.{key} must be a power of two >= {MIN_BLOCK}, not {config[key]!r}")
     if config["num_warps"] not in (1, 2, 4, 8, 16):
@@ -258,6 +275,9 @@ def _parse_entry(index: int, entry) -> TunedEntry:
     if stages is not None and not (isinstance(stages, int) and not isinstance(stages, bool)
                                    and 1 <= stages <= 8):
         raise bad(f"config.num_stages must be null or 1 to 8, not {stages!r}")
+    if backend == "mosaic_gpu" and stages is not None and stages not in MOSAIC_DEPTHS:
+        raise bad(f"config.num_stages (the pipeline depth) of a mosaic_gpu entry must be null "
+                  f"or one of {MOSAIC_DEPTHS}, not {stages!r}")
     for key in ("split_dkv", "key_major"):
         if not isinstance(config[key], bool):
             raise bad(f"config.{key} must be true or false, not {config[key]!r}")
@@ -265,7 +285,7 @@ def _parse_entry(index: int, entry) -> TunedEntry:
                       int_range("group"),
                       KernelConfig(BlockSizes(config["block_q"], config["block_k"]),
                                    config["split_dkv"], config["num_warps"], config["key_major"],
-                                   stages))
+                                   stages), backend)
 
 
 def table_path() -> Path:
@@ -331,15 +351,21 @@ def _ignored(path: Path, reason: str) -> tuple:
     return ()
 
 
+def tuned_entry(capability, dtype, head_dim: int, precision: str = "highest", group: int = 1,
+                table: tuple[TunedEntry, ...] = (), backend: str | None = None
+                ) -> TunedEntry | None:
+    """The first entry of ``table`` for this call (of ``backend``'s entries; None: any), or
+    None. ``head_dim``: the larger of D and Dv padded to a power of two >= 16; ``group``:
+    query heads per kv head."""
+    name = jnp.dtype(dtype).name
+    return next((e for e in table if (backend is None or e.backend == backend)
+                 and e.matches(capability, name, precision, head_dim, group)), None)
+
+
 def default_config(target: GpuTarget, dtype, head_dim: int, precision: str = "highest",
                    group: int = 1, table: tuple[TunedEntry, ...] = ()) -> KernelConfig:
-    """The tuned table's configuration for this call, else the spill-free rules'.
-
-    ``head_dim``: the larger of D and Dv padded to a power of two >= 16; ``group``: query
-    heads per kv head; ``table``: the entries to consult (:func:`load_table`).
-    """
-    name = jnp.dtype(dtype).name
-    for entry in table:
-        if entry.matches(target.compute_capability, name, precision, head_dim, group):
-            return entry.config
-    return spill_free_config(target, dtype, head_dim, precision)
+    """pallas_triton's configuration for this call: the tuned table's (``table``, from
+    :func:`load_table`; arguments as :func:`tuned_entry`'s), else the spill-free rules'."""
+    entry = tuned_entry(target.compute_capability, dtype, head_dim, precision, group, table,
+                        backend="pallas_triton")
+    return entry.config if entry else spill_free_config(target, dtype, head_dim, precision)

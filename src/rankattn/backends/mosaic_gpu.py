@@ -37,12 +37,10 @@ compile for sm_90a is not in benchmarks/gpu_compile.py yet. No GPU has run it.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from rankattn.backends import flash_math, mosaic_gpu_interpret
+from rankattn.backends import flash_math, gpu_config, mosaic_gpu_interpret
 from rankattn.backends.base import Backend
 from rankattn.backends.pallas_triton import Kernels, PallasTriton, plan_sizes, triton_attention
 from rankattn.blocks import BlockPlan, BlockSizes
@@ -64,7 +62,13 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 ROWS = 64        # a warpgroup's wgmma rows, and the tokens of one pipeline step
 BLOCK = 128      # the plan's query and key blocks (64 for sequences of at most 64 tokens)
 HEAD_DIMS = (64, 128)  # the tiles' head dims (smaller ones padded to 64 by XLA)
-PIPELINE_DEPTH = 2     # blocks in flight from the memory warpgroup
+PIPELINE_DEPTH = 2     # blocks in flight from the memory warpgroup, by default
+# At least 2: with one, the forward's two compute warpgroups, taking turns at the tensor cores,
+# wait for each other across a block the memory warpgroup cannot fetch yet (a deadlock).
+PIPELINE_DEPTHS = gpu_config.MOSAIC_DEPTHS
+# Shared memory a kernel may plan for: H100 / H200's 227 KB per block, less what barriers
+# and alignment took in the deviceless compile (under 6 KB).
+SHARED_MEMORY_BUDGET = 227 * 1024 - 8 * 1024
 # Registers per thread of the memory warpgroup (setmaxnreg), as FA3's producer: the two compute
 # warpgroups get (512 - 24) / 2, rounded down to 240, which dk / dv's accumulators need.
 MEMORY_REGISTERS = 24
@@ -134,6 +138,14 @@ def _start_copies(copies, barriers, wg, warpgroups: int):
         for i in range(len(copies)):
             plgpu.barrier_wait(barriers.at[i * warpgroups + wg])
     return wait
+
+
+def _pipeline_depth(st, fixed_bytes: int, step_bytes: int) -> int:
+    """The pipeline depth asked for (``st.num_stages``), cut to what shared memory holds
+    beside ``fixed_bytes`` at ``step_bytes`` per block in flight (the least depth always
+    fits: 2 at D=128, measured in benchmarks/GPU_COMPILE.md)."""
+    fits = (SHARED_MEMORY_BUDGET - fixed_bytes) // step_bytes
+    return max(PIPELINE_DEPTHS[0], min(st.num_stages, fits))
 
 
 def _sub_block(index_ref, per_entry: int, t):
@@ -329,7 +341,7 @@ def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, gra
             return (_sub_block(index_ref.at[bi, qb], per_entry, t),)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
-            step, grid=(count_ref[bi, qb] * per_entry,), max_concurrent_steps=PIPELINE_DEPTH,
+            step, grid=(count_ref[bi, qb] * per_entry,), max_concurrent_steps=depth,
             num_compute_wgs=warpgroups, memory_registers=MEMORY_REGISTERS, wg_axis="wg",
             manual_consumed_barriers=True, compute_context=compute,
             in_specs=[plgpu.BlockSpec(block_shape=(ROWS, d), index_map=key_block)] * 2
@@ -341,6 +353,10 @@ def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, gra
     row_dtypes = dict(seg=jnp.int32, pos=jnp.int32)
     own = 2 if st.own_key else 0
     copies = len(tiles_in) + len(rows_in) + own
+    tile_bytes = warpgroups * ROWS * d * q.dtype.itemsize
+    depth = _pipeline_depth(st, (len(tiles_in) + own) * tile_bytes
+                            + (len(rows_in) + 1) * warpgroups * ROWS * 4,
+                            2 * ROWS * d * q.dtype.itemsize + (len(streamed) - 2) * ROWS * 4)
     scratch = (
         (tuple(plgpu.SMEM((warpgroups, ROWS, d), q.dtype) for _ in tiles_in),
          tuple(plgpu.SMEM((warpgroups, ROWS), row_dtypes.get(n, jnp.float32)) for n in names),
@@ -349,15 +365,19 @@ def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, gra
         plgpu.Barrier(num_barriers=warpgroups * copies),
         plgpu.Barrier(num_arrivals=warpgroups),
     )
-    out_type = [jax.ShapeDtypeStruct((b, s, hq, d), q.dtype)]
+    # The plan's query blocks may cover fewer rows than S (padded to the larger block):
+    # the forward writes those rows, dq all S of which the caller reads the first.
+    n_q = plan.kv_index.shape[1]
+    rows_out = n_q * st.block_q if forward else s
+    out_type = [jax.ShapeDtypeStruct((b, rows_out, hq, d), q.dtype)]
     if forward:
-        out_type.append(jax.ShapeDtypeStruct((b, hq, s), jnp.float32))
+        out_type.append(jax.ShapeDtypeStruct((b, hq, rows_out), jnp.float32))
     args = [*tiles_in, *streamed, plan.kv_index.astype(jnp.int32),
             plan.full_count.astype(jnp.int32), plan.count.astype(jnp.int32),
             *(x for _, x, _ in rows_in)]
     assert len(args) == n_in
     results = _launch(st, "rankattn_forward" if forward else "rankattn_dq", kernel, out_type,
-                      scratch, (hq, s // st.block_q, b),
+                      scratch, (hq, n_q, b),
                       ("heads", "q_block", "batch"), warpgroups, *args)
     return tuple(results) if forward else results[0]
 
@@ -484,7 +504,7 @@ def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
 
         pipeline = plgpu.emit_pipeline_warp_specialized(
             step, grid=(st.group * count_ref[bi, kb] * per_entry,),
-            max_concurrent_steps=PIPELINE_DEPTH, num_compute_wgs=warpgroups,
+            max_concurrent_steps=depth, num_compute_wgs=warpgroups,
             memory_registers=MEMORY_REGISTERS, wg_axis="wg", manual_consumed_barriers=True,
             compute_context=compute,
             in_specs=[plgpu.BlockSpec(block_shape=(ROWS, None, d), index_map=tile)] * 2
@@ -495,6 +515,9 @@ def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
         pipeline(q_ref.at[bi], do_ref.at[bi], row_seg_ref.at[bi], row_pos_ref.at[bi],
                  *(ref.at[bi] for ref in head_row_refs))
 
+    tile_bytes = warpgroups * ROWS * d * q.dtype.itemsize
+    depth = _pipeline_depth(st, 2 * tile_bytes + warpgroups * ROWS * (4 + 4 * d),
+                            2 * ROWS * d * q.dtype.itemsize + (2 + len(per_head_rows)) * ROWS * 4)
     scratch = (
         (tuple(plgpu.SMEM((warpgroups, ROWS, d), k.dtype) for _ in range(2)),
          plgpu.SMEM((warpgroups, ROWS), jnp.int32),
@@ -502,7 +525,8 @@ def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
         plgpu.Barrier(num_barriers=warpgroups * 3),
     )
     grad = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.float32)
-    return _launch(st, "rankattn_dkv", kernel, [grad, grad], scratch, (hkv, s // st.block_k, b),
+    return _launch(st, "rankattn_dkv", kernel, [grad, grad], scratch,
+                   (hkv, plan.q_index.shape[1], b),
                    ("heads", "k_block", "batch"), warpgroups, q, d_out, row_seg, row_pos,
                    *per_head_rows, k, v, key_seg, plan.q_index.astype(jnp.int32),
                    plan.q_full_count.astype(jnp.int32), plan.q_count.astype(jnp.int32))
@@ -559,42 +583,85 @@ def tile_head_dim(size: int) -> int:
 
 
 class MosaicGpu(Backend):
-    """The forward on Pallas Mosaic GPU for Hopper (sm_90a), warp-specialised and
-    block-sparse; the backward on :class:`PallasTriton`'s dq and dk / dv kernels, which take
-    its out and lse (Mosaic GPU backward kernels are not written yet).
+    """Pallas Mosaic GPU kernels for Hopper (sm_90a): forward, dq and dk / dv, each
+    warp-specialised (a memory warpgroup streaming the plan's blocks by TMA to two compute
+    warpgroups of 64 rows, wgmma with float32 accumulation) and block-sparse.
 
-    Blocks: 128 query rows (two compute warpgroups of 64) x 64 keys, 64 x 64 for sequences
-    of at most 64 tokens. Inputs bfloat16 or float16 (wgmma's 16-bit operands; float32 is
-    declined, so ``auto`` falls back), head dims up to 128 (padded to 64 or 128 by XLA).
+    Inputs bfloat16 or float16 (wgmma's 16-bit operands; float32 is declined, so ``auto``
+    falls back), head dims up to 128 (padded to 64 or 128 by XLA).
+
+    ``block_sizes``: the plan's query x key blocks, each 64 or 128 (one or two compute
+    warpgroups; default 128 x 128, 64 for sequences of at most 64 tokens).
+    ``pipeline_depth``: blocks in flight from the memory warpgroup, 2 (default) to 4, at most
+    what each kernel's shared memory holds (per kernel, a deeper request is cut to that).
+    Both default to the tuned table's ``mosaic_gpu`` entry for the call where there is one
+    (``tuned``: as :class:`PallasTriton`'s, the same table), and ``target`` is the GPU whose
+    entries are read (default: this machine's).
 
     ``interpret``: False (default) compiles for the GPU; True runs the kernels on any
-    backend, CPU included (slow, for tests): the forward in the Mosaic GPU interpreter, its
-    warpgroups as threads with the race detector on, the backward in Pallas' interpreter.
+    backend, CPU included (slow, for tests), in JAX's Mosaic GPU interpreter, warpgroups as
+    threads with the race detector on; eagerly only (RA128 under jit).
 
     By name (``impl='mosaic_gpu'``) it runs only on a GPU of compute capability 9.0; an
-    instance passed as ``impl=`` is not checked, so a CPU-only machine can lower it for CUDA.
-    ``impl='auto'`` does not take it yet: no GPU has run it.
+    instance passed as ``impl=`` is not checked, so a CPU-only machine can lower and compile
+    it for CUDA. ``impl='auto'`` tries it before pallas_triton but takes it only for calls
+    whose first tuned-table entry names ``mosaic_gpu``: where ``benchmarks/gpu.py`` checked
+    it against the reference and timed it faster on this GPU (:meth:`auto_reasons`).
     """
 
     name = "mosaic_gpu"
 
-    def __init__(self, *, interpret: bool = False):
+    def __init__(self, block_sizes: BlockSizes | None = None, *,
+                 pipeline_depth: int | None = None, tuned=None, target=None,
+                 interpret: bool = False):
+        if block_sizes is not None and not (
+                isinstance(block_sizes, BlockSizes)
+                and {block_sizes.block_q, block_sizes.block_k} <= set(gpu_config.MOSAIC_TILES)):
+            raise fail("RA116", f"MosaicGpu block_sizes={block_sizes!r}; pass BlockSizes(q, k) "
+                                f"with each of {gpu_config.MOSAIC_TILES}, or None.")
+        if pipeline_depth is not None and (isinstance(pipeline_depth, bool)
+                                           or pipeline_depth not in PIPELINE_DEPTHS):
+            raise fail("RA116", f"MosaicGpu pipeline_depth={pipeline_depth!r}; pass one of "
+                                f"{PIPELINE_DEPTHS}, or None.")
         if not isinstance(interpret, bool):
             raise fail("RA116", f"MosaicGpu interpret={interpret!r}; pass True or False.")
+        self.block_sizes = block_sizes
+        self.pipeline_depth = pipeline_depth
         self.interpret = interpret
-        self.triton = PallasTriton(interpret=interpret)
+        # Its GPU, table and platform checks are pallas_triton's (one table for both).
+        self.triton = PallasTriton(tuned=tuned, target=target, interpret=interpret)
+
+    def tuned_entry(self, dtype, head_dim: int, group: int, backend: str | None = "mosaic_gpu"):
+        """The tuned table's first entry for a call (``backend``'s; None: any), or None."""
+        return gpu_config.tuned_entry(self.triton.gpu_target().compute_capability, dtype,
+                                      gpu_config.padded_head_dim(head_dim), group=group,
+                                      table=self.triton.table(), backend=backend)
+
+    def choices(self, dtype, head_dim: int, group: int = 1) -> tuple[BlockSizes, int]:
+        """(block sizes, pipeline depth) of a call: the options, else the tuned table's
+        mosaic_gpu entry, else the defaults."""
+        entry = self.tuned_entry(dtype, head_dim, group)
+        sizes = self.block_sizes or (entry.config.block_sizes if entry else BlockSizes(BLOCK,
+                                                                                     BLOCK))
+        depth = self.pipeline_depth or (entry and entry.config.num_stages) or PIPELINE_DEPTH
+        return sizes, depth
 
     def platform_reasons(self) -> list[str]:
         if IMPORT_ERROR is not None:
             return [self._no_lowering()]
-        reasons = self.triton.platform_reasons()
-        if not reasons and not self.interpret:
-            capability = getattr(jax.devices()[0], "compute_capability", None)
-            if capability != "9.0":
-                reasons.append(f"mosaic_gpu: its kernels are for compute capability 9.0 "
-                               f"(H100 / H200); this GPU's is {capability}; use "
-                               "impl='pallas_triton'")
-        return [r.replace("pallas_triton needs", "mosaic_gpu needs") for r in reasons]
+        if self.interpret:
+            return []
+        if jax.default_backend() != "gpu":
+            return [f"mosaic_gpu needs a GPU, and JAX's default backend here is "
+                    f"{jax.default_backend()!r}; on an H100 / H200 install jax with its CUDA "
+                    "plugin (pip install 'rankattn[cuda13]'), pass "
+                    "impl=rankattn.backends.MosaicGpu(interpret=True) to run its kernels in "
+                    "JAX's Mosaic GPU interpreter on CPU (slow), or use impl='xla'"]
+        capability = getattr(jax.devices()[0], "compute_capability", None)
+        if capability != "9.0":
+            return [f"mosaic_gpu: its kernels are for compute capability 9.0 (H100 / H200); "
+                    f"this GPU's is {capability}; use impl='pallas_triton'"]
+        return []
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         if IMPORT_ERROR is not None:
@@ -614,13 +681,29 @@ class MosaicGpu(Backend):
         if call.shard_mask is not None:
             reasons.append("mosaic_gpu: its kernels read positions from their indices, so "
                            "they cannot run on one context shard yet; use impl='xla'")
-        return reasons + self.triton.not_supported_reasons(call)
+        return reasons
 
-    def sizes(self, seq_len: int) -> BlockSizes:
-        return plan_sizes(BlockSizes(BLOCK, BLOCK), seq_len, ROWS)
+    def auto_reasons(self, call: AttentionCall) -> list[str]:
+        entry = self.tuned_entry(call.q.dtype, max(call.q.shape[-1], call.v.shape[-1]),
+                                 call.q.shape[2] // call.k.shape[2], backend=None)
+        if entry is not None and entry.backend == self.name:
+            return []
+        return [f"mosaic_gpu: impl='auto' takes it where benchmarks/gpu.py --tune checked it "
+                f"and timed it fastest on this GPU (the tuned table's first entry for "
+                f"{jnp.dtype(call.q.dtype).name}, this head dim and group names "
+                f"{entry.backend if entry else 'no backend'}); impl='mosaic_gpu' runs it"]
+
+    def sizes(self, block_sizes: BlockSizes, seq_len: int) -> BlockSizes:
+        return plan_sizes(block_sizes, seq_len, ROWS)
 
     def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
-        return (self.sizes(seq_len),)
+        """The default's or the option's, and every tuned mosaic_gpu entry's for this GPU."""
+        capability = self.triton.gpu_target().compute_capability
+        tuned = [e.config.block_sizes for e in self.triton.table()
+                 if e.backend == self.name and e.compute_capability == capability]
+        return tuple(dict.fromkeys(
+            self.sizes(s, seq_len) for s in ([self.block_sizes] if self.block_sizes
+                                             else [BlockSizes(BLOCK, BLOCK)] + tuned)))
 
     def __call__(self, call: AttentionCall):
         if self.interpret and isinstance(call.q, jax.core.Tracer) and _under_jit(call.q):
@@ -628,12 +711,13 @@ class MosaicGpu(Backend):
                                 f"{type(call.q).__name__}); call it eagerly (jax.grad and "
                                 "jax.vjp are fine), or use PallasTriton(interpret=True) or "
                                 "impl='xla' under jit.")
-        base = self.triton.config(call.q.dtype, max(call.q.shape[-1], call.v.shape[-1]),
-                                  call.q.shape[2] // call.k.shape[2])
-        config = dataclasses.replace(base, block_sizes=BlockSizes(BLOCK, BLOCK))
+        sizes, depth = self.choices(call.q.dtype, max(call.q.shape[-1], call.v.shape[-1]),
+                                    call.q.shape[2] // call.k.shape[2])
+        # Only the blocks and the depth (num_stages) are read; warps are Triton's choice.
+        config = gpu_config.KernelConfig(sizes, False, 4, False, depth)
         blocks = None
         if call.plan is not None:
-            blocks = call.plan.block_plan(self.sizes(call.q.shape[1]))
+            blocks = call.plan.block_plan(self.sizes(sizes, call.q.shape[1]))
         return triton_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
                                 scale=call.scale, softcap=call.softcap,
                                 softcap_method=call.softcap_method, config=config,
@@ -647,5 +731,13 @@ class MosaicGpu(Backend):
                 f"kernels need ({IMPORT_ERROR}); use impl='pallas_triton'")
 
     def __repr__(self) -> str:
-        options = " interpret=True" if self.interpret else ""
-        return f"<rankattn backend 'mosaic_gpu'{options}>"
+        options = [f"block_sizes={self.block_sizes}"] if self.block_sizes else []
+        if self.pipeline_depth:
+            options.append(f"pipeline_depth={self.pipeline_depth}")
+        if self.triton.tuned is not None:
+            options.append(f"tuned={self.triton.tuned!r}")
+        if self.triton.target is not None:
+            options.append(f"target={self.triton.target.name}")
+        if self.interpret:
+            options.append("interpret=True")
+        return f"<rankattn backend 'mosaic_gpu'{''.join(' ' + o for o in options)}>"

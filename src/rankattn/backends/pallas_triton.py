@@ -702,7 +702,8 @@ class PallasTriton(Backend):
         """Every tile pair a call of this length may use: over dtypes and head dims by the
         built-in rules, and every tuned table entry for this GPU."""
         capability = self.gpu_target().compute_capability
-        tuned = [e.config.block_sizes for e in self.table() if e.compute_capability == capability]
+        tuned = [e.config.block_sizes for e in self.table()
+                 if e.backend == self.name and e.compute_capability == capability]
         sizes = [self.config(dtype, head_dim).block_sizes for dtype in (jnp.bfloat16, jnp.float32)
                  for head_dim in (128, 256)]
         return tuple(dict.fromkeys(plan_sizes(self.block_sizes or s, seq_len)
