@@ -5,8 +5,8 @@ version (once, into ~/.cache/rankattn, about 600 MB) and compiles in a child pro
 this process stays CPU-only. Checked, per target (sm_80 A100, sm_89 99 KB parts, sm_90
 H100): every kernel compiles; no register spills at bfloat16 D = 128 (causal and soft cap
 included) and D = 192; exact float32 (no tensor cores) spills at most 1 KB per thread;
-shared memory within the target's limit at D = 256. Where the package index cannot serve
-the packages, the tests skip and say so.
+shared memory within the target's limit at D = 256; and mosaic_gpu's kernels for sm_90a
+without spills. Where the package index cannot serve the packages, the tests skip and say so.
 """
 
 from __future__ import annotations
@@ -55,6 +55,22 @@ def test_kernels_compile_without_spills_within_shared_memory(target, packages):
                 assert spill(kernel) <= 1024, f"{where}: {kernel}"
             elif config.head_dim <= 192:
                 assert spill(kernel) == 0, f"{where}: {kernel}"
+
+
+def test_mosaic_gpu_compiles_for_sm_90a_without_spills(packages):
+    """MosaicGpu() as impl= on this CPU-only process (not declined for its CPU backend):
+    forward, dq and dk / dv of Phoenix's heads (20 / 4, D=128, causal) compile for sm_90a
+    with wgmma, no register spills and shared memory within the H100's limit."""
+    config = Config("gqa", q_heads=20, kv_heads=4, causal=True, impl="mosaic_gpu")
+    [result] = gpu_compile.compile_in_child("sm_90", [config], packages)
+    assert result["error"] is None, result["error"]
+    kernels = result["kernels"]
+    assert set(kernels) == {"rankattn_forward", "rankattn_dq", "rankattn_dkv"}, kernels
+    limit = gpu_compile.target_limits("sm_90")["shared_per_block"]
+    for name, kernel in kernels.items():
+        assert spill(kernel) == 0 and kernel["mma"] == "wgmma", (name, kernel)
+        assert kernel["threads"] == 384 and kernel["barriers"] > 0, (name, kernel)
+        assert 0 < kernel["shared"] <= limit, (name, kernel)
 
 
 def test_the_spill_check_sees_the_64x64_tiles_spill(packages):

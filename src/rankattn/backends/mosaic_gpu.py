@@ -1,38 +1,44 @@
-"""The forward as a Pallas Mosaic GPU kernel for Hopper (sm_90a): warp-specialised and
-block-sparse on rankattn's block plans; the backward on :mod:`pallas_triton`'s kernels.
+"""Block-sparse flash attention as Pallas Mosaic GPU kernels for Hopper (sm_90a).
 
-One ``plgpu.kernel`` over (query head, query block, batch) with three warpgroups
-(Warpgroup lowering semantics, set explicitly: jax 0.11 changes the default). The last,
-the memory warpgroup, streams the plan's key blocks for this query block into shared
-memory rings with TMA (``plgpu.emit_pipeline_warp_specialized``: its grid is the list's
-count, read in the kernel, and its index map reads the list, so only listed key blocks
-are fetched); the two compute warpgroups own 64 query rows each and share the stream,
-each arriving on a slot's "consumed" barrier once done with it. Per key block: s = q k^T
-by wgmma (f32 accumulation, K through a transposed shared-memory view), scale, cap,
-logit multiplier and the keys' poison (NaN for a key whose k or v is non-finite), the
-mask in partial blocks only (``j < full_count``: the list holds full blocks first), the
-online softmax in base 2, p v by wgmma with p in registers. Then each candidate's own
-key joins as one more column (its k and v rows copied once per warpgroup), and out /
-lse are written through shared memory.
+Three kernels, each a ``plgpu.kernel`` of three warpgroups with the Warpgroup lowering
+semantics set explicitly (jax 0.11 changes the default): the last, the memory warpgroup
+(24 registers a thread, as FA3's producer), streams the plan's blocks into shared-memory
+rings by TMA (``plgpu.emit_pipeline_warp_specialized``, its grid the list's count, read in
+the kernel, and its index maps reading the list, so only listed blocks are fetched); the
+two compute warpgroups (240 registers) own 64 rows each and share the stream, arriving on
+a slot's "consumed" barrier once done with it. Blocks of the plan are 128 x 128 tokens
+(64 for sequences of at most 64 tokens; :class:`MosaicGpu` options), streamed in steps
+of 64 tokens; the list holds full blocks first, so ``entry < full_count`` skips the mask.
 
-Per-key vectors (the keys' segment ids, poison) ride the pipeline beside K and V as
-[64] blocks; per-query vectors (segment ids, positions, the multiplier, the own key's
-poison) are copied once per warpgroup. The mask is :func:`rankattn.semantics.sees_history`
-recast on three int32 rows made by XLA: a query's |segment id| and its position (a
-candidate's: ``CANDIDATE``, past every key), a key's segment id (-1 for padding and
-candidates), so that it is ``row_seg == key_seg`` (and ``key_pos <= row_pos`` for causal
-history), and a query is a candidate where its position is ``CANDIDATE``.
+* forward, grid (query head, query block, batch): per key block, s = q k^T by wgmma (f32
+  accumulation, K through a transposed shared-memory view), scale, cap, logit multiplier
+  and the keys' poison (NaN for a key whose k or v is non-finite), the mask in partial
+  blocks only, the online softmax in base 2, p v by wgmma with p in registers; the two
+  compute warpgroups take turns at the tensor cores (FA3's ping-pong). Then each
+  candidate's own key joins as one more column, and out / lse leave through shared memory.
+* dq, the same grid and stream: p recomputed from the saved lse, dp = dO v^T, ds, and
+  dq += ds k by wgmma; the own key's term per row.
+* dk / dv, grid (kv head, key block, batch): each compute warpgroup owns 64 keys and
+  accumulates their dk and dv in registers over the G query heads of the group (K / V
+  read once per group), streamed (query head, query block) steps from the plan's
+  transposed lists: Q, dO and the queries' rows. The candidates' own-key terms of dk and
+  dv are per token and summed over the group: XLA adds them in the fusion that casts the
+  kernel's float32 sums (one more read of Q and dO).
 
-The contract is :func:`rankattn.backends.pallas_triton._forward`'s (padded inputs, plan,
-poison, multiplier), so :class:`MosaicGpu` runs through ``triton_attention`` with this
-forward, and Triton's dq and dk / dv kernels take its out and lse: the Mosaic GPU
-backward kernels are not written yet. Interpret mode runs the warpgroups as threads in
-JAX's Mosaic GPU interpreter with its race detector, after the fixes of
-:mod:`rankattn.backends.mosaic_gpu_interpret`.
+Per-token vectors ride the pipelines beside the tiles as [64] blocks, or are copied once
+per warpgroup. The mask is :func:`rankattn.semantics.sees_history` recast on three int32
+rows made by XLA (:func:`_token_rows`). The kernels take
+:func:`rankattn.backends.pallas_triton._forward`'s contract (padded inputs, plan, poison,
+multiplier), so :class:`MosaicGpu` runs through ``triton_attention`` with
+:data:`MOSAIC_KERNELS`.
 
 Numerics: ``approx_math`` (the hardware's approximate exp2, log2 and tanh, as JAX's FA3
-example) and 16-bit operands only. It lowers for CUDA without a GPU (tested); its deviceless
-compile for sm_90a is not in benchmarks/gpu_compile.py yet. No GPU has run it.
+example) and 16-bit operands only. Interpret mode runs the warpgroups as threads in JAX's
+Mosaic GPU interpreter with its race detector, after the fixes of
+:mod:`rankattn.backends.mosaic_gpu_interpret`; it accumulates wgmma products into fresh
+accumulators (the interpreter lacks ``run_state``), the compiled kernels in place.
+Registers, spills, barriers and shared memory for sm_90a, compiled without a GPU, are in
+benchmarks/GPU_COMPILE.md. No GPU has run these kernels yet.
 """
 
 from __future__ import annotations
