@@ -11,17 +11,21 @@ The run is a list of phases in order of value, each admitted only when its estim
 would not fit is skipped and listed, and GPU.md shows every phase's estimate beside its
 measured time:
 
-(a) correctness: pallas_triton (and its float32 tensor-core precisions on one case) and xla
-    against the reference on the GPU: out, lse and the gradients of a loss with an lse
-    term, float32 / bfloat16 / float16, odd shapes, packed rows with padding;
+(a) correctness: pallas_triton (and its float32 tensor-core precisions on one case),
+    mosaic_gpu (on sm_90, the 16-bit cases it takes) and xla against the reference on the
+    GPU: out, lse and the gradients of a loss with an lse term, float32 / bfloat16 /
+    float16, odd shapes, packed rows with padding;
 (t) the tune phase (--tune, on by default on a GPU), one phase per call class, Phoenix's
-    production heads (bf16, 20 / 4, D = 128) first: candidate configurations checked
-    against the reference, then timed forward + backward in rounds interleaved with the
-    built-in default (benchmarks/gpu_tune.py); every result is appended to tune.jsonl under
+    production heads (bf16, 20 / 4, D = 128) first: candidate configurations (on sm_90,
+    mosaic_gpu's first) checked against the reference, then timed forward + backward in
+    rounds interleaved with the built-in default (benchmarks/gpu_tune.py); a mosaic_gpu
+    entry makes impl='auto' take it for that class; every result is appended to tune.jsonl under
     --out as it comes, and the tuned table (src/rankattn/backends/gpu_tuned.json and a
     copy under --out) is rewritten after each class;
 (b) bf16 forward and forward + backward timings, the production-heads workloads first, then
-    nano, packed and long history: every rankattn backend and, interleaved in the same
+    nano, packed and long history: every rankattn backend (mosaic_gpu on sm_90, with its
+    targets: 1.3x pallas_triton and cuDNN's speed at the production shape, 45% of the
+    matmul rate on long histories) and, interleaved in the same
     process, jax.nn.dot_product_attention with the dense mask (cuDNN where it takes the
     mask, else XLA), torch SDPA with a boolean mask and compiled FlexAttention with the same
     mask_mod (skipped with a note when torch is missing). pallas_triton reads the tuned
@@ -74,7 +78,9 @@ import gpu_tune  # noqa: E402
 import rankattn  # noqa: E402
 from bench import NANO, PACKED, Workload, smoke_version  # noqa: E402
 from rankattn import peers  # noqa: E402
-from rankattn.backends import PallasTriton, Xla, gpu_config, pallas_triton  # noqa: E402
+from rankattn.backends import (MosaicGpu, PallasTriton, Xla, gpu_config,  # noqa: E402
+                               mosaic_gpu, pallas_triton)
+from rankattn.validate import AttentionCall  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_JSON = os.path.join(HERE, "results", "gpu.json")
@@ -93,6 +99,12 @@ WORKLOADS = [  # in order of value: the budget cuts from the end
 # FlexAttention's compile (about 75 s of the budget for both directions) is spent only where
 # a target compares against it; the long-history targets are shares of the matmul rate.
 NO_TORCH_PEERS = ("long-history-fwd", "long-history-fwdbwd")
+# FlexAttention only where a target compares against it (nano, packed): its compile is the
+# largest cost of a workload, and the production-heads workloads' targets are mosaic_gpu's.
+NO_FLEX = ("prod-heads-fwd", "prod-heads-fwdbwd")
+# mosaic_gpu is timed where its targets are (its compile costs about 3 pallas_triton ones).
+MOSAIC_WORKLOADS = ("prod-heads-fwd", "prod-heads-fwdbwd", "long-history-fwd",
+                    "long-history-fwdbwd")
 # What --smoke times: forward (with the xla float32 row) and backward, one session and packed.
 SMOKE_WORKLOADS = ("nano-fwd", "packed-fwdbwd")
 # (B, S, Hq, Hkv, D, Dv, dtype, causal, softcap, softcap_method)
@@ -133,10 +145,12 @@ def makers(w: Workload, impls: dict, device: str, failures: list[str],
            with_torch: bool = bench.torch is not None) -> dict:
     """{name: a maker of the zero-argument callable} of every implementation timed on ``w``
     (nothing is built yet; the names also price the workload in gpu_plan.Costs.workload);
-    torch's peers ``with_torch``, except on NO_TORCH_PEERS."""
+    torch's peers ``with_torch``, except on NO_TORCH_PEERS (and FlexAttention on NO_FLEX);
+    mosaic_gpu, when ``impls`` has it, on MOSAIC_WORKLOADS only."""
     with_torch = with_torch and w.name not in NO_TORCH_PEERS
     out = {name: functools.partial(bench.jax_runner, w, bench.rankattn_with(impl))
-           for name, impl in impls.items()}
+           for name, impl in impls.items()
+           if name != "mosaic_gpu" or w.name in MOSAIC_WORKLOADS}
     if w.name == "nano-fwd":  # what the xla backend did on GPUs before: float32 "highest" dots
         out["xla (float32 highest)"] = functools.partial(
             bench.jax_runner, w, bench.rankattn_with(Xla(mixed_precision=False)))
@@ -150,7 +164,7 @@ def makers(w: Workload, impls: dict, device: str, failures: list[str],
     else:
         failures.append(f"{w.name}: dense-mask peers skipped (logits over "
                         f"{DENSE_LIMIT_BYTES >> 30} GiB)")
-    if with_torch:
+    if with_torch and w.name not in NO_FLEX:
         out["torch flex (compiled)"] = functools.partial(bench.torch_flex, w, device)
     return out
 
@@ -200,15 +214,24 @@ def same_configuration_dropped(impls: dict, w: Workload) -> dict:
     return impls
 
 
-def timed_impls(table: str | None, tune: bool, smoke: bool) -> dict:
+def mosaic_runs(capability, smoke: bool) -> bool:
+    """Whether mosaic_gpu is checked and timed: on sm_90 (its kernels' only GPU), not in
+    --smoke (its interpret mode runs eagerly only, and the checks and timings jit)."""
+    return (tuple(capability) == gpu_tune.MOSAIC_CAPABILITY and not smoke
+            and mosaic_gpu.IMPORT_ERROR is None)
+
+
+def timed_impls(table: str | None, tune: bool, smoke: bool, capability=(0, 0)) -> dict:
     """The rankattn rows of (b): pallas_triton reading ``table`` (the tuned table this run
     wrote; None: the table it reads by default), the built-in default beside it when the
-    tune phase ran, and the xla backend. The table is read when a call is configured, so
-    what the tune phase wrote is what runs (gpu_config.load_table reads a rewritten file
-    again)."""
+    tune phase ran, mosaic_gpu (reading the same table) where it runs, and the xla backend.
+    The table is read when a call is configured, so what the tune phase wrote is what runs
+    (gpu_config.load_table reads a rewritten file again)."""
     impls = {"pallas_triton": PallasTriton(tuned=table, interpret=smoke)}
     if tune:
         impls["pallas_triton (built-in default)"] = PallasTriton(tuned=False, interpret=smoke)
+    if mosaic_runs(capability, smoke):
+        impls["mosaic_gpu"] = MosaicGpu(tuned=table)
     impls["xla"] = Xla()
     return impls
 
@@ -242,10 +265,28 @@ def targets(rows: list[dict]) -> list[str]:
         mine = by.get((workload, "pallas_triton"))
         verdict(f"{workload}: pallas_triton share of the bf16 matmul rate",
                 mine["mm"] if mine else None, need, "%")
+    # mosaic_gpu (issue 38): at Phoenix's production shape against pallas_triton and cuDNN's
+    # dense-mask attention, and on long histories as a share of the matmul rate.
+    mosaic = lambda workload: by.get((workload, "mosaic_gpu"))  # noqa: E731
+    for peer, need in (("pallas_triton", 1.3), ("jax.nn.dpa (cudnn, dense mask)", 1.0)):
+        mine, theirs = mosaic("prod-heads-fwdbwd"), by.get(("prod-heads-fwdbwd", peer))
+        verdict(f"prod-heads-fwdbwd: mosaic_gpu vs {peer}",
+                theirs["ms"] / mine["ms"] if mine and theirs else None, need)
+    for workload in ("long-history-fwd", "long-history-fwdbwd"):
+        verdict(f"{workload}: mosaic_gpu share of the bf16 matmul rate",
+                mosaic(workload)["mm"] if mosaic(workload) else None, 0.45, "%")
     fast, slow = by.get(("nano-fwd", "xla")), by.get(("nano-fwd", "xla (float32 highest)"))
     verdict("nano-fwd: xla bf16 dots vs its float32 'highest' path",
             slow["ms"] / fast["ms"] if fast and slow else None, 3.0)
     return lines
+
+
+def case_call(case) -> AttentionCall:
+    """The shapes and dtype of a CHECKS case, as a backend's not_supported_reasons takes."""
+    b, s, hq, hkv, d, dv, dtype, causal, softcap, method = case
+    shape = lambda h, dim: jax.ShapeDtypeStruct((b, s, h, dim), dtype)  # noqa: E731
+    return AttentionCall(q=shape(hq, d), k=shape(hkv, d), v=shape(hkv, dv), segment_ids=None,
+                         causal=causal, scale=1.0, softcap=softcap, softcap_method=method)
 
 
 # --- Report. ------------------------------------------------------------------------
@@ -288,6 +329,9 @@ def tune_section(summaries: list[dict], table: dict | None, paths: list[str]) ->
             c, m = e["config"], e.get("measured", {})
             opts = gpu_compile.option(c["block_q"], c["block_k"], c["num_warps"],
                                       c["num_stages"], c["split_dkv"], c["key_major"])
+            if e.get("backend") == "mosaic_gpu":
+                opts = dict(backend="mosaic_gpu", block_sizes=[c["block_q"], c["block_k"]],
+                            pipeline_depth=c["num_stages"] or mosaic_gpu.PIPELINE_DEPTH)
             out.append(f"| {e['compute_capability']} | {e['dtype']} | {e['head_dim']} | "
                        f"{e['group']} | {gpu_tune.describe(opts)} | {m.get('ms', '')} | "
                        f"{m.get('default_ms', '')} |")
@@ -310,6 +354,8 @@ def ptxas_programs(summaries: list[dict], capability, dry: bool) -> list[tuple]:
         if "best" in summary or dry:
             chosen.append(("tuned", None if dry else summary["best"]["options"]))
         for label, o in chosen:
+            if o is not None and gpu_tune.is_mosaic(o):  # its sm_90a report: GPU_COMPILE.md
+                continue
             key = (cls.dtype, cls.head_dim, label if dry else json.dumps(o))
             variants.setdefault(key, (gpu_compile.Config(
                 label, dtype=cls.dtype, head_dim=cls.head_dim, q_heads=cls.q_heads,
@@ -367,6 +413,17 @@ JAX_VERSIONS = [
     "found\" unless an abstract mesh names the GPU; gpu_config.lowering_without_gpu() "
     "provides one (used by the tests and gpu_compile.py; jax 0.10 ignores it, checked: the "
     "same kernels and registers). Python 3.11 support was dropped (the GPU machine has 3.12).",
+    "mosaic_gpu against jax-v0.11.0's source (read, not run; issue 38): plgpu.kernel (the "
+    "kernel's name still from the body's __name__), CompilerParams(approx_math, "
+    "lowering_semantics; its default becomes Warpgroup, which mosaic_gpu sets explicitly), "
+    "emit_pipeline_warp_specialized (same body and compute_context signatures; a new "
+    "manual_ready_barriers=False), BlockSpec (squeezed None dims; a new oob_fill_mode "
+    "defaulting to zeros, as before), copy_gmem_to_smem (a new impl defaulting to TMA), "
+    "wgmma, transpose_ref, ACC / ACC.init, run_scoped / run_state, SMEM, Barrier, "
+    "barrier_arrive / wait, copy_smem_to_gmem, commit_smem, wait_smem_to_gmem: unchanged or "
+    "only new defaulted arguments. Its interpret mode is not: 0.11 rewrote the interpreter's "
+    "threads, so rankattn's fixes of it apply to jax 0.10 only, and MosaicGpu(interpret=True) "
+    "declines there with the reason.",
 ]
 
 
@@ -437,8 +494,11 @@ class Run:
     def check_impls(self, case) -> tuple[dict, dict]:
         """(a)'s implementations of ``case`` and their own tolerances: pallas_triton with the
         configurations before this run's tuning, its float32 tensor-core precisions on
-        PRECISION_CASE, and xla."""
+        PRECISION_CASE, mosaic_gpu where it runs and takes the case, and xla."""
         impls, tolerances = {}, {}
+        if mosaic_runs(self.capability, self.smoke) and not MosaicGpu().not_supported_reasons(
+                case_call(case)):
+            impls["mosaic_gpu"] = MosaicGpu(tuned=False)
         if pallas_triton.IMPORT_ERROR is None:
             impls["pallas_triton"] = PallasTriton(interpret=self.smoke)
             if case == PRECISION_CASE:
@@ -456,14 +516,16 @@ class Run:
         return [(c[0], min(c[1], 40), *c[2:]) for c in CHECKS[-2:]]
 
     def correctness_estimate(self) -> float:
-        programs, others = [], 0
+        programs, mosaic, others = [], [], 0
         for case in self.check_cases():
             impls, _ = self.check_impls(case)
             pallas = [impl for impl in impls.values() if isinstance(impl, PallasTriton)]
-            programs += [(case[6], gpu_config.padded_head_dim(max(case[4], case[5])), None,
-                          impl.precision) for impl in pallas]
-            others += len(impls) - len(pallas) + 1  # + the reference
-        return self.costs.correctness(programs, others)
+            head_dim = gpu_config.padded_head_dim(max(case[4], case[5]))
+            programs += [(case[6], head_dim, None, impl.precision) for impl in pallas]
+            checks_mosaic = "mosaic_gpu" in impls
+            mosaic += [(case[6], head_dim)] if checks_mosaic else []
+            others += len(impls) - len(pallas) - checks_mosaic + 1  # + the reference
+        return self.costs.correctness(programs, others, mosaic)
 
     def tune_candidates(self, cls) -> list[dict]:
         report = None if self.smoke else gpu_plan.compile_report()
@@ -479,7 +541,7 @@ class Run:
 
     def workload_impls(self, w: Workload) -> dict:
         impls = timed_impls(self.table_paths[0] if self.table_paths else None, self.tune,
-                            self.smoke)
+                            self.smoke, self.capability)
         return impls if self.dry else same_configuration_dropped(impls, w)
 
     def workload_estimate(self, w: Workload) -> float:

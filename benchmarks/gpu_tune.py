@@ -37,7 +37,7 @@ import gpu_plan
 import rankattn
 from bench import NANO, Workload, smoke_version
 from gpu_compile import option
-from rankattn.backends import BlockSizes, PallasTriton, gpu_config
+from rankattn.backends import BlockSizes, MosaicGpu, PallasTriton, gpu_config
 
 TUNE_BATCH = 32        # rows of the nano layout (1024 history + 128 candidates) a class is timed on
 SPILL_LIMIT = 600      # bytes per thread a candidate's kernels may spill (deviceless compile)
@@ -46,6 +46,13 @@ MIN_GAIN = 0.01        # the least gain entered, however quiet the default's two
 # candidates; the faster candidate is entered whatever its gain, so the table path runs.
 SMOKE_CLASSES = (("bfloat16", 128, 4, 2),)
 SMOKE_CANDIDATES = [option(32, 16, 4), option(16, 32, 4, None, True, True)]
+# mosaic_gpu's candidates, timed first on sm_90 (its kernels' only GPU) for the production class
+# only (its compile costs about 3 pallas_triton ones; the run's budget): its default blocks at
+# pipeline depths 2 and 3 (3 fits the forward at D = 128; GPU_COMPILE.md). One entering the
+# table makes impl='auto' take mosaic_gpu for that class on this GPU.
+MOSAIC_CAPABILITY = (9, 0)
+MOSAIC_CANDIDATES = [dict(backend="mosaic_gpu", block_sizes=[128, 128], pipeline_depth=depth)
+                     for depth in (2, 3)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +78,23 @@ class TuneClass:
         return smoke_version(w) if smoke else w
 
 
+MOSAIC_CLASS = TuneClass(*gpu_compile.TUNE_CLASSES[0])  # Phoenix's production heads
+
+
 def classes(smoke: bool) -> list[TuneClass]:
     return [TuneClass(*c) for c in (SMOKE_CLASSES if smoke else gpu_compile.TUNE_CLASSES)]
 
 
-def impl_of(options: dict, interpret: bool) -> PallasTriton:
+def is_mosaic(options: dict) -> bool:
+    return options.get("backend") == "mosaic_gpu"
+
+
+def impl_of(options: dict, interpret: bool) -> PallasTriton | MosaicGpu:
     """The backend a candidate's options describe (never reading a tuned table)."""
+    if is_mosaic(options):
+        return MosaicGpu(BlockSizes(*options["block_sizes"]),
+                         pipeline_depth=options["pipeline_depth"], tuned=False,
+                         interpret=interpret)
     kwargs = dict(options, block_sizes=BlockSizes(*options["block_sizes"]))
     return PallasTriton(**kwargs, tuned=False, interpret=interpret)
 
@@ -97,7 +115,9 @@ def planned(cls: TuneClass, capability, smoke: bool, report: dict | None) -> lis
     """The candidates to time for ``cls``: (options, deviceless compile seconds or None).
 
     Candidates that failed the deviceless compile or spilled past SPILL_LIMIT are left out;
-    ones that resolve to the default are timed as the default already.
+    ones that resolve to the default are timed as the default already. mosaic_gpu's come
+    first where it runs (MOSAIC_CAPABILITY, 16-bit; not in --smoke: its interpret mode runs
+    eagerly only).
     """
     default = default_options(cls, capability)
     if smoke:
@@ -109,6 +129,8 @@ def planned(cls: TuneClass, capability, smoke: bool, report: dict | None) -> lis
                   for r in report["candidates"]
                   if (r["config"]["dtype"], r["config"]["head_dim"]) == (cls.dtype, cls.head_dim)
                   and r["error"] is None and max_spill(r) <= SPILL_LIMIT]
+    if not smoke and tuple(capability) == MOSAIC_CAPABILITY and cls == MOSAIC_CLASS:
+        chosen = [dict(options=o, compile_s=None) for o in MOSAIC_CANDIDATES] + chosen
     return [c for c in chosen if c["options"] != default]
 
 
@@ -199,6 +221,9 @@ def tune_class(cls: TuneClass, candidates: list[dict], capability, *, deadline: 
     best = min(timed, key=lambda r: r["ratio"], default=None)
     if best is not None:
         summary["best"] = best
+    if best is not None and is_mosaic(best["options"]):  # pallas_triton's own, by name
+        summary["best_triton"] = min((r for r in timed if not is_mosaic(r["options"])),
+                                     key=lambda r: r["ratio"], default=None)
     return summary
 
 
@@ -251,6 +276,8 @@ def decide(times: dict[str, np.ndarray]) -> dict:
 
 def describe(options: dict) -> str:
     bq, bk = options["block_sizes"]
+    if is_mosaic(options):
+        return f"mosaic_gpu {bq}x{bk} depth {options['pipeline_depth']}"
     parts = [f"{bq}x{bk}", f"w{options['num_warps']}"]
     if options["num_stages"]:
         parts.append(f"s{options['num_stages']}")
@@ -279,24 +306,30 @@ def group_ranges(all_classes: list[TuneClass]) -> dict[TuneClass, tuple[int, int
 
 
 def table_entries(summaries: list[dict], capability, all_classes: list[TuneClass]) -> list[dict]:
-    """Entries for the classes whose best candidate beat the default."""
+    """Entries for the classes whose best candidate beat the default: the best; after it,
+    where that is mosaic_gpu's, pallas_triton's best (what impl='pallas_triton' reads)."""
     ranges = group_ranges(all_classes)
     entries = []
     for s in summaries:
-        if "best" not in s:
-            continue
-        cls, best = s["cls"], s["best"]
-        padded = gpu_config.padded_head_dim(cls.head_dim)  # a power of two >= 16
-        config = impl_of(best["options"], False).config(cls.dtype, cls.head_dim, cls.group)
-        entry = gpu_config.TunedEntry(tuple(capability), cls.dtype, "highest",
-                                      (max(gpu_config.MIN_BLOCK, padded // 2 + 1), padded),
-                                      ranges[cls], config).to_json()
-        entry["measured"] = dict(ms=round(best["ms"], 4), default_ms=round(best["default_ms"], 4),
-                                 spread=round(best["spread"], 4),
-                                 wins=f"{best['wins']} of {best['rounds']} rounds",
-                                 workload=cls.workload(False).name + f", B={TUNE_BATCH}")
-        entries.append(entry)
+        for best in (s.get("best"), s.get("best_triton")):
+            if best is not None:
+                entries.append(table_entry(s["cls"], best, capability, ranges[s["cls"]]))
     return entries
+
+
+def table_entry(cls: TuneClass, best: dict, capability, group: tuple[int, int]) -> dict:
+    """The table entry (JSON) of a timed candidate's row for ``cls``."""
+    padded = gpu_config.padded_head_dim(cls.head_dim)  # a power of two >= 16
+    config = impl_of(best["options"], False).config(cls.dtype, cls.head_dim, cls.group)
+    entry = gpu_config.TunedEntry(tuple(capability), cls.dtype, "highest",
+                                  (max(gpu_config.MIN_BLOCK, padded // 2 + 1), padded), group,
+                                  config, "mosaic_gpu" if is_mosaic(best["options"])
+                                  else "pallas_triton").to_json()
+    entry["measured"] = dict(ms=round(best["ms"], 4), default_ms=round(best["default_ms"], 4),
+                             spread=round(best["spread"], 4),
+                             wins=f"{best['wins']} of {best['rounds']} rounds",
+                             workload=cls.workload(False).name + f", B={TUNE_BATCH}")
+    return entry
 
 
 def write_table(path: str, entries: list[dict], capability, provenance: dict) -> dict:

@@ -24,7 +24,7 @@ import gpu_plan  # noqa: E402
 import gpu_tune  # noqa: E402
 from gpu_compile import option  # noqa: E402
 from gpu_tune import TuneClass  # noqa: E402
-from rankattn.backends import BlockSizes, PallasTriton, gpu_config  # noqa: E402
+from rankattn.backends import BlockSizes, MosaicGpu, PallasTriton, gpu_config  # noqa: E402
 
 SM90 = (9, 0)
 BF16_128 = TuneClass("bfloat16", 128, 4, 2)
@@ -76,6 +76,41 @@ def test_a_winner_becomes_an_entry_for_its_head_dims_and_groups():
         (SM90, "bfloat16", (65, 128), (4, 64))
     assert parsed.config.block_sizes == BlockSizes(128, 32)
     assert entry["measured"]["ms"] == 1.0 and entry["measured"]["default_ms"] == 1.2
+
+
+def test_mosaic_gpu_candidates_come_first_on_sm_90_for_the_production_class():
+    report = gpu_plan.compile_report()
+    mosaic = gpu_tune.MOSAIC_CANDIDATES
+    prod = gpu_tune.MOSAIC_CLASS
+    assert prod == TuneClass("bfloat16", 128, 20, 4)
+    assert [c["options"] for c in gpu_tune.planned(prod, SM90, False, report)][:2] == mosaic
+    for cls, capability, smoke in ((BF16_128, SM90, False), (prod, (8, 0), False),
+                                   (prod, SM90, True)):
+        assert not any(gpu_tune.is_mosaic(c["options"])
+                       for c in gpu_tune.planned(cls, capability, smoke, report))
+    impl = gpu_tune.impl_of(mosaic[1], interpret=False)
+    assert isinstance(impl, MosaicGpu) and impl.choices(jnp.bfloat16, 128, 5) == (
+        BlockSizes(128, 128), 3)
+    assert gpu_tune.describe(mosaic[1]) == "mosaic_gpu 128x128 depth 3"
+
+
+def test_a_mosaic_gpu_winner_is_entered_before_pallas_tritons_best(tmp_path):
+    """The class's best overall first (what impl='auto' takes on this GPU), then
+    pallas_triton's best (what impl='pallas_triton' reads)."""
+    cls = TuneClass("bfloat16", 128, 20, 4)
+    triton = summary(cls, option(128, 32, 8), 1.1, 1.2)["best"]
+    mosaic = summary(cls, gpu_tune.MOSAIC_CANDIDATES[0], 0.8, 1.2)["best"]
+    entries = gpu_tune.table_entries([dict(cls=cls, best=mosaic, best_triton=triton,
+                                           rows=[mosaic, triton])], SM90,
+                                     gpu_tune.classes(smoke=False))
+    assert [e.get("backend", "pallas_triton") for e in entries] == ["mosaic_gpu",
+                                                                      "pallas_triton"]
+    path = tmp_path / "t.json"
+    gpu_tune.write_table(str(path), entries, SM90, {})
+    assert PallasTriton(target="sm_90", tuned=path).config(jnp.bfloat16, 128, 5).block_sizes \
+        == BlockSizes(128, 32)
+    assert MosaicGpu(tuned=path, target="sm_90").choices(jnp.bfloat16, 128, 5) == (
+        BlockSizes(128, 128), 2)
 
 
 def test_a_run_replaces_its_gpus_entries_and_keeps_the_others(tmp_path):
@@ -216,3 +251,14 @@ def test_the_dry_run_sums_its_phases_and_the_plan_fits_one_command(capsys):
     assert phases["(b) prod-heads-fwd"] and list(phases).index("(b) prod-heads-fwd") < \
         list(phases).index("(b) nano-fwd")
     assert total <= gpu_plan.COMMAND_S <= 540 and "every phase fits" in text
+
+
+def test_mosaic_gpu_is_checked_and_timed_on_sm_90_only():
+    assert "mosaic_gpu" in gpu.timed_impls(None, True, False, SM90)
+    assert "mosaic_gpu" not in gpu.timed_impls(None, True, False, (8, 0))
+    assert "mosaic_gpu" not in gpu.timed_impls(None, True, True, SM90)  # --smoke
+    run = gpu.Run(argparse.Namespace(smoke=False, tune=None, table=None, md=None, out=None,
+                                     budget=gpu_plan.COMMAND_S, repeats=9), dry=True)
+    # bf16 D=80, bf16 D=8 and f16 D=48 / 24 it takes; float32 and D=256 it declines.
+    assert [i for i, case in enumerate(gpu.CHECKS)
+            if "mosaic_gpu" in run.check_impls(case)[0]] == [0, 3, 5]

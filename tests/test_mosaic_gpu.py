@@ -120,3 +120,12 @@ def test_auto_takes_it_only_where_the_gpu_check_timed_it_fastest(tmp_path, monke
         assert api.select_backend([mosaic, "xla"], call) is mosaic
     (reason,) = mosaic.auto_reasons(call)
     assert "gpu.py --tune" in reason and "impl='mosaic_gpu'" in reason
+
+
+def test_interpret_mode_is_declined_where_the_interpreter_fixes_do_not_apply(monkeypatch):
+    """jax 0.11's interpreter imports the same modules but threads its state differently:
+    the backend then declines interpret mode with the reason, never a deep AttributeError."""
+    monkeypatch.setattr(mosaic_gpu_interpret, "IMPORT_ERROR", "JAX 0.11's interpreter")
+    (reason,) = MosaicGpu(interpret=True).not_supported_reasons(call_of())
+    assert "JAX 0.11's interpreter" in reason and "PallasTriton(interpret=True)" in reason
+    assert MosaicGpu().not_supported_reasons(call_of()) == []

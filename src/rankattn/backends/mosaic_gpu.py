@@ -652,6 +652,12 @@ class MosaicGpu(Backend):
         depth = self.pipeline_depth or (entry and entry.config.num_stages) or PIPELINE_DEPTH
         return sizes, depth
 
+    def config(self, dtype, head_dim: int, group: int = 1) -> gpu_config.KernelConfig:
+        """:meth:`choices` as the configuration ``triton_attention`` and the tuned table take:
+        the blocks and the depth (as num_stages) are read, the rest is Triton's."""
+        sizes, depth = self.choices(dtype, head_dim, group)
+        return gpu_config.KernelConfig(sizes, False, 4, False, depth)
+
     def platform_reasons(self) -> list[str]:
         if IMPORT_ERROR is not None:
             return [self._no_lowering()]
@@ -673,6 +679,11 @@ class MosaicGpu(Backend):
         if IMPORT_ERROR is not None:
             return [self._no_lowering()]
         reasons = []
+        if self.interpret and mosaic_gpu_interpret.IMPORT_ERROR is not None:
+            reasons.append(f"mosaic_gpu: interpret mode needs rankattn's fixes of JAX's Mosaic "
+                           f"GPU interpreter, which do not apply here "
+                           f"({mosaic_gpu_interpret.IMPORT_ERROR}); use "
+                           "PallasTriton(interpret=True) or impl='xla' on this machine")
         if not any(call.q.dtype == d for d in SUPPORTED_DTYPES):
             reasons.append(f"mosaic_gpu: inputs are {call.q.dtype}; its wgmma kernels take "
                            "bfloat16 or float16 (use impl='pallas_triton' for float32)")
@@ -717,13 +728,11 @@ class MosaicGpu(Backend):
                                 f"{type(call.q).__name__}); call it eagerly (jax.grad and "
                                 "jax.vjp are fine), or use PallasTriton(interpret=True) or "
                                 "impl='xla' under jit.")
-        sizes, depth = self.choices(call.q.dtype, max(call.q.shape[-1], call.v.shape[-1]),
-                                    call.q.shape[2] // call.k.shape[2])
-        # Only the blocks and the depth (num_stages) are read; warps are Triton's choice.
-        config = gpu_config.KernelConfig(sizes, False, 4, False, depth)
+        config = self.config(call.q.dtype, max(call.q.shape[-1], call.v.shape[-1]),
+                             call.q.shape[2] // call.k.shape[2])
         blocks = None
         if call.plan is not None:
-            blocks = call.plan.block_plan(self.sizes(sizes, call.q.shape[1]))
+            blocks = call.plan.block_plan(self.sizes(config.block_sizes, call.q.shape[1]))
         return triton_attention(call.q, call.k, call.v, call.segment_ids, causal=call.causal,
                                 scale=call.scale, softcap=call.softcap,
                                 softcap_method=call.softcap_method, config=config,

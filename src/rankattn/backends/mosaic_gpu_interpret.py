@@ -28,6 +28,7 @@ layouts).
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import numpy as np
@@ -42,6 +43,13 @@ try:  # JAX's private interpreter modules, as of 0.10.2
     from jax._src.state import indexing
     from jax._src.state import types as state_types
     IMPORT_ERROR = None
+    # jax 0.11 rewrote the interpreter's threads (mesh_location / thread objects in place of
+    # device / grid point / thread ids): every import above still succeeds there, so check
+    # the layout the fixes are written for.
+    if not hasattr(interpret_utils, "GPULoggingInfo") or "thread_id" not in \
+            inspect.signature(gcb._get).parameters:
+        IMPORT_ERROR = (f"JAX {jax.__version__}'s Mosaic GPU interpreter is not the one "
+                        "rankattn's fixes are written for (jax 0.10's)")
 except ImportError as error:  # pragma: no cover - depends on the installed JAX
     IMPORT_ERROR = str(error)
 
