@@ -208,7 +208,7 @@ def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, gra
         poison_ref, refs = (refs[0], refs[1:]) if forward else (None, refs)
         index_ref, full_ref, count_ref, *refs = refs
         row_refs, refs = refs[:len(rows_in)], refs[len(rows_in):]
-        outs, (tile_smem, row_smem, own_smem, out_smem), barriers, schedule_barrier = (
+        outs, (tile_smem, row_smem, own_smem, lse_smem), barriers, schedule_barrier = (
             refs[:-3], *refs[-3:])
         bi, qb, h = (jax.lax.axis_index(n) for n in ("batch", "q_block", "heads"))
         wg = jax.lax.axis_index("wg")
@@ -271,11 +271,11 @@ def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, gra
             seen = l != 0  # NaN (a poisoned row) counts as seen
             safe_l = jnp.where(seen, l, 1.0)
             q_smem[...] = (acc / _along(safe_l, acc.shape, 0)).astype(q.dtype)  # out, via SMEM
-            out_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(safe_l)) * flash_math.LN2,
+            lse_smem.at[wg][...] = jnp.where(seen, (m + jnp.log2(safe_l)) * flash_math.LN2,
                                              -jnp.inf)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, outs[0].at[bi, rows, h])
-            plgpu.copy_smem_to_gmem(out_smem.at[wg], outs[1].at[bi, h, rows])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], outs[1].at[bi, h, rows])
             plgpu.wait_smem_to_gmem(0)
 
         def finish_dq(dq, own):
@@ -367,7 +367,7 @@ def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, gra
         (tuple(plgpu.SMEM((warpgroups, ROWS, d), q.dtype) for _ in tiles_in),
          tuple(plgpu.SMEM((warpgroups, ROWS), row_dtypes.get(n, jnp.float32)) for n in names),
          tuple(plgpu.SMEM((warpgroups, ROWS, d), q.dtype) for _ in range(own)),
-         plgpu.SMEM((warpgroups, ROWS), jnp.float32)),
+         plgpu.SMEM((warpgroups, ROWS), jnp.float32)),  # the forward's lse (512 B, dq's idle)
         plgpu.Barrier(num_barriers=warpgroups * copies),
         plgpu.Barrier(num_arrivals=warpgroups),
     )
