@@ -125,13 +125,16 @@ _KINDS = [
     ErrorKind(
         "RA115", "the requested impl cannot run this call",
         "Each backend states why it cannot run a call (its not_supported_reasons); the message "
-        "lists them.",
+        "lists them. With impl='auto' a backend may also pass a call over that it could run "
+        "(its auto_reasons: mosaic_gpu until benchmarks/gpu.py --tune has timed it fastest on "
+        "this GPU), and that reason is listed too.",
         "Use impl='auto', or change the call as the listed reasons say."),
     ErrorKind(
         "RA116", "a static option has the wrong type",
         "causal and return_lse are Python bools; block sizes are positive ints (for "
         "pallas_triton, powers of two >= 16; for pallas_tpu, multiples of 8, one dividing the "
-        "other) and Triton launch options positive ints or None; a PallasTriton target is a GPU "
+        "other; for mosaic_gpu, 64 or 128 each, with a pipeline depth of 2 to 4) and Triton "
+        "launch options positive ints or None; a PallasTriton target is a GPU "
         "whose compute capability rankattn knows (sm_80, sm_86, sm_87, sm_89, sm_90, sm_100, "
         "sm_120), a PallasTpu target a TPU generation ('v5e', 'v6e', 'tpu7x') and its "
         "interpret a bool or a pltpu.InterpretParams. They select the compiled program, so they "
