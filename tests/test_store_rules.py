@@ -132,6 +132,7 @@ def test_leases_are_released_once_and_written_once(store):
     (dict(history="sliding"), "history='sliding'"),
     (dict(max_pages_per_user=9), "exceeds device_pages=8"),
     (dict(host_pages=-1), "host_pages=-1"),
+    (dict(policy="lfu"), "policy='lfu'; pass one of ['lru', 's3fifo']"),
 ])
 def test_bad_options_raise_ra219(kwargs, fragment):
     with raises("RA219", fragment):
@@ -208,3 +209,18 @@ def test_write_takes_only_the_rows_that_miss(store):
     check_rows(store, lease, CONFIG)
     for held in (first, lease):
         store.release(held)
+
+
+@pytest.mark.parametrize("policy, kept", [("lru", False), ("s3fifo", True)])
+def test_a_scan_of_new_users_flushes_lru_but_not_s3fifo(policy, kept):
+    """Four users requested twice each, then a scan of eight one-off users through a store of
+    five slots: LRU loses all four; S3-FIFO keeps them in its main queue and evicts the scan
+    from its small one."""
+    config = {**CONFIG, "device_pages": 40, "max_users": 5, "max_pages_per_user": 1,
+              "host_pages": 0}
+    store = serving.HistoryStore(**config, policy=policy)
+    for user in [0, 1, 2, 3] * 2 + list(range(100, 108)):
+        with acquired(store, [(user, 0, 3)], config=config):
+            pass
+    with store.acquire([0, 1, 2, 3], [0] * 4, [3] * 4) as lease:
+        assert lease.source == (["device"] * 4 if kept else ["miss"] * 4), lease.source

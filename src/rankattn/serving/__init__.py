@@ -22,7 +22,8 @@ O((S + C)^2), and scores are batch-invariant by construction.
   sharding=)``: caches split over users and over history on a device mesh
   (:mod:`rankattn.serving.sharded`).
 * :class:`HistoryStore`: the serving state over one stacked cache, keyed by user:
-  which histories stay cached, when one is stale, what is evicted (LRU, to a host
+  which histories stay cached, when one is stale, what is evicted (by a policy of
+  ``EVICTION_POLICIES``, :mod:`rankattn.serving.eviction`: LRU or S3-FIFO; to a host
   tier), pinned while requests read it, safe from many threads
   (:mod:`rankattn.serving.store`).
 
@@ -34,10 +35,11 @@ from rankattn.serving.scoring import (DEFAULT_GROUP_RULE, GQA_MODES, GROUP_RULES
                                      attend, page_bounds, select_pages)
 from rankattn.serving.cache import (AppendStatus, PagedKVCache, append, cache_from_history,
                                     empty_cache, release, stack_caches)
+from rankattn.serving.eviction import EVICTION_POLICIES
 from rankattn.serving.sharded import shard_cache, sharded_cache_from_history
 from rankattn.serving.store import HistoryStore, Lease
 
-__all__ = ["AppendStatus", "DEFAULT_GROUP_RULE", "GQA_MODES", "GROUP_RULES", "HistoryStore",
+__all__ = ["AppendStatus", "DEFAULT_GROUP_RULE", "EVICTION_POLICIES", "GQA_MODES", "GROUP_RULES", "HistoryStore",
            "Lease", "PagedKVCache", "SELECTIONS",
            "append", "attend",
            "cache_from_history", "empty_cache", "page_bounds", "release", "select_pages",

@@ -150,7 +150,8 @@ register(
         "serving.HistoryStore(num_layers=, kv_heads=, head_dim=, page_size=, device_pages=, "
         "max_users=, max_pages_per_user=, host_pages=, history=, ...) sizes one stacked paged "
         "cache and its host tier: positive ints (host_pages may be 0), max_pages_per_user at "
-        "most device_pages, and history 'bidirectional' or 'causal'.",
+        "most device_pages, history 'bidirectional' or 'causal', and policy a name in "
+        "serving.EVICTION_POLICIES ('lru' or 's3fifo').",
         "Pass the sizes as Python ints, e.g. HistoryStore(num_layers=4, kv_heads=2, "
         "head_dim=64, device_pages=4096, max_users=512, max_pages_per_user=64)."),
     ErrorKind(

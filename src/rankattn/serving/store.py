@@ -25,8 +25,9 @@ The rules (docs/serving.md, "The history store", says the same with an example):
 * Pinning. ``acquire`` pins its rows' entries until ``release``; a pinned entry is never
   evicted, moved or overwritten. Hits on the device are pinned first, then the other rows
   are placed in row order.
-* Eviction, least recently used (acquired or released) first, whole unpinned entries, until
-  the row fits. With ``host_pages > 0`` an evicted entry's pages (every layer) move to host
+* Eviction, whole unpinned entries in the order of the store's eviction policy (``policy``:
+  least recently used first by default; :mod:`rankattn.serving.eviction`), until the row
+  fits. With ``host_pages > 0`` an evicted entry's pages (every layer) move to host
   memory; the host tier drops its least recently evicted entries when full. A later acquire
   of the same user, version and length restores them (source "host").
 * Rows of one user with the same version and length share one slot (pinned once per row,
@@ -69,6 +70,7 @@ import numpy as np
 from rankattn.errors import fail
 from rankattn.serving import store_device as device
 from rankattn.serving.cache import PagedKVCache, empty_cache
+from rankattn.serving.eviction import EVICTION_POLICIES
 
 HISTORIES = ("bidirectional", "causal")
 SOURCES = ("device", "host", "prefix", "miss")
@@ -144,12 +146,16 @@ class HistoryStore:
       history: "bidirectional" or "causal" (the validity rule).
       max_batch: rows per device update at most (larger calls are split); with
         ``max_pages_per_user``, the buckets of compiled shapes.
+      policy: which device entry is evicted first, a name in
+        ``rankattn.serving.EVICTION_POLICIES``: "lru" (least recently used) or "s3fifo"
+        (S3-FIFO: frequent users stay, one-off users leave first).
     """
 
     def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int,
                  v_head_dim: int | None = None, page_size: int = 16, device_pages: int,
                  max_users: int, max_pages_per_user: int, host_pages: int = 0,
-                 dtype=jnp.float32, history: str = "bidirectional", max_batch: int = 16):
+                 dtype=jnp.float32, history: str = "bidirectional", max_batch: int = 16,
+                 policy: str = "lru"):
         sizes = dict(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim,
                      page_size=page_size, device_pages=device_pages, max_users=max_users,
                      max_pages_per_user=max_pages_per_user, max_batch=max_batch)
@@ -166,6 +172,11 @@ class HistoryStore:
                                 "cached entry serves only the exact history it was computed "
                                 "from, as in Phoenix) or 'causal' (a cached prefix stays valid, "
                                 "as in HSTU).")
+        if policy not in EVICTION_POLICIES:
+            raise fail("RA219", f"HistoryStore policy={policy!r}; pass one of "
+                                f"{sorted(EVICTION_POLICIES)} (rankattn.serving."
+                                "EVICTION_POLICIES): 'lru' evicts the least recently used "
+                                "entry first, 's3fifo' keeps frequent users over one-off ones.")
         if max_pages_per_user > device_pages:
             raise fail("RA219", f"HistoryStore max_pages_per_user={max_pages_per_user} exceeds "
                                 f"device_pages={device_pages}: one user could never fit. Pass "
@@ -181,7 +192,9 @@ class HistoryStore:
         # Policy state, under self._lock.
         self._lock = threading.Condition()
         self._index: dict[int, _Entry] = {}             # user -> its visible entry
-        self._lru: collections.OrderedDict[int, _Entry] = collections.OrderedDict()  # device
+        self._device_entries: dict[int, _Entry] = {}   # id -> visible entry on the device
+        self.policy = policy
+        self._policy = EVICTION_POLICIES[policy](max_users, device_pages)
         self._host: collections.OrderedDict[int, _Entry] = collections.OrderedDict()  # by spill
         self._free_slots = list(range(max_users))
         self._free_pages = list(range(device_pages))    # heaps: lowest ids first
@@ -265,13 +278,13 @@ class HistoryStore:
                                         "yet to write or restore; retry later, or release that "
                                         "lease.")
                 self._lock.wait(left)
-            plan = self._plan(keys)
-            placed, updates, spills, restores = self._apply(plan)
+            steps, evictions = self._plan(keys)
+            placed, updates, spills, restores = self._apply(steps, evictions)
             rows = [placed[key] for key in zip(users.tolist(), versions.tolist(),
                                                lengths.tolist())]
-            for entry, _, _ in rows:
+            for entry, source, _ in rows:
                 entry.pins += 1
-                self._touch(entry)
+                self._policy.requested(entry, hit=source in ("device", "prefix"))
             for _, source, _ in rows:
                 self._counts[_COUNTER[source]] += 1
             lease = Lease(self, users, versions, lengths, [r[0] for r in rows],
@@ -301,13 +314,15 @@ class HistoryStore:
             return entry.target <= length
         return entry.target == length
 
-    def _plan(self, keys) -> list:
+    def _plan(self, keys):
         """The steps that place ``keys`` (unique (user, version, length), in row order),
-        decided on counts alone: RA221 / RA222 leave the store as it was.
+        decided on counts alone: RA221 / RA222 leave the store as it was. Returns (steps, the
+        eviction policy's plan, which _apply commits).
 
-        Order: device hits (pinned first), then every stale entry of these users dropped
-        (invalidations free room before anything is placed), then the other rows in row
-        order, each evicting least recently used entries until it fits. Steps:
+        Order: device hits (pinned first), then every entry of these users this call replaces
+        dropped (stale ones, and causal prefixes another lease pins: invalidations free room
+        before anything is placed), then the other rows in row order, each evicting entries
+        in the policy's order until it fits. Steps:
         ("hit", key, entry), ("invalidate", None, entry), ("evict", None, entry, spill),
         ("host_evict", None, entry), ("restore", key, entry, pages), ("prefix", key, entry,
         pages), ("miss", key, None, pages), in the order they apply.
@@ -329,16 +344,21 @@ class HistoryStore:
                 if entry is not None:
                     stale.append(entry)
                 continue
-            keep.add(id(entry))  # reused: never evicted by this call
             if entry.tier == "device" and entry.target == key[2]:
                 steps.append(("hit", key, entry))
+            elif entry.tier == "device" and entry.pins:  # a prefix another lease holds: it
+                placing.append((key, None))              # stays with it, out of sight
+                stale.append(entry)
+                continue
             else:
                 placing.append((key, entry))
+            keep.add(id(entry))  # reused: never evicted by this call
         free_slots, free_pages, host_used = (len(self._free_slots), len(self._free_pages),
                                              self._host_used)
         gone = keep | set(map(id, stale))  # ids no device eviction may pick
         host_gone = set(gone)               # ids no host eviction may pick
-        lru = [e for e in self._lru.values() if e.pins == 0 and e.ready and id(e) not in gone]
+        evictions = self._policy.evictions(
+            lambda e: e.pins == 0 and e.ready and id(e) not in gone, stale)
         host = [e for e in self._host.values() if id(e) not in gone]
         # Host pages of entries this call restores: not for the host tier to give up.
         kept_host = sum(e.host_size for _, e in placing if e is not None and e.tier == "host")
@@ -350,13 +370,13 @@ class HistoryStore:
                 free_slots, free_pages = free_slots + 1, free_pages + len(entry.pages)
 
         def room(slots: int, pages: int) -> None:
-            """Evict (spilling where the host tier takes them) least recently used entries
+            """Evict (spilling where the host tier takes them) entries in the policy's order
             until ``slots`` slots and ``pages`` pages are free; RA222 when none is left."""
             nonlocal free_slots, free_pages, host_used
             while free_slots < slots or free_pages < pages:
-                victim = next((e for e in lru if id(e) not in gone), None)
+                victim = evictions.next()
                 if victim is None:
-                    pinned = sum(1 for e in self._lru.values() if e.pins)
+                    pinned = sum(1 for e in self._device_entries.values() if e.pins)
                     raise fail("RA222", f"the store cannot make room for {pages} pages and "
                                         f"{slots} slot(s): {free_pages} of {self.num_pages} "
                                         f"pages and {free_slots} of {self.num_users} slots are "
@@ -385,26 +405,26 @@ class HistoryStore:
                 host_used -= entry.host_size
                 kept_host -= entry.host_size
                 steps.append(("restore", key, entry, need))
-            elif entry is not None and entry.pins == 0:  # causal: a prefix nobody else holds
+            elif entry is not None:  # causal: a prefix nobody else holds
                 grow = need - len(entry.pages)
                 room(0, grow)
                 free_pages -= grow
                 steps.append(("prefix", key, entry, grow))
-            else:  # a miss; a prefix another lease pins stays with it, out of sight
-                if entry is not None:
-                    steps.append(("invalidate", None, entry))
+            else:  # a miss
                 room(1, need)
                 free_slots, free_pages = free_slots - 1, free_pages - need
                 steps.append(("miss", key, None, need))
-        return steps
+        return steps, evictions
 
-    def _apply(self, steps):
+    def _apply(self, steps, evictions):
         """Carry out a plan under the lock: the policy state, and the device programs in
         the same order (a spill's gather before the drop of its pages), issued here and run
-        by the caller after the lock. Returns ({key: (entry, source, cached)}, the device
-        updates, spills, restores); the spills' and restores' copies finish outside the
-        lock."""
-        placed, updates, spills, restores, dropped = {}, [], {}, [], []
+        by the caller after the lock. The eviction policy takes its plan's outcome first and
+        hears of the new entries last (its plan chose the victims before they came).
+        Returns ({key: (entry, source, cached)}, the device updates, spills, restores); the
+        spills' and restores' copies finish outside the lock."""
+        placed, updates, spills, restores, dropped, arrived = {}, [], {}, [], [], []
+        self._policy.commit(evictions)
         for kind, key, entry, *more in steps:
             if kind == "hit":
                 placed[key] = (entry, "device", entry.length)
@@ -413,7 +433,7 @@ class HistoryStore:
                 self._hide(entry, dropped)
             elif kind == "evict":
                 self._counts["evictions"] += 1
-                self._lru.pop(id(entry))
+                del self._device_entries[id(entry)]
                 del self._index[entry.user]
                 if more[0]:  # gathered in this turn, copied to host memory after the lock
                     spills[id(entry)] = (entry, len(entry.pages), self._gather(entry.pages))
@@ -436,7 +456,7 @@ class HistoryStore:
                 entry.tier, entry.ready, entry.target = "device", False, key[2]
                 entry.slot, entry.pages = self._take_slot(), self._take_pages(more[0])
                 self._index[entry.user] = entry
-                self._lru[id(entry)] = entry
+                arrived.append(entry)
                 restores.append((entry, snapshot))
                 placed[key] = (entry, "host", entry.length)
             elif kind == "prefix":
@@ -447,8 +467,11 @@ class HistoryStore:
                 entry = _Entry(key[0], key[1], 0, key[2], "device", slot=self._take_slot(),
                                pages=self._take_pages(more[0]), ready=key[2] == 0)
                 self._index[entry.user] = entry
-                self._lru[id(entry)] = entry
+                arrived.append(entry)
                 placed[key] = (entry, "miss", 0)
+        for entry in arrived:
+            self._device_entries[id(entry)] = entry
+            self._policy.inserted(entry)
         updates += self._drop_device(dropped)
         return placed, updates, list(spills.values()), restores
 
@@ -565,7 +588,7 @@ class HistoryStore:
         dropped = []
         for entry in lease._entries:
             entry.pins -= 1
-            self._touch(entry)
+            self._policy.released(entry)
         for entry in {id(e): e for e in lease._entries}.values():
             if entry.visible and not entry.ready:
                 self._hide(entry, dropped)
@@ -585,13 +608,15 @@ class HistoryStore:
 
     def clear(self) -> None:
         """Drop everything (a new model version): no entry can be acquired again; pinned
-        entries stay valid for their leases and are freed at their last release."""
+        entries stay valid for their leases and are freed at their last release. The
+        eviction policy starts afresh (an S3-FIFO ghost forgets its users)."""
         self._not_reading("clear")
         with self._every_turn_taken():
             with self._lock:
                 dropped = []
                 for entry in list(self._index.values()):
                     self._hide(entry, dropped)
+                self._policy = EVICTION_POLICIES[self.policy](self.num_users, self.num_pages)
                 updates = self._drop_device(dropped)
                 self._counts["clears"] += 1
                 self._lock.notify_all()
@@ -601,7 +626,7 @@ class HistoryStore:
 
     def stats(self) -> dict:
         """Counters since the store was built: rows by source (hits, host_hits, prefix_hits,
-        misses), invalidations (stale entries dropped), evictions (device, LRU),
+        misses), invalidations (stale entries dropped), evictions (device, by the policy),
         host_evictions, clears; and now: device_pages_used, host_pages_used, entries on the
         device and in the host tier, pinned entries, and compiled_programs (the programs JAX
         built for this store's calls: the device updates, per shape and input dtype, and the
@@ -617,9 +642,10 @@ class HistoryStore:
                    ("hits", "host_hits", "prefix_hits", "misses", "invalidations",
                     "evictions", "host_evictions", "clears")}
             out.update(device_pages_used=self.num_pages - len(self._free_pages),
-                       host_pages_used=self._host_used, device_entries=len(self._lru),
+                       host_pages_used=self._host_used,
+                       device_entries=len(self._device_entries),
                        host_entries=len(self._host),
-                       pinned_entries=sum(1 for e in self._lru.values() if e.pins),
+                       pinned_entries=sum(1 for e in self._device_entries.values() if e.pins),
                        compiled_programs=built)
             return out
 
@@ -713,11 +739,6 @@ class HistoryStore:
                                 "it would wait for that reader to finish. Leave the with block "
                                 "first.")
 
-    def _touch(self, entry: _Entry) -> None:
-        """Mark ``entry`` used now (acquired or released): the most recent in LRU order."""
-        if entry.tier == "device" and id(entry) in self._lru:
-            self._lru.move_to_end(id(entry))
-
     def _take_slot(self) -> int:
         return heapq.heappop(self._free_slots)
 
@@ -742,11 +763,11 @@ class HistoryStore:
         entry.visible = False
         if entry.tier == "host":
             self._drop_host(entry)
-        elif entry.pins == 0 and entry.slot >= 0:  # not taken back already
-            self._lru.pop(id(entry), None)
-            dropped.append(self._take_back(entry))
         else:
-            self._lru.pop(id(entry), None)
+            self._device_entries.pop(id(entry), None)
+            self._policy.removed(entry)
+            if entry.pins == 0 and entry.slot >= 0:  # not taken back already
+                dropped.append(self._take_back(entry))
 
     def _drop_host(self, entry: _Entry) -> None:
         """Remove a host entry (and its user's index entry); its pages leave the host tier."""
