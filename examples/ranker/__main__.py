@@ -9,6 +9,8 @@
                (and the bench.json of each --also DIR)
   server       the ranking server on HOST:PORT (POST /v1/rank, /livez, /readyz, /metrics,
                the Open Inference Protocol under /v2)
+  cluster      N servers behind HAProxy on HOST:PORT, routed by X-User-Id (consistent
+               hashing), health-checked on /readyz (needs haproxy: apt-get install haproxy)
   loadtest     an open-loop load generator for the server; writes --report FILE
   serverbench  latency against offered load, store against --no-cache and batch 8 against
                1; writes benchmarks/SERVER.md (--smoke: tiny, into DIR)
@@ -25,7 +27,7 @@ import time
 
 import jax
 
-from examples.ranker import bench, loadtest, serve, server, serverbench, train
+from examples.ranker import bench, cluster, loadtest, serve, server, serverbench, train
 from examples.ranker.config import ACTIONS, PRESETS
 from examples.ranker.world import World
 
@@ -50,7 +52,8 @@ def main(argv=None):
                         help="report: more run directories whose bench.json to include")
     for name in ("train", "serve", "bench", "report"):
         commands.add_parser(name, parents=[common])
-    tools = {"server": server, "loadtest": loadtest, "serverbench": serverbench}
+    tools = {"server": server, "cluster": cluster, "loadtest": loadtest,
+             "serverbench": serverbench}
     for name, tool in tools.items():
         tool.add_arguments(commands.add_parser(name, description=tool.__doc__.splitlines()[0]))
     args = parser.parse_args(argv)

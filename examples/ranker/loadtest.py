@@ -9,7 +9,8 @@ The trace (:class:`Trace`): ``--users`` users of the preset's world with its his
 (at most ``--max-history`` events, the newest), chosen with Zipf(``--zipf``) popularity;
 before a request, with probability ``--change-share``, its user's history gains one event
 (so the server must recompute it, never serve the old one). Each request ranks
-``--candidates`` random items of the world. The client sends only to 127.0.0.1, and stops by
+``--candidates`` random items of the world, and names its user in the ``X-User-Id`` header
+too (what a proxy routing by user reads: ``python -m examples.ranker cluster``). The client sends only to 127.0.0.1, and stops by
 itself: after the last arrival it waits at most ``--grace`` seconds for answers (the rest
 count as errors of kind ``no_answer``).
 
@@ -32,6 +33,7 @@ import urllib.parse
 import numpy as np
 
 from examples.ranker.config import ACTIONS, PRESETS
+from examples.ranker.server.schema import USER_HEADER
 from examples.ranker.world import World
 
 MAX_CONNECTIONS = 1000  # requests in flight at most; past it a request counts as client_limit
@@ -106,7 +108,8 @@ class Trace:
                            "cand_author": self.world.item_author[cand].tolist()},
                           separators=(",", ":")).encode()
         return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-                f"\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+                f"\r\n{USER_HEADER}: {self.users[i]}\r\nContent-Length: {len(body)}\r\n\r\n"
+                ).encode() + body
 
 
 def local_address(url: str) -> tuple[str, int, str]:

@@ -88,22 +88,24 @@ SMOKE = Size(users=240, candidates=8, max_history=12, runs=2, low_qps=30.0, low_
 
 class LocalServer:
     """A ``python -m examples.ranker server`` process (or ``command``'s, with the same flags)
-    on a free port of 127.0.0.1, ready (GET /healthz 200) when built, ``ready_seconds`` after
-    its start, unless ``ready_within`` is None (then :meth:`wait_ready`); its output goes to
-    ``log``, its flags are ``args``."""
+    on ``port`` of 127.0.0.1 (default a free one), ready (GET /healthz 200) when built,
+    ``ready_seconds`` after its start, unless ``ready_within`` is None (then
+    :meth:`wait_ready`); its output goes to ``log``, its flags are ``args``. With
+    ``own_session`` it runs in a session of its own: a Ctrl-C in the terminal reaches only
+    whoever started it (cluster.py, which then stops it in order)."""
 
     def __init__(self, out: str, args: list[str], log: str, env: dict | None = None,
                  ready_within: float | None = 1200.0,
-                 command: tuple[str, ...] = ("-m", "examples.ranker", "server")):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+                 command: tuple[str, ...] = ("-m", "examples.ranker", "server"),
+                 port: int | None = None, own_session: bool = False):
+        self.port = port or free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log, self.args = log, args
         self.started = time.perf_counter()
         self.process = subprocess.Popen(
             [sys.executable, *command, "--out", out, "--port", str(self.port), *args],
-            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+            start_new_session=own_session)
         if ready_within is not None:
             self.wait_ready(ready_within)
 
@@ -142,6 +144,16 @@ class LocalServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             raise
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports of 127.0.0.1 that nothing listens on now (each held until all
+    are chosen, so that none is chosen twice)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 # --- What one load point measures. -------------------------------------------------------

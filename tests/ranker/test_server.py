@@ -354,6 +354,20 @@ def test_malformed_requests_get_400_and_service_continues(server_a, model, sessi
     assert_answer(model, request, *server_a.rank(request)[0::2])
 
 
+def test_x_user_id_must_name_the_bodys_user(server_a, model, sessions):
+    """The header a proxy routes by (X-User-Id) must be the body's user: otherwise 400
+    bad_value naming both values; equal, the request is served. A server started without
+    --replica-index sends no X-Ranker-Replica (tests/ranker/test_cluster.py: with it)."""
+    request = body(sessions, 11, events=4, candidates=2)
+    user = str(request["user"])
+    status, _, answer = server_a.rank(request, headers={"X-User-Id": user + "0"})
+    assert status == 400 and answer["error"]["field"] == "X-User-Id", answer
+    assert f"'{user}0'" in answer["error"]["message"] and user in answer["error"]["message"]
+    status, headers, answer = server_a.rank(request, headers={"X-User-Id": user})
+    assert_answer(model, request, status, answer)
+    assert "x-ranker-replica" not in {k.lower() for k in headers}
+
+
 def test_a_flood_past_the_queue_gets_503_at_once_then_service_resumes(server_a, model,
                                                                       sessions):
     """60 requests of one new history at once: its first batch goes to the history stage

@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default %(default)s")
     parser.add_argument("--no-cache", action="store_true", help="recompute every history "
                         "(\"cache\": \"off\"): the baseline the store is measured against")
+    parser.add_argument("--replica-index", type=int, help="send X-Ranker-Replica: I with "
+                        "every answer (python -m examples.ranker cluster sets it on each "
+                        "replica); default: no such header")
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -88,6 +91,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
     log.propagate = False
     preset = PRESETS[args.preset]
     max_history = args.max_history or preset.world.history_max
+    if args.replica_index is not None and args.replica_index < 0:
+        parser.error(f"--replica-index must be >= 0; got {args.replica_index}")
     for flag in ("port", "device_pages", "max_users", "max_history", "max_candidates",
                  "max_batch", "max_queue", "max_body_bytes"):
         value = getattr(args, flag)
@@ -127,7 +132,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
     log.info("model step %d; listening on http://%s:%d (warming up: /readyz answers 503 "
              "until every program is compiled)", model.step, args.host, args.port)
     return app.serve(engine, limits, args.host, args.port, route_sets,
-                     Reloader(engine, checkpoints))
+                     Reloader(engine, checkpoints), args.replica_index)
 
 
 def load(preset, checkpoints: Checkpoints, random_weights: bool, parser) -> Model:

@@ -8,7 +8,11 @@ included; 503 once a stage thread has died); ``GET /readyz`` and its older name
 the state and reason); ``GET /metrics`` (Prometheus' text format); under /v2 the Open
 Inference Protocol (kserve.py), whose infer requests are served as /v1/rank's are;
 ``POST /admin/reload`` (with a reloader: reload.py's hot model swap, answered only to
-clients on a loopback address, others 403 ``forbidden``; SIGHUP does the same).
+clients on a loopback address, others 403 ``forbidden``; SIGHUP does the same). A ranking
+request's ``X-User-Id`` header, when present, must name the body's user (400 otherwise:
+schema.check_user_header). A server started with ``--replica-index I`` (as cluster.py starts
+its replicas) sends ``X-Ranker-Replica: I`` with every answer, so that a client behind the
+proxy sees which replica answered; without it, no such header.
 
 The event loop reads and checks requests, queues them (Engine.submit) and awaits their
 answers, which the engine's threads hand back with ``call_soon_threadsafe``; it never runs
@@ -47,9 +51,9 @@ import uvicorn
 from examples.ranker.server import kserve
 from examples.ranker.server.engine import Engine
 from examples.ranker.server.metrics import CONTENT_TYPE
-from examples.ranker.server.schema import (DEADLINE_HEADER, Answer, BadRequest, Limits,
-                                           Request, deadline, error, expired, parse,
-                                           too_large_body)
+from examples.ranker.server.schema import (DEADLINE_HEADER, USER_HEADER, Answer, BadRequest,
+                                           Limits, Request, check_user_header, deadline,
+                                           error, expired, parse, too_large_body)
 
 log = logging.getLogger("examples.ranker.server")
 DRAIN_MARGIN = 2  # seconds uvicorn waits past the longest deadline for answers to go out
@@ -70,13 +74,16 @@ class App:
     ``route_sets``: functions of the app returning more routes ({path: {method: handler}},
     a handler ``async (scope, receive, send)``), added to the table after the app's own.
     ``reloader`` (a reload.Reloader) serves ``POST /admin/reload``; without one there is no
-    such route.
+    such route. ``replica``: the index every answer names in ``X-Ranker-Replica`` (None: no
+    such header).
     """
 
     def __init__(self, engine: Engine, limits: Limits, on_failure, route_sets=(),
-                 reloader=None):
+                 reloader=None, replica: int | None = None):
         self.engine, self.limits, self.on_failure = engine, limits, on_failure
         self.reloader = reloader
+        self.replica_header = () if replica is None else (
+            (b"x-ranker-replica", str(replica).encode()),)
         self.routes = {"/v1/rank": {"POST": self._rank}, "/livez": {"GET": self._livez},
                        "/readyz": {"GET": self._readyz}, "/healthz": {"GET": self._readyz},
                        "/metrics": {"GET": self._metrics}}
@@ -122,8 +129,9 @@ class App:
     # --- Routing and counting. ------------------------------------------------------------
 
     async def _http(self, scope, receive, send) -> None:
-        """Route the request; count its answer by route and status, and answer an exception
-        that escapes the handler before its answer started with a 500."""
+        """Route the request; count its answer by route and status, name the replica in its
+        headers, and answer an exception that escapes the handler before its answer started
+        with a 500."""
         route = self._route_name(scope["path"])
         status = None
 
@@ -131,6 +139,9 @@ class App:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if self.replica_header:
+                    message = dict(message, headers=[*message["headers"],
+                                                     *self.replica_header])
             await send(message)
 
         try:
@@ -195,6 +206,7 @@ class App:
                                      self.limits)
             request.deadline = deadline(start, header(scope, DEADLINE_HEADER), request,
                                         self.limits)
+            check_user_header(header(scope, USER_HEADER), request)
         except BadRequest as err:
             await self.reply(send, protocol.render(bad_request(err)))
             return
@@ -390,12 +402,12 @@ def drain_seconds(limits: Limits) -> int:
 
 
 def serve(engine: Engine, limits: Limits, host: str, port: int, route_sets=(),
-          reloader=None) -> int:
+          reloader=None, replica: int | None = None) -> int:
     """Serve on ``host``:``port`` until SIGTERM / SIGINT; the exit status (0, or 1 when
-    warm-up failed). ``route_sets`` and ``reloader``: as :class:`App`'s; with a reloader
-    SIGHUP reloads too (in a thread: a signal handler must not wait)."""
+    warm-up failed). ``route_sets``, ``reloader`` and ``replica``: as :class:`App`'s; with a
+    reloader SIGHUP reloads too (in a thread: a signal handler must not wait)."""
     app = App(engine, limits, on_failure=lambda: server.fail(), route_sets=route_sets,
-              reloader=reloader)
+              reloader=reloader, replica=replica)
     if reloader is not None:
         signal.signal(signal.SIGHUP, lambda sig, frame: threading.Thread(
             target=reloader.on_signal, name="sighup", daemon=True).start())

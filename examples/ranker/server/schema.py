@@ -17,6 +17,12 @@ A request's deadline (:func:`deadline`) is the nearest of the ``X-Request-Deadli
 header, the ``deadline_ms`` field and the server's ``--deadline-ms`` (the default, and the
 longest a request may ask for), counted from its first byte; past it the server answers
 504 deadline.
+
+A request may name its user in the ``X-User-Id`` header too, as a client of a proxy that
+routes by it does (examples/ranker/cluster.py: consistent hashing on that header): the
+header must then equal the body's ``user`` (:func:`check_user_header`), or the request is
+refused 400 naming both, since a mismatch would put the user's history on the wrong
+replica.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ REQUIRED = ("user", "context", "history_item", "history_author", "history_action
             "cand_item", "cand_author")
 OPTIONAL = ("history_version", "request_id", "deadline_ms")
 DEADLINE_HEADER = "X-Request-Deadline-Ms"
+USER_HEADER = "X-User-Id"
 WEIGHTS = np.array([SCORE_WEIGHTS[a] for a in ACTIONS])
 _ANSWERING = threading.Lock()  # Request.answer's check and set, one request at a time
 
@@ -188,6 +195,20 @@ def deadline(start: float, header: bytes | None, request: Request, limits: Limit
                              f"{header.decode('latin-1')[:60]!r}.", "Send the milliseconds the "
                              "server may take as a positive number, e.g. 250.")
     return start + min(budgets) / 1e3
+
+
+def check_user_header(header: bytes | None, request: Request) -> None:
+    """Raises :class:`BadRequest` when the ``X-User-Id`` header is present and is not the
+    body's ``user``: a proxy routes by the header and the store keys by the body, so the two
+    must name one user."""
+    if header is None:
+        return
+    text = header.decode("latin-1")
+    if text.strip() != str(request.user):
+        raise BadRequest("bad_value", USER_HEADER, f"the {USER_HEADER} header is "
+                         f"{text[:60]!r} and the body's user is {request.user}.",
+                         f"Send the body's user in {USER_HEADER} (the proxy routes by it), "
+                         "or leave the header out.")
 
 
 def parse(body: bytes, limits: Limits) -> Request:
