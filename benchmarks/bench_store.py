@@ -19,6 +19,13 @@ initialised weights: speed does not depend on them), 64 candidates per request:
 3. A host-tier restore against recomputing the same user's history (history pass + write),
    interleaved rounds. On a CPU-only machine both tiers are RAM: this measures the mechanism
    (copy and scatter), not a PCIe transfer.
+4. Eviction policies: each of serving.EVICTION_POLICIES replays four traces through a real
+   HistoryStore (the store's own code; K/V of one head of 8 dims, since hit rates depend only
+   on the keys and sizes), beside Belady's MIN: measurement 1's trace, a Zipf trace with
+   scans of one-off users, a short cold-start Zipf trace (about two requests per user) and
+   MovieLens-100K's user visits. The MovieLens files come from the `recbole` wheel, fetched
+   at run time into ~/.cache/rankattn (its license forbids redistributing the data: never
+   committed); without it that row says why.
 """
 
 from __future__ import annotations
@@ -39,7 +46,9 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ from the repository
+import user_cache  # noqa: E402
 from examples.ranker import serve  # noqa: E402
+from rankattn import serving  # noqa: E402
 from examples.ranker.config import ACTIONS, PRESETS  # noqa: E402
 from examples.ranker.model import init  # noqa: E402
 from examples.ranker.world import World  # noqa: E402
@@ -53,6 +62,14 @@ SMOKE = dict(users=40, device_users=4, device_pages=8, host_pages=8, requests=48
 FULL = dict(users=1000, device_users=100, device_pages=1600, host_pages=3200, requests=2000,
             rounds=15, history=None, candidates=64)
 ZIPF, CHANGED = 1.1, 0.10
+# Measurement 4's synthetic traces (users, requests; one page per user, a store of 10% of the
+# users) and seeds; SMOKE_POLICIES is the smoke run's.
+POLICY_TRACES = dict(scan=(1000, 4000), cold=(1000, 2000))
+SCAN_EVERY, SCAN_LENGTH = 400, 100  # one-off users: a run of 100 after every 400 requests
+POLICY_SEEDS = 5
+SMOKE_POLICIES = dict(scan=(100, 450), cold=(100, 200))
+MOVIELENS = ("recbole-1.2.1", "recbole==1.2.1", "recbole/dataset_example/ml-100k/ml-100k.inter")
+VISIT_GAP_S = 1800  # MovieLens: a user's ratings less than 30 minutes apart are one visit
 
 
 @dataclasses.dataclass
@@ -310,6 +327,93 @@ def restore_vs_recompute(s: Setup, cfg: dict) -> dict:
                 history=length, pages=-(-length // serve.PAGE_SIZE))
 
 
+def zipf_users(users: int, requests: int, rng) -> np.ndarray:
+    """Zipf(ZIPF) popularity over a random ranking of ``users``."""
+    weights = 1.0 / np.arange(1, users + 1) ** ZIPF
+    return rng.permutation(users)[rng.choice(users, requests, p=weights / weights.sum())]
+
+
+def scan_trace(users: int, requests: int, seed: int) -> list:
+    """Zipf users with a scan of SCAN_LENGTH one-off users after every SCAN_EVERY requests."""
+    out, one_off = [], users
+    for i, user in enumerate(zipf_users(users, requests, np.random.default_rng(seed)).tolist()):
+        out.append(user)
+        if i % SCAN_EVERY == SCAN_EVERY - 1:
+            out += range(one_off, one_off + SCAN_LENGTH)
+            one_off += SCAN_LENGTH
+    return out
+
+
+def movielens_visits() -> tuple[list | None, str]:
+    """MovieLens-100K's users in the order of their visits (a user's ratings less than
+    VISIT_GAP_S apart are one visit), or (None, why not)."""
+    name, requirement, path = MOVIELENS
+    try:
+        data = np.loadtxt(os.path.join(user_cache.install_once(name, [requirement]), path),
+                          skiprows=1, dtype=np.int64)
+    except (RuntimeError, OSError) as error:
+        return None, f"not measured: the {requirement} wheel could not be fetched ({error})"
+    users, times = data[:, 0], data[:, 3]
+    order = np.lexsort((users, times))
+    last, visits = {}, []
+    for user, t in zip(users[order].tolist(), times[order].tolist()):
+        if user not in last or t - last[user] > VISIT_GAP_S:
+            visits.append(user)
+        last[user] = t
+    return visits, f"{len(data)} ratings of {len(set(users.tolist()))} users"
+
+
+def replay(keys, policy: str, slots: int, pages: int, host_pages: int) -> dict:
+    """Each request of ``keys`` through a HistoryStore of this policy and size, one at a
+    time (acquire, write what is missing, release): the store's own sources."""
+    max_pages = max(-(-n // serve.PAGE_SIZE) for _, _, n in keys)
+    store = serving.HistoryStore(num_layers=1, kv_heads=1, head_dim=8,
+                                 page_size=serve.PAGE_SIZE, device_pages=pages,
+                                 max_users=slots, max_pages_per_user=max_pages,
+                                 host_pages=host_pages, max_batch=1, policy=policy)
+    zeros = np.zeros((1, 1, max_pages * serve.PAGE_SIZE, 1, 8), np.float32)
+    sources = []
+    for user, version, length in keys:
+        with store.acquire([user], [version], [length]) as lease:
+            if lease.missing[0]:
+                store.write(lease, zeros, zeros)
+            sources.append(lease.source[0])
+    return dict(hit_rate=sources.count("device") / len(keys), sources=sources)
+
+
+def policies(stream_keys, cfg: dict, smoke: bool) -> dict:
+    """Measurement 4: every policy's device hit rate on each trace, and Belady's MIN."""
+    sizes = SMOKE_POLICIES if smoke else POLICY_TRACES
+    seeds = 1 if smoke else POLICY_SEEDS
+    one_page = lambda users: [(u, 0, serve.PAGE_SIZE) for u in users]  # noqa: E731
+    traces = {"zipf": [(stream_keys, cfg["device_users"], cfg["device_pages"],
+                        cfg["host_pages"])]}
+    for name, make in (("scan", scan_trace), ("cold", None)):
+        users, requests = sizes[name]
+        traces[name] = []
+        for seed in range(seeds):
+            order = (make(users, requests, seed) if make else
+                     zipf_users(users, requests, np.random.default_rng(seed)).tolist())
+            traces[name].append((one_page(order), users // 10, users // 10, 0))
+    visits, movielens = (None, "not measured in a smoke run") if smoke else movielens_visits()
+    traces["movielens"] = []
+    if visits is not None:
+        slots = len(set(visits)) // 10
+        traces["movielens"] = [(one_page(visits), slots, slots, 0)]
+    out = {}
+    for name, runs in traces.items():
+        rows = []
+        for keys, slots, pages, host in runs:
+            row = {policy: replay(keys, policy, slots, pages, host)["hit_rate"]
+                   for policy in serving.EVICTION_POLICIES}
+            row["min"] = simulate(keys, slots, pages, serve.PAGE_SIZE, "min", host)["hit_rate"]
+            rows.append(dict(row, requests=len(keys), users=len({k[0] for k in keys}),
+                             slots=slots, pages=pages, host_pages=host))
+        out[name] = rows
+    out["movielens_note"] = movielens
+    return out
+
+
 # --- The report. ---------------------------------------------------------------------------
 
 
@@ -411,7 +515,51 @@ def report(results: dict) -> str:
         "scatter), not a PCIe transfer.",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + policy_report(results["policies"]))
+
+
+TRACE_NAMES = {
+    "zipf": "Zipf(1.1), measurement 1's trace (sizes vary, pages run out, a host tier)",
+    "scan": f"Zipf(1.1) with scans: {SCAN_LENGTH} one-off users after every {SCAN_EVERY} "
+            "requests",
+    "cold": "cold start: Zipf(1.1), about 2 requests per user",
+    "movielens": "MovieLens-100K: users in the order of their visits",
+}
+
+
+def policy_report(p: dict) -> list:
+    others = [name for name in serving.EVICTION_POLICIES if name != "lru"]
+    lines = [
+        "## 4. Eviction policies",
+        "",
+        "Each policy of `serving.EVICTION_POLICIES` (`HistoryStore(..., policy=)`) replays each "
+        "trace through a real `HistoryStore`, one request at a time (acquire, write what is "
+        "missing, release): the hit rates are the store's own, not a simulation's. Every trace "
+        "but the first gives each user one page and a store of 10% of the users it draws from "
+        "(slots and "
+        "pages alike, no host tier), so Belady's MIN (evict the entry next used furthest "
+        "away) is the optimum there; with measurement 1's sizes it is a bound for equal "
+        "sizes only. Synthetic traces: the mean over their seeds, and the smallest gain over "
+        f"LRU among them. MovieLens-100K: {p['movielens_note']}; a visit is a user's ratings "
+        f"less than {VISIT_GAP_S // 60} minutes apart (the data come from the `recbole` wheel, "
+        "fetched at run time, never committed).",
+        "",
+        "| trace | seeds | requests | users requested | store (slots / pages) | lru | "
+        + " | ".join(f"{o} | {o} - lru (smallest)" for o in others) + " | Belady's MIN |",
+        "|---|---|---|---|---|---|" + "---|---|" * len(others) + "---|",
+    ]
+    for name, rows in p.items():
+        if name == "movielens_note" or not rows:
+            continue
+        mean = lambda key: float(np.mean([r[key] for r in rows]))  # noqa: E731
+        cells = [TRACE_NAMES[name], str(len(rows)), str(rows[0]["requests"]),
+                 str(rows[0]["users"]), f"{rows[0]['slots']} / {rows[0]['pages']}",
+                 f"{mean('lru'):.3f}"]
+        for o in others:
+            gains = [r[o] - r["lru"] for r in rows]
+            cells += [f"{mean(o):.3f}", f"{np.mean(gains):+.3f} ({min(gains):+.3f})"]
+        lines.append("| " + " | ".join(cells + [f"{mean('min'):.3f}"]) + " |")
+    return lines + [""]
 
 
 def main(argv=None):
@@ -429,6 +577,8 @@ def main(argv=None):
     results["stream"] = stream(s, cfg)
     results["per_request"] = per_request(s, cfg)
     results["restore"] = restore_vs_recompute(s, cfg)
+    results["policies"] = policies(keys_of(*make_trace(s, cfg["users"], cfg["requests"])),
+                                   cfg, args.smoke)
     out = Path(args.out) if args.out else OUT.parent
     md = out / "STORE.md" if args.out else OUT
     data = out / "store.json" if args.out else OUT.parent / "results" / "store.json"

@@ -232,8 +232,12 @@ def check_ranker(out: str, printed: str):
 
 def check_store(out: str, printed: str):
     text = read(os.path.join(out, "store", "STORE.md"))
-    for section in ("## 1. ", "## 2. ", "## 3. "):
+    for section in ("## 1. ", "## 2. ", "## 3. ", "## 4. "):
         assert section in text, section
+    # Every policy replayed every synthetic trace through a store.
+    policies = json.loads(read(os.path.join(out, "store", "store.json")))["policies"]
+    for trace in ("zipf", "scan", "cold"):
+        assert set(policies[trace][0]) >= {"lru", "s3fifo", "min"}, policies[trace]
     # Request by request, on a trace where the pages run out and the host tier restores.
     stream = json.loads(read(os.path.join(out, "store", "store.json")))["stream"]
     assert stream["lru"]["page_evictions"] and stream["host_hits"] and stream["host_evictions"]
