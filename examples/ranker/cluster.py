@@ -1,44 +1,46 @@
 """N ranking servers behind HAProxy, routed by user: ``python -m examples.ranker cluster``.
 
 ``python -m examples.ranker cluster --preset P --out DIR --port PORT --replicas N [server
-flags]`` runs N ranking servers (``python -m examples.ranker server``, the same model and flags, each on
-a port of 127.0.0.1 of its own, each started with ``--replica-index i`` so that its answers
-carry ``X-Ranker-Replica: i``) and HAProxy in front of them on HOST:PORT.
+flags]`` runs N ranking servers (``python -m examples.ranker server``: the same model and
+flags, each on a port of 127.0.0.1 of its own and started with ``--replica-index i``, so
+that its answers carry ``X-Ranker-Replica: i``) and HAProxy in front of them on HOST:PORT.
 
 Why HAProxy: it is an existing, maintained proxy, packaged by Debian (``apt-get install
-haproxy``), and it does the three things a replica set of history stores needs:
+haproxy``), and it does the three things a set of replicas with history stores needs:
 
 * **routing by user**: ``balance hdr(X-User-Id)`` with ``hash-type consistent`` puts each
-  user on one replica (so its history is cached once, where its requests land), and when a
-  replica leaves only its users move (to the next replica on the ring), and they come back
-  when it returns. A request without the header is routed round robin (HAProxy's documented
-  fallback for ``balance hdr`` when the header is absent): it is answered, without
-  affinity. ``--no-affinity`` routes every request round robin (the benchmark's baseline).
+  user on one replica (its history is cached once, where its requests land); when a replica
+  leaves, only its users move (to the next replica on the ring), and they come back when it
+  returns. A request without the header is routed round robin (HAProxy's documented fallback
+  for ``balance hdr`` when the header is absent): it is answered, without affinity.
+  ``--no-affinity`` routes every request round robin (the benchmark's baseline).
 * **health checks** on each replica's ``/readyz`` every 500 ms: two failures take a replica
-  out (a killed one leaves within about a second, a warming or draining one never takes
+  out (a killed one leaves within about a second; a warming or draining one takes no
   traffic), one success puts it back. With no replica up HAProxy answers 503 itself.
-* **a retry elsewhere** when a connection to a replica fails (``option redispatch``): a
-  request sent to a replica that died after the last check goes to the next one on the ring.
-  A request already in flight on a replica that dies gets 502 from HAProxy.
+* **retries elsewhere**: a request whose replica refuses the connection or closes it without
+  an answer (it died) is sent once more, to the next replica on the ring (ranking is
+  idempotent), so a replica that dies costs its users a miss each, not an error. Only a
+  request HAProxy holds whole can be sent again (its buffers take 128 KB); a larger one that
+  was in flight on a replica that died gets 502.
 
 The servers check ``X-User-Id`` against the body's ``user`` (400 naming both when they
 differ): the proxy routes by the header, the store keys by the body.
 
 Start-up: HAProxy's configuration is written to DIR/cluster/haproxy.cfg (with its log, the
-replicas' logs and, unless JAX_COMPILATION_CACHE_DIR is set, the replicas' shared compilation
-cache); HAProxy runs in the foreground (``-db``) as a child, every replica in maintenance;
-replica 0 starts first and the others once it has loaded its model, so that they read most
-of its compiled programs from the cache instead of compiling the same ones on the same cores.
-Once every replica answers ``/readyz`` 200, the cluster takes them all out of maintenance at
-once and, when HAProxy sees each one up, prints that it is ready: until then the front port
-answers 503 (HAProxy's own, no replica being up). A replica that exits while the command runs is started again (HAProxy routes
-its users to the others meanwhile). SIGTERM or SIGINT stops everything the command started
-within :data:`STOP_SECONDS`: the replicas get SIGTERM and drain (every accepted request
-answered), HAProxy a soft stop (it finishes the requests it relays); what is left after that
-is killed.
+replicas' logs and, unless JAX_COMPILATION_CACHE_DIR is set, the replicas' shared
+compilation cache); HAProxy runs in the foreground (``-db``) as a child, every replica in
+maintenance; replica 0 starts first and the others once it has loaded its model, so that
+they read most of its compiled programs from the cache instead of compiling the same ones on
+the same cores. Once every replica answers ``/readyz`` 200, the cluster takes them all out of
+maintenance at once and, when HAProxy sees each one up, prints that it is ready: until then
+the front port answers 503 (HAProxy's own: no replica is up). A replica that exits while the
+command runs is started again (HAProxy routes its users to the others meanwhile). SIGTERM or
+SIGINT stops everything the command started within 60 s: the replicas get SIGTERM and drain
+(every accepted request answered), HAProxy a soft stop (it finishes the requests it
+relays); whatever is left after :data:`KILL_AFTER` seconds is killed.
 
 :class:`Cluster` is the same as a Python API (``start()``, ``replica_pids``, ``restart(i)``,
-``states()``, ``stop()``), which the command and tests/ranker/test_cluster.py use.
+``states()``, ``stop()``), which the command runs on and tests and benchmarks use.
 """
 
 from __future__ import annotations
@@ -63,8 +65,7 @@ HAPROXY_MISSING = ("HAProxy is not installed (no haproxy on PATH): the cluster's
                    "then run the command again.")
 BACKEND = "replicas"
 READY_SECONDS = 600.0   # a replica's start (model load and warm-up) at most
-STOP_SECONDS = 60.0     # everything the cluster started is gone within this on stop()
-KILL_AFTER = 50.0       # ... after this the rest is killed (the last seconds: to reap it)
+KILL_AFTER = 50.0       # stop(): what still runs then is killed (all gone within 60 s)
 CHECK = "inter 500ms fall 2 rise 1"  # health checks: a dead replica out in ~1 s, back in 0.5
 SOCKET_PATH_MAX = 107   # bytes in a UNIX socket's path (sockaddr_un), its terminator left out
 CLUSTER_FLAGS = ("command", "replicas", "no_affinity", "port", "host", "out", "replica_index")
@@ -77,19 +78,16 @@ class Cluster:
     ``cluster/`` holds HAProxy's configuration, socket and log and each replica's log.
     ``server_args``: every replica's server flags (not ``--out``, ``--port`` or
     ``--replica-index``, which the cluster sets). ``affinity``: route by ``X-User-Id``
-    (consistent hashing), else round robin. ``command``: the server command's arguments
-    after the interpreter (tests pass their hooked entry point). ``env``: the replicas'
-    environment (default this process's), given a shared compilation cache unless it names
-    one.
+    (consistent hashing), else round robin. ``env``: the replicas' environment (default
+    this process's), given a shared compilation cache unless it names one.
     """
 
     def __init__(self, out: str, port: int, replicas: int, server_args: list[str], *,
-                 host: str = "127.0.0.1", affinity: bool = True, env: dict | None = None,
-                 command: tuple[str, ...] = ("-m", "examples.ranker", "server")):
+                 host: str = "127.0.0.1", affinity: bool = True, env: dict | None = None):
         if replicas < 1:
             raise ValueError(f"a cluster needs at least 1 replica; got {replicas}")
         self.out, self.host, self.port, self.affinity = out, host, port, affinity
-        self.server_args, self.command = list(server_args), command
+        self.server_args = list(server_args)
         self.directory = Path(out).resolve() / "cluster"
         self.socket_path = str(self.directory / "haproxy.sock")
         self.env = dict(os.environ if env is None else env)
@@ -179,7 +177,7 @@ class Cluster:
         log = self.directory / f"replica-{i}.{self.starts[i]}.log"
         self.replicas[i] = LocalServer(
             self.out, [*self.server_args, "--replica-index", str(i)], str(log), self.env,
-            ready_within=None, command=self.command, port=self.ports[i], own_session=True)
+            ready_within=None, port=self.ports[i], own_session=True)
 
     # --- While it runs. -------------------------------------------------------------------
 
@@ -301,18 +299,31 @@ global
     stats socket {socket_path} mode 600 level admin
     # A soft stop (SIGUSR1) waits for the requests in flight, at most this long.
     hard-stop-after {server_seconds + 5}s
+    # Buffers that hold a whole request (the small preset's largest is 93 KB): a retry
+    # sends it again.
+    tune.bufsize 131072
+    log stdout format raw local0
 
 defaults
+    # Failed or unusual requests only (retried, refused, cut), into the command's log.
+    log global
+    option httplog
+    option dontlog-normal
     mode http
     timeout connect 1s
     timeout client 60s
     # A replica answers every request by its deadline (--deadline-ms) and a margin.
     timeout server {server_seconds}s
     timeout http-keep-alive 30s
-    # A connection to a replica that fails (it died since the last check) is retried once,
-    # on the next replica of the ring.
+    # A request whose replica refused the connection or closed it without an answer (it
+    # died since the last check, or while computing it) is sent once more, to the next
+    # replica of the ring: ranking is idempotent. Only a request that fits a buffer can be
+    # sent again (tune.bufsize), and only once HAProxy holds all of it (http-buffer-request:
+    # it waits for the body before it picks a replica); a larger one gets 502.
     retries 1
-    option redispatch
+    option redispatch 1
+    retry-on conn-failure empty-response
+    option http-buffer-request
 
 frontend ranker
     bind {host}:{port}

@@ -10,9 +10,9 @@ The trace (:class:`Trace`): ``--users`` users of the preset's world with its his
 before a request, with probability ``--change-share``, its user's history gains one event
 (so the server must recompute it, never serve the old one). Each request ranks
 ``--candidates`` random items of the world, and names its user in the ``X-User-Id`` header
-too (what a proxy routing by user reads: ``python -m examples.ranker cluster``). The client sends only to 127.0.0.1, and stops by
-itself: after the last arrival it waits at most ``--grace`` seconds for answers (the rest
-count as errors of kind ``no_answer``).
+too (what a proxy routing by user reads: ``python -m examples.ranker cluster``). The client
+sends only to 127.0.0.1, and stops by itself: after the last arrival it waits at most
+``--grace`` seconds for answers (the rest count as errors of kind ``no_answer``).
 
 The report (``--report FILE``, JSON): offered and achieved rate (overall, and within the
 arrival window: ``window_qps``, the server's capacity when the offer exceeds it), p50 / p95 /

@@ -41,9 +41,9 @@ from examples.ranker.serverbench import free_ports
 EVENTS = 12  # history events per request at most: one page bucket
 FLAGS = ["--preset", "tiny", "--max-history", str(EVENTS), "--max-candidates", "8",
          "--max-batch", "2"]
-START_SECONDS = 90    # 3x the command's start on 2 busy cores (about 25 s quiet)
-TRACE_SECONDS = 45    # 3x a quiet kill-and-restart trace (about 12 s)
-STOP_SECONDS = cluster.STOP_SECONDS
+START_SECONDS = 70    # 3x the command's start, quiet (23 s on 2 cores)
+TRACE_SECONDS = 25    # 3x a quiet kill-and-restart trace (8 s)
+STOP_SECONDS = 6      # 3x the command's stop, quiet (2 s; it promises 60 s at most)
 HISTORY = ("history_item", "history_author", "history_actions")
 READY = re.compile(r"ready: (\S+) .* replicas on 127\.0\.0\.1:([\d, ]+) \(pids ([\d, ]+)\)")
 
@@ -180,10 +180,11 @@ def test_a_killed_replica_moves_its_users_and_they_come_back(command, model, ses
     """Three clients send, one at a time, requests of six users (three on each replica), each
     request with one of three histories of its user (the newest 12, 11 or 10 events: a
     changed history, over and over). Replica 1 is killed with SIGKILL once every user has
-    been answered: only requests in flight on it (or sent to it before HAProxy saw it fail)
-    fail, 502 or 503; its users are answered by replica 0 until the command has restarted
-    it, then by replica 1 again; replica 0's users never move; every 200 equals the full
-    forward pass of its own history (nothing stale, before, during or after)."""
+    been answered: no request fails (HAProxy sends those in flight on it, and any it sent
+    before it saw it fail, to replica 0 instead: cluster.haproxy_config's retry); its users
+    are answered by replica 0 until the command has restarted it, then by replica 1 again;
+    replica 0's users never move; every answer equals the full forward pass of its own
+    history (nothing stale, before, during or after)."""
     by_home = {"0": [], "1": []}
     for i in range(40):
         request = body(sessions, 10 + i, events=EVENTS, user=4 * 10**6 + i)
@@ -206,6 +207,7 @@ def test_a_killed_replica_moves_its_users_and_they_come_back(command, model, ses
             sent.append((request, *command.front.post(request), at))
             if stop.is_set() or time.monotonic() > started + TRACE_SECONDS:
                 return
+            time.sleep(0.01)  # leaves CPU for the restart
 
     def came_back(user: int) -> bool:
         """Whether ``user`` has been answered by the other replica since the kill, then by
@@ -230,32 +232,28 @@ def test_a_killed_replica_moves_its_users_and_they_come_back(command, model, ses
             for future in clients:
                 future.result()
     assert f"replica {victim} exited with status -9: starting it again" in command.text()
-    failed = [s for s in sent if s[1] != 200]
-    assert len(failed) <= 3, [s[1:4] for s in failed]  # in flight: one per client at most
-    for request, status, replica, answer, at in failed:
-        assert status in (502, 503) and request["user"] in victims, (status, answer)
-        assert at < kill_at + 1.5, at - kill_at  # in flight, or before HAProxy saw it fail
+    assert [s[1:4] for s in sent if s[1] != 200] == []
     expected = {}
     for request, status, replica, answer, at in sent:
-        if status == 200:
-            key = (request["user"], len(request["history_item"]))
-            if key not in expected:
-                expected[key] = full_forward(model, request)
-            np.testing.assert_allclose(np.asarray(answer["logits"], np.float32),
-                                       expected[key], atol=1e-5, rtol=0)
-            assert answer["model_step"] == STEP
+        key = (request["user"], len(request["history_item"]))
+        if key not in expected:
+            expected[key] = full_forward(model, request)
+        np.testing.assert_allclose(np.asarray(answer["logits"], np.float32), expected[key],
+                                   atol=1e-5, rtol=0)
+        assert answer["model_step"] == STEP
     for user_home, requests in by_home.items():
         for base in requests:
-            path = [s[2] for s in sent if s[0]["user"] == base["user"] and s[1] == 200]
+            path = [s[2] for s in sent if s[0]["user"] == base["user"]]
             runs = [r for i, r in enumerate(path) if i == 0 or path[i - 1] != r]
             assert runs == ([victim, other, victim] if user_home == victim else [other]), path
     command.pids[int(victim)] = int(re.findall(rf"replica {victim} is back \(pid (\d+)\)",
                                                command.text())[-1])
 
 
-def test_sigterm_stops_every_process_within_60_s(command):
+def test_sigterm_stops_every_process_in_time(command):
     """(Last.) SIGTERM: the command stops HAProxy and both replicas (the restarted one
-    included), each exiting 0 (the replicas drain), and exits 0 itself within 60 s."""
+    included), each exiting 0 (the replicas drain), and exits 0 itself (it promises to
+    within 60 s; with no request in flight it takes about 2)."""
     start = time.monotonic()
     command.process.send_signal(signal.SIGTERM)
     assert command.process.wait(STOP_SECONDS) == 0
