@@ -108,14 +108,16 @@ def history_digest(context, items, authors, actions, hint: int | None = None) ->
 
 
 def make_store(model, max_history: int, *, users: int, device_pages: int | None = None,
-               host_pages: int = 0, max_batch: int = 8) -> serving.HistoryStore:
+               host_pages: int = 0, max_batch: int = 8,
+               policy: str = "lru") -> serving.HistoryStore:
     """A history store for ``model`` (a ModelConfig) holding ``users`` histories of up to
-    ``max_history`` events (+ the user token); ``device_pages`` defaults to room for all."""
+    ``max_history`` events (+ the user token); ``device_pages`` defaults to room for all;
+    ``policy``: its eviction policy (serving.EVICTION_POLICIES)."""
     per_user = -(-(1 + max_history) // PAGE_SIZE)
     return serving.HistoryStore(
         num_layers=model.layers, kv_heads=model.kv_heads, head_dim=model.head_dim,
         page_size=PAGE_SIZE, device_pages=device_pages or users * per_user, max_users=users,
-        max_pages_per_user=per_user, host_pages=host_pages, max_batch=max_batch)
+        max_pages_per_user=per_user, host_pages=host_pages, max_batch=max_batch, policy=policy)
 
 
 @jax.jit

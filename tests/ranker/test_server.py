@@ -1123,3 +1123,25 @@ def test_health_is_broken_when_a_stage_is_stuck_and_submit_after_stop_says_drain
 
     stopping.queue.put = put
     assert Engine.submit(stopping, request).kind == "draining"
+
+
+def test_the_eviction_policy_flag_reaches_the_store(model):
+    """--eviction-policy takes the names of rankattn.serving.EVICTION_POLICIES (others are a
+    usage error naming them) and Options.eviction_policy builds the engine's store with it."""
+    import argparse
+
+    from examples.ranker import server
+    from examples.ranker.server.engine import Engine, Model, Options
+
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    required = ["--out", "run", "--port", "1"]
+    assert parser.parse_args(required).eviction_policy == "lru"
+    assert parser.parse_args(required + ["--eviction-policy", "s3fifo"]).eviction_policy \
+        == "s3fifo"
+    with pytest.raises(SystemExit):
+        parser.parse_args(required + ["--eviction-policy", "lfu"])
+    engine = Engine(PRESET, Model(STEP, *model),
+                    Options(max_history=MAX_HISTORY, max_candidates=MAX_CANDIDATES,
+                            device_pages=8, eviction_policy="s3fifo"))
+    assert engine.store.policy == "s3fifo"

@@ -19,6 +19,8 @@ import argparse
 import logging
 from typing import Callable
 
+from rankattn import serving
+
 from examples.ranker import serve
 from examples.ranker.config import ACTIONS, PRESETS
 from examples.ranker.model import init
@@ -46,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "%(default)s")
     parser.add_argument("--host-pages", type=int, default=0, help="pages of the store's host "
                         "tier (evicted histories kept in host memory); default 0: none")
+    parser.add_argument("--eviction-policy", choices=sorted(serving.EVICTION_POLICIES),
+                        default="lru", help="which history the store evicts first: 'lru' the "
+                        "least recently used, 's3fifo' one-off users before frequent ones "
+                        "(benchmarks/STORE.md compares them); default lru")
     parser.add_argument("--max-users", type=int, help="histories the store holds on the "
                         "device at most; default --device-pages (pages are the limit)")
     parser.add_argument("--max-history", type=int, help="history events per request at most "
@@ -119,6 +125,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
                       max_batch=args.max_batch, max_wait=args.max_wait_ms / 1e3,
                       max_queue=args.max_queue, device_pages=args.device_pages,
                       host_pages=args.host_pages, max_users=args.max_users,
+                      eviction_policy=args.eviction_policy,
                       cache=not args.no_cache, acquire_timeout=args.acquire_timeout_ms / 1e3)
     engine = engine_class(preset, model, options)
     if not engine.pinned_batches_fit():

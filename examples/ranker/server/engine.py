@@ -102,6 +102,7 @@ class Options:
     device_pages: int = DEFAULT_DEVICE_PAGES
     host_pages: int = 0
     max_users: int | None = None   # store slots; default: device_pages
+    eviction_policy: str = "lru"   # a name in rankattn.serving.EVICTION_POLICIES
     cache: bool = True
     acquire_timeout: float = 1.0   # seconds an acquire may wait for an entry to be written
 
@@ -253,7 +254,8 @@ class Engine:
         self.store = serve.make_store(preset.model, options.max_history,
                                       users=options.max_users or options.device_pages,
                                       device_pages=options.device_pages,
-                                      host_pages=options.host_pages, max_batch=rows)
+                                      host_pages=options.host_pages, max_batch=rows,
+                                      policy=options.eviction_policy)
         self.shapes = Shapes.of(self.store, options)
         self.queue = RequestQueue(options.max_queue)
         self.service = {"front": ServiceTime(), "history": ServiceTime()}
