@@ -565,7 +565,7 @@ def test_s3fifo_follows_its_model_on_a_skewed_trace():
     weights = 1.0 / np.arange(1, 61) ** 1.1
     truth = {u: (0, 1 + u % 16) for u in range(60)}
     held = []
-    for step in range(400):
+    for step in range(200):
         users = rng.choice(60, size=int(rng.integers(1, 3)), replace=False,
                            p=weights / weights.sum())
         rows = []
