@@ -16,7 +16,9 @@ haproxy``), and it does the three things a set of replicas with history stores n
   ``--no-affinity`` routes every request round robin (the benchmark's baseline).
 * **health checks** on each replica's ``/readyz`` every 500 ms: two failures take a replica
   out (a killed one leaves within about a second; a warming or draining one takes no
-  traffic), one success puts it back. With no replica up HAProxy answers 503 itself.
+  traffic), one success puts it back. A probe may take 5 s: an overloaded replica, slow to
+  answer but answering, stays in (taking it out would turn overload into an outage). With no
+  replica up HAProxy answers 503 itself.
 * **retries elsewhere**: a request whose replica refuses the connection or closes it without
   an answer (it died) is sent once more, to the next replica on the ring (ranking is
   idempotent), so a replica that dies costs its users a miss each, not an error. Only a
@@ -315,6 +317,10 @@ defaults
     # A replica answers every request by its deadline (--deadline-ms) and a margin.
     timeout server {server_seconds}s
     timeout http-keep-alive 30s
+    # A health check may take this long: an overloaded replica still answers (its queue
+    # refuses what it cannot take), and taking it out for a slow probe would turn overload
+    # into an outage. A dead one refuses the connection at once, whatever this is.
+    timeout check 5s
     # A request whose replica refused the connection or closed it without an answer (it
     # died since the last check, or while computing it) is sent once more, to the next
     # replica of the ring: ranking is idempotent. Only a request that fits a buffer can be

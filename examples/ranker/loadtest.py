@@ -143,8 +143,7 @@ async def _send_all(load: Load, host: str, port: int, grace: float) -> tuple[lis
             fields = dict(line.lower().split(": ", 1) for line in head[1:] if ": " in line)
             body = await reader.readexactly(int(fields.get("content-length", 0)))
             latency = loop.time() - scheduled
-            answer = json.loads(body)
-            what = answer.get("cache") if status == 200 else answer.get("error", {}).get("kind")
+            what = json.loads(body).get("cache") if status == 200 else error_kind(status, body)
             results[i] = (latency, status, what)
             if fields.get("connection") != "close":
                 idle.append((reader, writer))
@@ -174,6 +173,16 @@ async def _send_all(load: Load, host: str, port: int, grace: float) -> tuple[lis
     for _, writer in idle:
         writer.close()
     return [r or (None, 0, "no_answer") for r in results], finished - start
+
+
+def error_kind(status: int, body: bytes) -> str:
+    """The kind a non-200 answer counts under: the server's error kind, or ``HTTP <status>``
+    for a body that is not the server's JSON error (a proxy's own page, e.g. HAProxy's 503
+    when no replica is up)."""
+    try:
+        return str(json.loads(body)["error"]["kind"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {status}"
 
 
 def run(load: Load, url: str, grace: float = 10.0, settle: float = 0.0) -> dict:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,3 +275,13 @@ def test_without_haproxy_the_command_fails_at_once_saying_how_to_install_it(
     assert exit.value.code == 2
     assert "apt-get install haproxy" in capsys.readouterr().err
     assert not (tmp_path / "cluster").exists()
+
+
+def test_ci_runs_the_readmes_second_command_which_installs_haproxy():
+    """.ci/run is the README's second quick-start command, verbatim, and that command
+    installs HAProxy where it is missing (as root with apt-get), or says what to run."""
+    readme = (Path(ROOT) / "README.md").read_text().split("## Quick start", 1)[1]
+    commands = readme.split("```\n", 2)[1].splitlines()[1:]  # the first is the demo's
+    ci = (Path(ROOT) / ".ci" / "run").read_text().split('cd "$(dirname "$0")/.."\n', 1)[1]
+    assert ci.splitlines() == commands
+    assert "apt-get install -y -qq haproxy" in ci and "sudo apt-get install haproxy" in ci
