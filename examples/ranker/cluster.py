@@ -62,9 +62,10 @@ from pathlib import Path
 
 from examples.ranker.serverbench import LocalServer, free_ports
 
-HAPROXY_MISSING = ("HAProxy is not installed (no haproxy on PATH): the cluster's proxy. "
-                   "Install it with `apt-get install haproxy` (as root; Debian and Ubuntu), "
-                   "then run the command again.")
+HAPROXY_MISSING = ("HAProxy is not installed (no haproxy on PATH or in /usr/sbin): the "
+                   "cluster's proxy. Install it with `apt-get install haproxy` (as root; "
+                   "Debian and Ubuntu), then run the command again.")
+SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 BACKEND = "replicas"
 READY_SECONDS = 600.0   # a replica's start (model load and warm-up) at most
 KILL_AFTER = 50.0       # stop(): what still runs then is killed (all gone within 60 s)
@@ -270,7 +271,8 @@ class HAProxyMissing(RuntimeError):
 def haproxy_binary() -> str:
     """HAProxy's path; raises :class:`HAProxyMissing` (saying how to install it) without
     one."""
-    binary = shutil.which("haproxy")
+    # Debian installs it in /usr/sbin, which a user's PATH often leaves out.
+    binary = shutil.which("haproxy") or shutil.which("haproxy", path=SBIN)
     if binary is None:
         raise HAProxyMissing(HAPROXY_MISSING)
     return binary

@@ -22,7 +22,6 @@ import concurrent.futures
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -86,8 +85,10 @@ class Command:
 def command(run_dir, env, tmp_path_factory):  # noqa: F811
     """``python -m examples.ranker cluster`` with 2 replicas; the front polled until ready.
     Every test that uses it is skipped where HAProxy is not installed."""
-    if shutil.which("haproxy") is None:
-        pytest.skip(cluster.HAPROXY_MISSING)
+    try:
+        cluster.haproxy_binary()
+    except cluster.HAProxyMissing as missing:
+        pytest.skip(str(missing))
     port = free_ports(1)[0]
     log = str(tmp_path_factory.mktemp("logs") / "cluster.log")
     process = subprocess.Popen(
@@ -268,8 +269,10 @@ def test_sigterm_stops_every_process_in_time(command):
 
 def test_without_haproxy_the_command_fails_at_once_saying_how_to_install_it(
         tmp_path, monkeypatch, capsys):
-    """No haproxy on PATH: the command exits 2 before starting anything, naming the fix."""
+    """No haproxy on PATH or in the sbin folders: the command exits 2 before starting
+    anything, naming the fix."""
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(cluster, "SBIN", str(tmp_path))
     with pytest.raises(SystemExit) as exit:
         cli.main(["cluster", "--out", str(tmp_path), "--port", "1", "--random-weights"])
     assert exit.value.code == 2
