@@ -60,6 +60,7 @@ import sys
 import time
 from pathlib import Path
 
+from examples.ranker.server import exit_with_parent
 from examples.ranker.serverbench import LocalServer, free_ports
 
 HAPROXY_MISSING = ("HAProxy is not installed (no haproxy on PATH or in /usr/sbin): the "
@@ -71,7 +72,8 @@ READY_SECONDS = 600.0   # a replica's start (model load and warm-up) at most
 KILL_AFTER = 50.0       # stop(): what still runs then is killed (all gone within 60 s)
 CHECK = "inter 500ms fall 2 rise 1"  # health checks: a dead replica out in ~1 s, back in 0.5
 SOCKET_PATH_MAX = 107   # bytes in a UNIX socket's path (sockaddr_un), its terminator left out
-CLUSTER_FLAGS = ("command", "replicas", "no_affinity", "port", "host", "out", "replica_index")
+CLUSTER_FLAGS = ("command", "replicas", "no_affinity", "port", "host", "out", "replica_index",
+                 "parent_pid")
 
 
 class Cluster:
@@ -402,6 +404,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                       host=args.host, affinity=not args.no_affinity)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _interrupt)
+    if args.parent_pid is not None:  # its own parent's death stops it like a SIGTERM
+        exit_with_parent(args.parent_pid)
     status = 0
     try:
         cluster.start()

@@ -92,7 +92,8 @@ class LocalServer:
     ``ready_seconds`` after its start, unless ``ready_within`` is None (then
     :meth:`wait_ready`); its output goes to ``log``, its flags are ``args``. With
     ``own_session`` it runs in a session of its own: a Ctrl-C in the terminal reaches only
-    whoever started it (cluster.py, which then stops it in order)."""
+    whoever started it (cluster.py, which then stops it in order). It gets this process as
+    ``--parent-pid``: killed outright, this process leaves no server running."""
 
     def __init__(self, out: str, args: list[str], log: str, env: dict | None = None,
                  ready_within: float | None = 1200.0,
@@ -103,7 +104,8 @@ class LocalServer:
         self.log, self.args = log, args
         self.started = time.perf_counter()
         self.process = subprocess.Popen(
-            [sys.executable, *command, "--out", out, "--port", str(self.port), *args],
+            [sys.executable, *command, "--out", out, "--port", str(self.port), *args,
+             "--parent-pid", str(os.getpid())],
             cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
             start_new_session=own_session)
         if ready_within is not None:

@@ -93,7 +93,8 @@ def command(run_dir, env, tmp_path_factory):  # noqa: F811
     log = str(tmp_path_factory.mktemp("logs") / "cluster.log")
     process = subprocess.Popen(
         [sys.executable, "-m", "examples.ranker", "cluster", "--out", run_dir, "--port",
-         str(port), "--replicas", "2", *FLAGS], cwd=ROOT, env=env, stdout=open(log, "w"),
+         str(port), "--replicas", "2", "--parent-pid", str(os.getpid()), *FLAGS], cwd=ROOT,
+        env=env, stdout=open(log, "w"),
         stderr=subprocess.STDOUT)
     front, starting = Endpoint(port), []
     deadline = time.monotonic() + START_SECONDS

@@ -1145,3 +1145,36 @@ def test_the_eviction_policy_flag_reaches_the_store(model):
                     Options(max_history=MAX_HISTORY, max_candidates=MAX_CANDIDATES,
                             device_pages=8, eviction_policy="s3fifo"))
     assert engine.store.policy == "s3fifo"
+
+
+def test_a_process_whose_parent_is_killed_gets_sigterm():
+    """exit_with_parent (--parent-pid, which LocalServer and the cluster command pass): a
+    process whose parent is killed outright (SIGKILL: no clean-up of its own runs) is sent
+    SIGTERM, here within a second, instead of running on with nobody to stop it."""
+    import subprocess
+    import sys
+
+    child = ("import os, time\n"
+             "from examples.ranker.server import exit_with_parent\n"
+             "exit_with_parent(os.getppid(), every=0.05)\n"
+             "print(os.getpid(), flush=True)\n"
+             "time.sleep(60)\n")
+    parent = subprocess.Popen(["bash", "-c", f'"{sys.executable}" -c "$0" & wait', child],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())  # the child watches its parent (bash) now
+    finally:
+        parent.kill()
+        parent.wait()
+
+    def running() -> bool:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                return "\nState:\tZ" not in status.read()  # a zombie has exited
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 3  # 3x its quiet time (1 s: the poll, exit, import done)
+    while running():
+        assert time.monotonic() < deadline, f"process {pid} outlived its killed parent"
+        time.sleep(0.05)

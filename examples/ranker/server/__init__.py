@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+import threading
+import time
 from typing import Callable
 
 from rankattn import serving
@@ -79,6 +83,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica-index", type=int, help="send X-Ranker-Replica: I with "
                         "every answer (python -m examples.ranker cluster sets it on each "
                         "replica); default: no such header")
+    parser.add_argument("--parent-pid", type=int, help="drain and exit once process PID is "
+                        "no longer this one's parent (it died): a server that a cluster, a "
+                        "benchmark or a test started never outlives it, even when that was "
+                        "killed; default: none")
+
+
+def exit_with_parent(pid: int, every: float = 0.5) -> None:
+    """SIGTERM to this process (a drain, as from a terminal) once ``pid`` is no longer its
+    parent: a parent killed outright (SIGKILL, a test's timeout) runs no clean-up of its own,
+    and its children would otherwise serve, hold ports and spin on the CPU for good. Polled
+    by a daemon thread, so it works whichever thread started this process (unlike
+    PR_SET_PDEATHSIG, which fires when that thread ends)."""
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(every)
+        log.warning("parent process %d is gone: stopping", pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    if os.getppid() != pid:
+        raise SystemExit(f"--parent-pid {pid} is not this process's parent ({os.getppid()})")
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -97,6 +122,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
     log.propagate = False
     preset = PRESETS[args.preset]
     max_history = args.max_history or preset.world.history_max
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid)
     if args.replica_index is not None and args.replica_index < 0:
         parser.error(f"--replica-index must be >= 0; got {args.replica_index}")
     for flag in ("port", "device_pages", "max_users", "max_history", "max_candidates",
