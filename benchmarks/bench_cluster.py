@@ -288,7 +288,7 @@ def report(r: dict) -> str:
         "`ranker_store_{hits,host_hits,prefix_hits,misses}_total`, rows acquired by source) "
         "give the hit rate, rows whose whole history its store held over all rows (requests "
         "of one key in one batch share a row; the answers' `cache` gives the share of "
-        "requests, beside it); the **low rate**, {size['low_qps']:g} / s for "
+        f"requests, beside it); the **low rate**, {size['low_qps']:g} / s for "
         f"{size['low_seconds']:g} s; the **capacity**, the answered rate under open-loop "
         f"overload ({size['overload_seconds']:g} s at {serverbench.OVERLOAD:g}x the window's "
         "rate, and twice that if it kept up); the **throughput at the p99 bound**, "
@@ -435,7 +435,13 @@ def main(argv=None) -> int:
                         "to end, into --out")
     parser.add_argument("--out", help="servers' logs, compilation cache, and with --smoke the "
                         "report (default: runs/bench_cluster)")
+    parser.add_argument("--report-only", action="store_true", help="measure nothing: write "
+                        "CLUSTER.md again from the last run's benchmarks/results/cluster.json")
     args = parser.parse_args(argv)
+    if args.report_only:
+        (OUT / "CLUSTER.md").write_text(report(json.loads(
+            (OUT / "results" / "cluster.json").read_text())))
+        return 0
     from examples.ranker.__main__ import meta
     from examples.ranker.cluster import haproxy_binary
 
