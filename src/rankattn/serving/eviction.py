@@ -126,13 +126,15 @@ class Lru(EvictionPolicy):
 
 class _LruPlan(Plan):
     def __init__(self, policy: Lru, evictable):
-        # Victims come in order and are never offered twice, so one pass over the order
-        # (as it was when the plan began) serves the whole plan.
-        self._order: Iterator = iter(list(policy._order.values()))
-        self._evictable = evictable
-        self.victims: list = []
+        self._policy, self._evictable = policy, evictable
+        self._order: Iterator | None = None  # taken at the first victim asked: a call of
+        self.victims: list = []              # hits only pays nothing
 
     def next(self):
+        if self._order is None:
+            # Victims come in order and are never offered twice, so one pass over the order
+            # (as it was when the plan began) serves the whole plan.
+            self._order = iter(list(self._policy._order.values()))
         victim = next((e for e in self._order if self._evictable(e)), None)
         if victim is not None:
             self.victims.append(victim)
