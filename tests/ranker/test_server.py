@@ -699,13 +699,22 @@ def test_metrics_are_prometheus_text_by_convention(server_a):
 
 def test_sigterm_answers_every_request_in_flight_and_exits_0(server_a, model, sessions):
     """Six one-page misses (two batches of the history stage, 150 ms each) in flight when SIGTERM
-    lands: each is answered, correctly, and the process exits 0 within 10 s."""
-    requests = [body(sessions, i, events=10, user=3 * 10**6 + i) for i in range(16, 22)]
-    taken = count(server_a.metrics(), "ranker_batch_requests_sum") + len(requests)
-    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+    lands: each is answered, correctly, and the process exits 0 within 10 s. A loaded machine
+    can take longer to see them accepted than the server takes to answer them: then another
+    six go (at most three tries), since SIGTERM must land with answers owed."""
+    for attempt in range(3):
+        requests = [body(sessions, i, events=10, user=3 * 10**6 + 10 * attempt + i)
+                    for i in range(16, 22)]
+        taken = count(server_a.metrics(), "ranker_batch_requests_sum") + len(requests)
+        pool = concurrent.futures.ThreadPoolExecutor(len(requests))
         futures = [pool.submit(server_a.rank, r) for r in requests]
         wait_for_count(server_a, "ranker_batch_requests_sum", taken)  # all accepted
-        assert not all(f.done() for f in futures)  # SIGTERM lands with answers owed
+        if not all(f.done() for f in futures):  # SIGTERM lands with answers owed
+            break
+        pool.shutdown()
+    else:
+        pytest.fail("three times, six requests were answered before the test saw them accepted")
+    with pool:
         start = time.monotonic()
         assert server_a.stop() == 0
         assert time.monotonic() - start < 10
