@@ -123,7 +123,9 @@ struct Forward {
                  ld_keys, key.v_panel, ld_dv, acc.data(), ld_dv);
     }
 
-    Vector<float> own_k(pr.dim), own_v(pr.dim_v);
+    thread_local Vector<float> own_k, own_v;  // zero past dim, as the rows of q
+    own_k.assign(pr.d_cols(), 0.0f);
+    own_v.assign(pr.dim_v, 0.0f);
     for (int64_t t = 0; t < nq; ++t) {
       const bool own = pr.own && seg_q[t] < 0;
       bool own_bad = false;
@@ -141,9 +143,7 @@ struct Forward {
         const int64_t r = g * nq + t, h = hk * g_len + g;
         float* ar = acc.data() + r * ld_dv;
         if (own) {  // the own key's logit joins the softmax
-          float dot = 0;
-          const E* qr = q_rows.data() + r * ld_d;
-          for (int64_t d = 0; d < pr.dim; ++d) dot += to_float(qr[d]) * own_k[d];
+          const float dot = dot_lanes(q_rows.data() + r * ld_d, own_k.data(), pr.d_cols());
           const float s_own = pr.logit(dot, pr.multiplier_of(b, h, q0 + t));
           const float m_new = std::max(m[r], s_own);
           const float alpha = std::exp(m[r] - m_new), p_own = std::exp(s_own - m_new);
