@@ -36,8 +36,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,7 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ from the repository
 import user_cache  # noqa: E402
 from examples.ranker import serve  # noqa: E402
-from rankattn import serving  # noqa: E402
+from rankattn import peers, serving  # noqa: E402
 from examples.ranker.config import ACTIONS, PRESETS  # noqa: E402
 from examples.ranker.model import init  # noqa: E402
 from examples.ranker.world import World  # noqa: E402
@@ -417,18 +415,6 @@ def policies(stream_keys, cfg: dict, smoke: bool) -> dict:
 # --- The report. ---------------------------------------------------------------------------
 
 
-def machine() -> str:
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        model = next(line.split(":", 1)[1].strip() for line in lines
-                     if line.startswith("Model name"))
-        flags = next(line for line in lines if line.startswith("Flags"))
-        isa = "AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
-    except (OSError, StopIteration):
-        model, isa = platform.processor() or platform.machine(), "?"
-    return f"{model} ({isa}), {os.cpu_count()} cores"
-
-
 def report(results: dict) -> str:
     a, b, c = results["stream"], results["per_request"], results["restore"]
     lines = [
@@ -570,7 +556,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     cfg = SMOKE if args.smoke else FULL
     s = setup(args.smoke, cfg["candidates"], cfg["history"])
-    results = dict(date=datetime.date.today().isoformat(), machine=machine(),
+    results = dict(date=datetime.date.today().isoformat(), machine=peers.machine_description(),
                    jax=jax.__version__, history_max=s.preset.world.history_max,
                    candidates=s.preset.world.candidates, layers=s.preset.model.layers,
                    smoke=args.smoke)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
 import time
 
 import jax
@@ -20,7 +23,7 @@ SETTLE_S = 0.02
 
 
 def interleaved_times(fns: dict, repeats: int, warm_up: bool = True,
-                      settle_s: float = SETTLE_S) -> dict[str, np.ndarray]:
+                      settle_s: float = SETTLE_S, warm_calls: int = 0) -> dict[str, np.ndarray]:
     """Wall times (s) per round of each zero-argument function, run round-robin.
 
     Each function is called once first to compile and warm up (unless the
@@ -35,6 +38,13 @@ def interleaved_times(fns: dict, repeats: int, warm_up: bool = True,
     its warm threads). Returns one array of ``repeats`` times per name; the
     ratio of two functions is best taken per round (same machine state), then
     its median over rounds.
+
+    ``warm_calls``: untimed calls of the same function between the pause and
+    the timed call, so that the timed one finds its own threads awake and its
+    data in cache, as calls arriving back to back at a busy server do. (After
+    the pause alone, a 2-core KVM guest measured a 64-candidate request
+    1.5-2x slower than back to back, for torch and rankattn alike: the idle
+    cores' caches and threads are cold.)
     """
     if warm_up:
         for fn in fns.values():
@@ -44,6 +54,8 @@ def interleaved_times(fns: dict, repeats: int, warm_up: bool = True,
     for round_ in range(repeats):
         for name in names if round_ % 2 == 0 else names[::-1]:
             time.sleep(settle_s)
+            for _ in range(warm_calls):
+                jax.block_until_ready(fns[name]())
             start = time.perf_counter()
             jax.block_until_ready(fns[name]())
             times[name].append(time.perf_counter() - start)
@@ -53,3 +65,16 @@ def interleaved_times(fns: dict, repeats: int, warm_up: bool = True,
 def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
     """Median wall time (s) of each function, from :func:`interleaved_times`."""
     return {name: float(np.median(t)) for name, t in interleaved_times(fns, repeats).items()}
+
+
+def machine_description() -> str:
+    """'model (widest x86 vector ISA), N cores' of this machine, for a report's header."""
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        model = next(line.split(":", 1)[1].strip() for line in lines
+                     if line.startswith("Model name"))
+        flags = next(line for line in lines if line.startswith("Flags"))
+        isa = "AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+    except (OSError, StopIteration):
+        model, isa = platform.processor() or platform.machine(), "?"
+    return f"{model} ({isa}), {os.cpu_count()} cores"
