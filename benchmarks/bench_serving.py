@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import datetime
 import os
-import platform
 import sys
 import tempfile
 import time
