@@ -42,9 +42,10 @@ def interleaved_times(fns: dict, repeats: int, warm_up: bool = True,
     ``warm_calls``: untimed calls of the same function between the pause and
     the timed call, so that the timed one finds its own threads awake and its
     data in cache, as calls arriving back to back at a busy server do. (After
-    the pause alone, a 2-core KVM guest measured a 64-candidate request
-    1.5-2x slower than back to back, for torch and rankattn alike: the idle
-    cores' caches and threads are cold.)
+    the pause alone, a 2-core KVM guest took 1.4x (torch) and 1.7-2x
+    (rankattn) as long for a 1-user 64-candidate request as back to back,
+    and 3.4x for a rankattn call with almost no work: the idle cores'
+    caches and threads are cold.)
     """
     if warm_up:
         for fn in fns.values():
