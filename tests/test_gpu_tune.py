@@ -211,10 +211,10 @@ def test_a_sample_is_back_to_back_calls_interleaved_in_rounds(monkeypatch):
 
     monkeypatch.setattr(gpu_tune, "time", argparse.Namespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(gpu_plan, "SAMPLE_S", 0.02)
-    t = gpu_tune.round_times({"a": fn("a", 0.005), "b": fn("b", 0.001)}, rounds=2)
+    t = gpu_tune.round_times({"b": fn("b", 0.001), "a": fn("a", 0.005)}, rounds=2)
     timed = calls[4:]  # after two warm-up calls each
-    # ceil(20 ms / 5 ms) = 4 calls of the slower make one sample, of each function
-    assert timed == ["a"] * 4 + ["b"] * 4 + ["b"] * 4 + ["a"] * 4  # the second round reversed
+    # ceil(20 ms / 5 ms) = 4 calls of the slower (not the first) make one sample, of each
+    assert timed == ["b"] * 4 + ["a"] * 4 + ["a"] * 4 + ["b"] * 4  # the second round reversed
     assert set(t) == {"a", "b"}
     np.testing.assert_allclose(t["a"], [0.005, 0.005])  # seconds per call, not per sample
     np.testing.assert_allclose(t["b"], [0.001, 0.001])

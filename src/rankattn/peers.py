@@ -69,13 +69,15 @@ def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
 
 
 def machine_description() -> str:
-    """'model (widest x86 vector ISA), N cores' of this machine, for a report's header."""
+    """'model (widest vector ISA: AMX, AVX-512, AVX2, else the architecture), N cores' of
+    this machine, for a report's header."""
     try:
         lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
         model = next(line.split(":", 1)[1].strip() for line in lines
                      if line.startswith("Model name"))
         flags = next(line for line in lines if line.startswith("Flags"))
-        isa = "AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+        isa = ("AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags
+               else "AVX2" if "avx2" in flags else platform.machine())
     except (OSError, StopIteration):
         model, isa = platform.processor() or platform.machine(), "?"
     return f"{model} ({isa}), {os.cpu_count()} cores"
