@@ -81,7 +81,9 @@ import jaxlib.version
 
 SOURCE_DIR = Path(__file__).parent / "backends"
 OPTIMIZE = ["-O3", "-march=native"]
-SANITIZE = ["-O1", "-g", "-march=native", "-fno-omit-frame-pointer",
+# -g1: line tables only, enough for the sanitizers' stack traces; -g's variable tracking
+# doubled the build (105 s against 57 s on a 2-core Zen 3).
+SANITIZE = ["-O1", "-g1", "-march=native", "-fno-omit-frame-pointer",
             "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 # Warnings for rankattn's own code (errors with RANKATTN_CXX_WERROR=1); JAX's headers are
 # system headers.
