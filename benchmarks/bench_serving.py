@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import glob
+import json
 import os
 import sys
 import tempfile
@@ -32,7 +34,8 @@ from rankattn import peers, serving
 from rankattn.serving.synthetic import planted_history
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import GEMM_SIZE, SMOKE_GEMM_SIZE, gemm_rates, matmul_rate  # noqa: E402  (benchmarks/bench.py)
+from bench import (GEMM_SIZE, RESULTS_DIR, SMOKE_GEMM_SIZE, gemm_rates,  # noqa: E402
+                   machine_folder, matmul_rate)  # (benchmarks/bench.py)
 
 try:  # the torch peer is optional: pip install '.[bench]' torch
     import torch
@@ -264,6 +267,43 @@ def peer_table(runs: list[dict], rates: dict) -> str:
                   "GFLOP/s (visible pairs)", "of GEMM rate", "max abs diff"], rows)
 
 
+def peer_record(runs: list[dict], rates: dict) -> dict:
+    """Section 1b's ratios to torch SDPA as this machine's record (results/<machine>/
+    serving.json), which every SERVING.md shows beside the other machines' records."""
+    return dict(machine=peers.machine_description(), date=datetime.date.today().isoformat(),
+                jax=jax.__version__, rates=rates,
+                cells=[dict(shape=list(shape), ratio=[run[shape]["ratio"]["torch"] for run in runs],
+                            ratio_warm=[run[shape]["ratio warm"]["torch"] for run in runs])
+                       for shape in runs[0]])
+
+
+def machines_table(records: list[dict]) -> str:
+    """Section 1b's ratios on every machine with a record, the newest first: after a pause /
+    back to back, each as run 1 / run 2."""
+    def label(shape):
+        u, s, c, hq, hkv, dtype, budget = shape
+        return (f"{u} x {s} x {c}, {hq}/{hkv}, {dtype}"
+                + ("" if budget is None else f", Quest {budget}"))
+
+    records = sorted(records, key=lambda r: r["date"], reverse=True)
+    rows = []
+    for name in dict.fromkeys(label(c["shape"]) for r in records for c in r["cells"]):
+        row = [name]
+        for r in records:
+            cell = next((c for c in r["cells"] if label(c["shape"]) == name), None)
+            row.append("" if cell is None else " / ".join(
+                " ".join(f"{x:.2f}x" for x in cell[key]) for key in ("ratio", "ratio_warm")))
+        rows.append(row)
+    return table(["shape", *(f"{r['machine']}, {r['date']}" for r in records)], rows)
+
+
+def machine_records(results_dir: str, this_run: dict) -> list[dict]:
+    """``this_run`` and the other machines' records under ``results_dir``."""
+    others = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(results_dir, "*",
+                                                                        "serving.json")))]
+    return [this_run] + [r for r in others if r["machine"] != this_run["machine"]]
+
+
 # --- Quest. ------------------------------------------------------------------------------------
 
 
@@ -463,6 +503,7 @@ def main(argv=None) -> int:
     histories, budgets = sizes.histories, sizes.budgets
     exact_cands, exact_hist = sizes.exact_candidates, sizes.exact_history
     big = histories[-1]
+    out = args.out or (tempfile.mkdtemp(prefix="bench-serving-smoke-") if args.smoke else None)
     start, load0 = time.time(), os.getloadavg()
 
     sections, peer_runs = {}, []
@@ -498,11 +539,18 @@ def main(argv=None) -> int:
         peer_runs.append(torch_peer(sizes.peer_shapes, repeats))
         sections["peer"] = peer_table(peer_runs, rates)
         print(sections["peer"] + "\n", file=sys.stderr)
+        record = peer_record(peer_runs, rates)
+        results_dir = os.path.join(out, "results") if out else RESULTS_DIR
+        sections["machines"] = machines_table(machine_records(results_dir, record))
+        if out or not args.quick:  # --quick alone prints only
+            folder = machine_folder(results_dir)
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, "serving.json"), "w") as f:
+                json.dump(record, f, indent=1)
     elapsed, load1 = time.time() - start, os.getloadavg()
 
     report = render(sections, histories, budgets, exact_cands, exact_hist, exact_ratio, rule_recall,
                     quest_results, decode_speed, sweep, elapsed, load0, load1, peer_runs, rates)
-    out = args.out or (tempfile.mkdtemp(prefix="bench-serving-smoke-") if args.smoke else None)
     if args.quick and not out:
         print(report)
     else:
@@ -641,6 +689,12 @@ bfloat16 rows can exceed 100% of "their" rate; compare them with the float32 rat
 {peer_rate_note}
 
 {sections.get('peer', 'torch is not installed: no peer was measured.')}
+
+The same ratios on every machine measured, the newest first (torch / rankattn after a
+pause, then back to back; each as run 1 run 2). Each machine keeps its own record,
+`benchmarks/results/<machine>/serving.json`, which only a run on that machine replaces:
+
+{sections.get('machines', 'torch is not installed: no peer was measured.')}
 
 ## 2. Choosing the `group` rule
 

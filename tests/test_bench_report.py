@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -24,7 +25,8 @@ def row(workload, impl, ratio, ms=100.0, mm=0.5):
                 ratio_q3=ratio + 0.01, rounds=5, mm=mm, temp_mib=None)
 
 
-def run(sdpa_nano: float, note: str = "") -> dict:
+def run(sdpa_nano: float, note: str = "", machine: str = "Test CPU (AVX2), 2 cores",
+        date: str = "2026-11-30 00:00") -> dict:
     rows = [row("nano-fwd", bench.OURS, 1.0, mm=0.72), row("nano-fwd", SDPA, sdpa_nano),
             row("nano-fwd", REF, 1.5),
             row("packed-fwd", bench.OURS, 1.0), row("packed-fwd", SDPA, 6.0),
@@ -33,20 +35,20 @@ def run(sdpa_nano: float, note: str = "") -> dict:
             row("packed-fwd-bf16", FLEX, 1.2),
             row("packed-fwd-bf16", bench.OURS_XLA, 0.7),
             row("short-fwd", bench.OURS, 1.0), row("short-fwd", SDPA, 0.85)]
-    meta = dict(date="2026-11-30 00:00", jax="0", backend="cpu", torch="0", cpu="test cpu",
+    meta = dict(date=date, jax="0", machine=machine, backend="cpu", torch="0", cpu="test cpu",
                 cores=2, rate=1e11, notes=[note] if note else [])
     return dict(meta=meta, rows=rows, primitives=[dict(op="exp", xla_ms=2.0, torch_ms=1.0,
                                                          ratio=0.5)])
 
 
-def sweep() -> dict:
+def sweep(date: str = "2026-11-30 01:00") -> dict:
     cells = []
     for value, ratio, direction in (("32", 1.3, "fwd"), ("64", 0.7, "fwd"), ("32", 1.1, "fwdbwd")):
         name = f"head dim={value} {direction}"
         cells.append(dict(dim="head dim", value=value, direction=direction, workload=name,
                           rows=[row(name, bench.OURS, 1.0), row(name, SDPA, ratio),
                                 row(name, REF, ratio + 1)]))
-    return dict(meta=dict(date="2026-11-30 01:00", notes=[]), cells=cells)
+    return dict(meta=dict(date=date, machine="Test CPU (AVX2), 2 cores", notes=[]), cells=cells)
 
 
 def verdicts(runs, sweep_=None) -> dict[str, tuple[str, bool | None]]:
@@ -79,12 +81,18 @@ def test_sweep_target_counts_cells_and_names_the_worst():
     assert got["every sweep cell, fwdbwd, >= 1.0x the best peer"][1] is True
 
 
+def write_records(folder, runs=(), sweep_=None) -> None:
+    folder.mkdir(parents=True)
+    for i, record in enumerate(runs):
+        (folder / f"run-{i + 1}.json").write_text(json.dumps(record))
+    if sweep_:
+        (folder / "sweep.json").write_text(json.dumps(sweep_))
+
+
 def test_reports_are_written_from_the_saved_runs_only(tmp_path):
     results = tmp_path / "results"
-    results.mkdir()
-    for i, ratio in enumerate((0.8, 0.9)):
-        (results / f"run-{i + 1}.json").write_text(json.dumps(run(ratio, note=f"note {i}")))
-    (results / "sweep.json").write_text(json.dumps(sweep()))
+    write_records(results / "test-cpu-avx2-2-cores",
+                  [run(ratio, note=f"note {i}") for i, ratio in enumerate((0.8, 0.9))], sweep())
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{bench.README_BEGIN}\nstale numbers\n{bench.README_END}\nend\n")
     bench.write_reports(str(results), str(tmp_path), str(readme), draw=False)
@@ -94,17 +102,96 @@ def test_reports_are_written_from_the_saved_runs_only(tmp_path):
     assert "- note 0" in text and "- note 1" in text
     assert "| exp | 2.00 | 1.00 | 0.50 |" in text
     rows = [line for line in text.splitlines() if line.startswith("| nano-fwd | ")]
-    assert len(rows) == len(set(rows)) == 3  # one row per implementation, over both runs
+    # one row per implementation over both runs, and the machines' table
+    assert len(rows) == len(set(rows)) == 4 and "| nano-fwd | 0.80-0.90 | 72% |" in rows
 
     block = readme.read_text()
     assert "stale numbers" not in block and block.startswith("intro\n") and block.endswith("end\n")
-    assert f"| nano-fwd | 100 | {SDPA} | 0.80-0.90 |" in block
+    assert f"| Test CPU (AVX2), 2 cores | nano-fwd | 100 | {SDPA} | 0.80-0.90 |" in block
 
     sweep_md = (tmp_path / "SWEEP.md").read_text()
     assert f"| head dim | 64 | fwd | 100.0 | {SDPA} | 100.0 | 0.70 | 0.69-0.71 |" in sweep_md
+
+
+def test_every_machine_keeps_its_own_section_the_newest_first(tmp_path):
+    """Two machines' records: RESULTS.md's first table has a pair of columns per machine
+    (the newest first), then a section each with its own runs' verdicts; SWEEP.md a table per
+    machine with a sweep; the README block a row per machine and workload."""
+    results, zen, xeon = tmp_path / "results", "Zen (AVX2), 2 cores", "Xeon (AMX), 2 cores"
+    write_records(results / "zen", [run(1.2, machine=zen, date="2026-12-03 10:00")])
+    write_records(results / "xeon", [run(0.8, machine=xeon), run(0.9, machine=xeon)], sweep())
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{bench.README_BEGIN}\n{bench.README_END}\n")
+    bench.write_reports(str(results), str(tmp_path), str(readme), draw=False)
+
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert f"| workload | {zen}: peer / rankattn | % mm | {xeon}: peer / rankattn | % mm |" in text
+    assert "| nano-fwd | 1.20 | 72% | 0.80-0.90 | 72% |" in text
+    zen_part, xeon_part = text.split(f"## {zen}\n")[1].split(f"## {xeon}\n")
+    assert "| nano-fwd >= 1.0x the best peer | 1.20x" in zen_part and "sweep" not in zen_part
+    assert "| nano-fwd >= 1.0x the best peer | 0.80-0.90x" in xeon_part
+    assert "every sweep cell, fwd" in xeon_part
+    sweep_md = (tmp_path / "SWEEP.md").read_text()
+    assert f"## {xeon}" in sweep_md and f"## {zen}" not in sweep_md
+    assert f"are of {xeon}" in sweep_md
+    block = readme.read_text()
+    assert block.index(f"| {zen} | nano-fwd | 100 | {SDPA} | 1.20 |") < block.index(
+        f"| {xeon} | nano-fwd | 100 | {SDPA} | 0.80-0.90 |")
+
+
+def test_this_machines_records_go_to_the_folder_named_after_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.peers, "machine_description",
+                        lambda: "AMD EPYC (Zen 3, AVX2), 2 cores")
+    assert bench.machine_folder(str(tmp_path)) == str(tmp_path / "amd-epyc-zen-3-avx2-2-cores")
+    assert bench.peers.machine_slug("Intel(R) Xeon(R) Processor (AMX), 2 cores") == (
+        "intel-xeon-processor-amx-2-cores")
+
+
+@pytest.mark.parametrize("model, family, flags, described", [
+    ("AMD EPYC", 25, "sse avx2", "AMD EPYC (Zen 3, AVX2)"),
+    ("AMD EPYC", 25, "avx2 avx512f", "AMD EPYC (Zen 4, AVX-512)"),
+    ("AMD EPYC 9B45", 26, "avx2 avx512f", "AMD EPYC 9B45 (Zen 5, AVX-512)"),
+    ("AMD EPYC 7B12", 23, "avx2", "AMD EPYC 7B12 (Zen / Zen 2, AVX2)"),
+    ("Intel(R) Xeon(R) Processor", 6, "avx2 avx512f amx_bf16",
+     "Intel(R) Xeon(R) Processor (AMX)"),
+])
+def test_machine_description_names_the_vector_isa_and_an_amd_generation(
+        monkeypatch, model, family, flags, described):
+    """A KVM guest shows "AMD EPYC" alone: the Zen generation comes from the CPU family (and
+    AVX-512, which Zen 3 lacks and Zen 4 has)."""
+    lscpu = f"Architecture: x86_64\nModel name:  {model}\nCPU family:  {family}\nFlags: {flags}\n"
+    monkeypatch.setattr(bench.peers.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, lscpu, ""))
+    monkeypatch.setattr(bench.peers.os, "cpu_count", lambda: 2)
+    assert bench.peers.machine_description() == f"{described}, 2 cores"
 
 
 @pytest.mark.parametrize("values, shown", [([1.0, 1.0], "1.00"), ([0.8, 1.2], "0.80-1.20"),
                                            ([None, 2.0], "2.00"), ([None], "")])
 def test_span(values, shown):
     assert bench.span(values) == shown
+
+
+def test_serving_records_of_every_machine_side_by_side(tmp_path):
+    """bench_serving's section-1b table of every machine: this run first, then the other
+    machines' records under results/, the newest first; this machine's old record left out."""
+    import bench_serving
+
+    def record(machine, date, ratio):
+        return dict(machine=machine, date=date, cells=[
+            dict(shape=[4, 1022, 64, 4, 2, "float32", None], ratio=[ratio, ratio + 0.1],
+                 ratio_warm=[ratio + 0.2, ratio + 0.3])])
+
+    old_here, xeon = record("Here", "2026-12-01", 0.5), record("Xeon", "2026-12-02", 0.9)
+    xeon["cells"].append(dict(shape=[1, 16384, 64, 4, 2, "float32", 2048], ratio=[2.0, 2.0],
+                              ratio_warm=[3.0, 3.0]))
+    write_records(tmp_path / "here")
+    (tmp_path / "here" / "serving.json").write_text(json.dumps(old_here))
+    write_records(tmp_path / "xeon")
+    (tmp_path / "xeon" / "serving.json").write_text(json.dumps(xeon))
+    records = bench_serving.machine_records(str(tmp_path), record("Here", "2026-12-03", 1.2))
+    text = bench_serving.machines_table(records)
+    assert "| shape | Here, 2026-12-03 | Xeon, 2026-12-02 |" in text
+    assert "| 4 x 1022 x 64, 4/2, float32 | 1.20x 1.30x / 1.40x 1.50x | 0.90x 1.00x / 1.10x 1.20x |" in text
+    assert "| 1 x 16384 x 64, 4/2, float32, Quest 2048 |  | 2.00x 2.00x / 3.00x 3.00x |" in text
+    assert "0.50x" not in text

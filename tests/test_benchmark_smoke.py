@@ -217,6 +217,15 @@ def check_serving(out: str, printed: str):
                     "## 6. ", "## 7. ", "## Where the time goes"):
         assert section in text, section
     assert ("| 1 x 40 x 8 |" if TORCH else "torch is not installed") in text
+    if TORCH:  # section 1b's record of this machine, under --out, shown beside the others
+        from rankattn import peers
+        machine = peers.machine_description()
+        record = json.loads(read(os.path.join(out, "serving", "results",
+                                              peers.machine_slug(machine), "serving.json")))
+        assert record["machine"] == machine and len(record["cells"][0]["ratio"]) == 2
+        assert f"| shape | {machine}, {record['date']} |" in text
+        assert re.search(r"^\| 1 x 40 x 8, 4/2, float32 \| [\d.]+x [\d.]+x / [\d.]+x [\d.]+x \|$",
+                         text, re.M), text
 
 
 def check_compare_serving(out: str, printed: str):

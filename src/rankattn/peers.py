@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import time
 
@@ -69,15 +70,33 @@ def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
 
 
 def machine_description() -> str:
-    """'model (widest vector ISA: AMX, AVX-512, AVX2, else the architecture), N cores' of
-    this machine, for a report's header."""
+    """'model (generation, widest vector ISA: AMX, AVX-512, AVX2, else the architecture), N
+    cores' of this machine, for a report's header; the generation only for AMD CPUs
+    (:func:`amd_generation`)."""
     try:
         lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        model = next(line.split(":", 1)[1].strip() for line in lines
-                     if line.startswith("Model name"))
-        flags = next(line for line in lines if line.startswith("Flags"))
+        fields = dict(line.split(":", 1) for line in lines if ":" in line)
+        model, flags = fields["Model name"].strip(), fields["Flags"].split()
         isa = ("AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags
                else "AVX2" if "avx2" in flags else platform.machine())
-    except (OSError, StopIteration):
-        model, isa = platform.processor() or platform.machine(), "?"
-    return f"{model} ({isa}), {os.cpu_count()} cores"
+        family = int(fields.get("CPU family", "0").strip() or 0)
+        generation = amd_generation(family, flags) if "AMD" in model else None
+    except (OSError, KeyError, ValueError):
+        model, isa, generation = platform.processor() or platform.machine(), "?", None
+    return f"{model} ({f'{generation}, ' if generation else ''}{isa}), {os.cpu_count()} cores"
+
+
+def amd_generation(family: int, flags: list[str]) -> str | None:
+    """The Zen generation of an AMD x86 CPU from its family (a virtual machine often shows
+    only "AMD EPYC" as the model): 23 Zen / Zen 2, 25 Zen 3, or Zen 4 where it has AVX-512
+    (Zen 3 has none), 26 Zen 5; None for other families."""
+    if family == 25:
+        return "Zen 4" if "avx512f" in flags else "Zen 3"
+    return {23: "Zen / Zen 2", 26: "Zen 5"}.get(family)
+
+
+def machine_slug(description: str) -> str:
+    """A folder name for a machine_description(): "AMD EPYC (Zen 3, AVX2), 2 cores" ->
+    "amd-epyc-zen-3-avx2-2-cores" (trademark signs dropped)."""
+    plain = re.sub(r"\((R|TM)\)", "", description, flags=re.I).lower()
+    return re.sub(r"[^a-z0-9]+", "-", plain).strip("-")
