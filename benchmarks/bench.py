@@ -318,10 +318,15 @@ def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
     return rows
 
 
-def gemm_rates(repeats: int, torch_dtypes=("float32", "bfloat16"),
+def gemm_rates(repeats: int, torch_dtypes: tuple[str, ...] | None = None,
                size: int = GEMM_SIZE) -> dict[str, float]:
     """FLOP/s of a size^3 matmul (2048^3): XLA and torch (in ``torch_dtypes``), float32 and bf16
-    x bf16 -> float32. (torch's bf16 matmul on a CPU without AVX-512 BF16 took 63 s.)"""
+    x bf16 -> float32. torch's bfloat16 is timed by default only where the CPU has bfloat16
+    dot instructions (AVX-512 BF16 or AMX): without them one call took 63 s, 10 minutes of
+    a full run, for a rate no report uses there."""
+    if torch_dtypes is None:
+        bf16_dots = {"avx512_bf16", "amx_bf16"} & peers.cpu_flags()
+        torch_dtypes = ("float32", "bfloat16") if bf16_dots else ("float32",)
     fns = {}
     for dtype in ("float32", "bfloat16"):
         a = jax.random.normal(jax.random.PRNGKey(0), (size, size), dtype)

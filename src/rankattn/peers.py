@@ -74,16 +74,29 @@ def machine_description() -> str:
     cores' of this machine, for a report's header; the generation only for AMD CPUs
     (:func:`amd_generation`)."""
     try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        fields = dict(line.split(":", 1) for line in lines if ":" in line)
+        fields = lscpu()
         model, flags = fields["Model name"].strip(), fields["Flags"].split()
         isa = ("AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags
                else "AVX2" if "avx2" in flags else platform.machine())
         family = int(fields.get("CPU family", "0").strip() or 0)
         generation = amd_generation(family, flags) if "AMD" in model else None
-    except (OSError, KeyError, ValueError):
+    except (KeyError, ValueError):
         model, isa, generation = platform.processor() or platform.machine(), "?", None
     return f"{model} ({f'{generation}, ' if generation else ''}{isa}), {os.cpu_count()} cores"
+
+
+def lscpu() -> dict[str, str]:
+    """lscpu's fields ("Model name", "CPU family", "Flags", ...); empty where it is missing."""
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    except OSError:
+        return {}
+    return dict(line.split(":", 1) for line in lines if ":" in line)
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (lscpu's "Flags"); empty where lscpu does not say."""
+    return set(lscpu().get("Flags", "").split())
 
 
 def amd_generation(family: int, flags: list[str]) -> str | None:
