@@ -1,6 +1,7 @@
 """Serving benchmark: the exact cached path and Quest page selection, measured.
 
     .venv/bin/python benchmarks/bench_serving.py            # full run, writes benchmarks/SERVING.md
+                                                            # and results/<machine>/serving.json
     .venv/bin/python benchmarks/bench_serving.py --quick    # small shapes, prints only
     .venv/bin/python benchmarks/bench_serving.py --smoke --out DIR  # tiny, 1 round, DIR/SERVING.md
 
@@ -495,7 +496,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="check the script: tiny shapes, 1 round, SERVING.md into --out "
                              "(default: a new temporary folder)")
-    parser.add_argument("--out", help="write SERVING.md into this folder, not benchmarks/")
+    parser.add_argument("--out", help="write SERVING.md and results/<machine>/serving.json into "
+                                      "this folder, not benchmarks/")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 11, quick 3)")
     args = parser.parse_args(argv)
     sizes = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
@@ -606,6 +608,13 @@ per history, candidates x query heads), against {share:.0%} at 64 candidates and
 | exact `serving.attend` >= 1.0x torch SDPA at every exact shape of section 1b, both runs | lowest {worst:.2f}x ({where}) | {verdict(worst >= 1)} |
 | same, >= 1.3x (issue 40), after a pause / back to back | lowest {worst:.2f}x ({where}) / {warm:.2f}x ({warm_where}) | {verdict(worst >= 1.3)} / {verdict(warm >= 1.3)} |
 | {c0}-candidate request ({u0} x {s0}, {hq0}/{target[4]} heads, f32) at >= 70% of the f32 GEMM rate | {share:.0%} ({achieved / 1e9:.1f} of {matmul_rate(rates) / 1e9:.0f} GFLOP/s) | {verdict(share >= 0.7)} |"""
+    machines = "" if "machines" not in sections else f"""
+The same ratios on every machine measured, the newest first (torch / rankattn after a
+pause, then back to back; each as run 1 run 2). Each machine keeps its own record,
+`benchmarks/results/<machine>/serving.json`, which only a run on that machine replaces:
+
+{sections['machines']}
+"""
     d64 = {g: decode_speed[(b_big, g)] for g in serving.GQA_MODES}
     best_rule = max((k for k in rule_recall if isinstance(k, str) and k.startswith("group:")),
                     key=rule_recall.get)
@@ -689,13 +698,7 @@ bfloat16 rows can exceed 100% of "their" rate; compare them with the float32 rat
 {peer_rate_note}
 
 {sections.get('peer', 'torch is not installed: no peer was measured.')}
-
-The same ratios on every machine measured, the newest first (torch / rankattn after a
-pause, then back to back; each as run 1 run 2). Each machine keeps its own record,
-`benchmarks/results/<machine>/serving.json`, which only a run on that machine replaces:
-
-{sections.get('machines', 'torch is not installed: no peer was measured.')}
-
+{machines}
 ## 2. Choosing the `group` rule
 
 Planted test: each of {USERS} users has a Gaussian history; each of its {CANDIDATES}

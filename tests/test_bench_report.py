@@ -195,3 +195,21 @@ def test_serving_records_of_every_machine_side_by_side(tmp_path):
     assert "| 4 x 1022 x 64, 4/2, float32 | 1.20x 1.30x / 1.40x 1.50x | 0.90x 1.00x / 1.10x 1.20x |" in text
     assert "| 1 x 16384 x 64, 4/2, float32, Quest 2048 |  | 2.00x 2.00x / 3.00x 3.00x |" in text
     assert "0.50x" not in text
+
+
+def test_a_sweep_of_one_direction_leaves_the_other_not_measured():
+    """(A machine's first `--sweep --direction fwd`: no fwdbwd cell at all.)"""
+    one = sweep()
+    one["cells"] = [c for c in one["cells"] if c["direction"] == "fwd"]
+    got = verdicts([run(1.0)], one)
+    assert got["every sweep cell, fwdbwd, >= 1.0x the best peer"] == ("no cell with a peer", None)
+    assert got["every sweep cell, fwd, >= 1.0x the best peer"][1] is False
+
+
+def test_a_merged_sweep_keeps_each_directions_own_date():
+    merged = dict(meta=dict(date="fwd 2026-12-01 10:00; fwdbwd 2026-12-02 11:00"))
+    assert bench.direction_date(merged, "fwd") == "2026-12-01 10:00"
+    assert bench.direction_date(merged, "fwdbwd") == "2026-12-02 11:00"
+    assert bench.direction_date(sweep(), "fwd") == "2026-11-30 01:00"
+    machine = bench.Machine("m", [run(1.0, date="2026-11-30 09:00")], merged)
+    assert (machine.latest, machine.swept) == ("2026-12-02 11:00", "2026-12-02 11:00")

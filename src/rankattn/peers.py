@@ -86,12 +86,15 @@ def machine_description() -> str:
 
 
 def lscpu() -> dict[str, str]:
-    """lscpu's fields ("Model name", "CPU family", "Flags", ...); empty where it is missing."""
+    """lscpu's fields ("Model name", "CPU family", "Flags", ...; in English whatever the
+    locale); empty where lscpu is missing."""
     try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True,
+                               env=dict(os.environ, LC_ALL="C")).stdout.splitlines()
     except OSError:
         return {}
-    return dict(line.split(":", 1) for line in lines if ":" in line)
+    return {key.strip(): value for key, value in (line.split(":", 1) for line in lines
+                                                  if ":" in line)}
 
 
 def cpu_flags() -> set[str]:
