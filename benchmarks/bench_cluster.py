@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ from t
 from examples.ranker import loadtest, serve, serverbench  # noqa: E402
 from examples.ranker.cluster import Cluster  # noqa: E402
 from examples.ranker.config import PRESETS  # noqa: E402
+from rankattn import peers  # noqa: E402
 
 COMMAND = "flock /tmp/rankattn-cpu.lock .venv/bin/python benchmarks/bench_cluster.py"
 OUT = Path(__file__).resolve().parent
@@ -451,7 +452,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results = run(out, SMOKE if args.smoke else FULL)
-    results.update(meta(), machine=serverbench.machine(), haproxy=version, smoke=args.smoke,
+    results.update(meta(), machine=peers.machine_description(), haproxy=version, smoke=args.smoke,
                    seconds=time.perf_counter() - started)
     folder = out if args.smoke else OUT
     data = folder / "cluster.json" if args.smoke else OUT / "results" / "cluster.json"

@@ -51,6 +51,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from examples.ranker import loadtest, serve
 from examples.ranker.config import PRESETS
 from examples.ranker.server.metrics import STAGES
+from rankattn import peers
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -402,16 +403,6 @@ def figures(measured: dict) -> dict:
                 miss_p50_ms=by_cache.get("miss", {}).get("p50_ms", float("nan")))
 
 
-def machine() -> str:
-    """The CPU's model name, its vector extensions, and the core count."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    flags = fields.get("flags\t\t", fields.get("flags", "")).split()
-    isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
-    name = fields.get("model name\t", "unknown CPU").strip()
-    return f"{name} ({isa}), {os.cpu_count()} cores"
-
-
 # --- The report. -------------------------------------------------------------------------
 
 
@@ -502,7 +493,7 @@ def report(results: dict, plot_name: str) -> str:
             + "; ".join(f"{g:.2f}x against {a:.2f}x ({g / a:.2f} of it)" for g, a in gains)
             + f" | {met(g >= 0.8 * a for g, a in gains)} |")
         p50s = list(zip(fig("hit_p50_ms"), fig("miss_p50_ms")))
-        lines.append(f"| a hit's p50 at the low rate <= 1/2 a miss's | "
+        lines.append("| a hit's p50 at the low rate <= 1/2 a miss's | "
                      + "; ".join(f"{h:.1f} ms against {m:.1f} ms" for h, m in p50s)
                      + f" | {met(h <= 0.5 * m for h, m in p50s)} |")
     if r["runs"][0]["figures"]["batching_gain"] is not None:
@@ -748,7 +739,7 @@ def write(preset_name: str, out: str, size: Size, smoke: bool, configs=None,
 
     started = time.perf_counter()
     results = run(preset_name, out, size, configs, launch)
-    results.update(meta(), machine=machine(), smoke=smoke,
+    results.update(meta(), machine=peers.machine_description(), smoke=smoke,
                    seconds=time.perf_counter() - started)
     folder = Path(out) if smoke else BENCHMARKS
     data = folder / "server.json" if smoke else BENCHMARKS / "results" / "server.json"
