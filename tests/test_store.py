@@ -12,12 +12,17 @@ acquire and write, each row's source must be the model's, and ``serving.attend``
 history, whose K/V are a function of (layer, user, version, position) (and the length, for
 bidirectional histories, where one new action changes every token): a stale entry served
 would differ.
+
+The same machine also takes a walk of steps drawn from Python's seeded `random`, on which every
+rule (evictions, host restores and evictions, refusals, S3-FIFO's queues) must be met: which rules
+Hypothesis's runs reach changes with its releases.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import random
 
 import jax
 import jax.numpy as jnp
@@ -368,6 +373,7 @@ SHAPES = {
 }
 USERS = 6
 ROWS = 3
+CHANGES = ["same", "same", "same", "grow", "new", "relength", "too_long"]  # a row's history
 
 
 
@@ -463,9 +469,7 @@ class StoreMachine(RuleBasedStateMachine):
         return user, version, length
 
     @rule(users=st.lists(st.integers(0, USERS - 1), min_size=ROWS, max_size=ROWS),
-          changes=st.lists(st.sampled_from(["same", "same", "same", "grow", "new", "relength",
-                                            "too_long"]),
-                           min_size=ROWS, max_size=ROWS),
+          changes=st.lists(st.sampled_from(CHANGES), min_size=ROWS, max_size=ROWS),
           grow=st.integers(0, 9), write=st.sampled_from([True, True, True, False]),
           seed=st.integers(0, 1000))
     def acquire(self, users, changes, grow, write, seed):
@@ -524,31 +528,56 @@ STORES: dict = {}   # one store per shape and policy, cleared between examples: 
 OPEN: dict = {}     # compile once
 REFUSED: dict = {}  # the error codes each shape's runs met
 MET: dict = {}      # the policy rules each run used (the model's account)
+WALK_STEPS = 300
+HYPOTHESIS_EXAMPLES = 8
+
+
+def seeded_walk(machine, steps, seed):
+    """`steps` of the machine's own rules, drawn from Python's ``random.Random(seed).random()``,
+    a sequence Python keeps across its releases. Hypothesis's choices, derandomized or not,
+    change with its releases and seeds, so which rules its runs reach is luck (a CI run after a
+    Hypothesis upgrade met no S3-FIFO main-queue eviction; with random seeds, a quarter of
+    the runs meet no host eviction): the rules every store must meet are checked on this walk."""
+    draw = random.Random(seed).random
+    count = lambda n: int(draw() * n)  # noqa: E731
+    for _ in range(steps):
+        if machine.open and draw() < 0.3:
+            machine.release(index=count(101))
+        else:
+            machine.acquire(users=[count(USERS) for _ in range(ROWS)],
+                            changes=[CHANGES[count(len(CHANGES))] for _ in range(ROWS)],
+                            grow=count(10), write=draw() < 0.75, seed=count(1001))
+        machine.counts_agree()
+    machine.teardown()
 
 
 @pytest.mark.parametrize("policy", list(RULES))
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_store_follows_the_rules_and_never_serves_a_stale_history(shape, policy):
     assert set(RULES) == set(serving.EVICTION_POLICIES), "a policy without a model"
-    STORES[shape, policy] = serving.HistoryStore(**SHAPES[shape], policy=policy)
-    REFUSED[shape], MET[shape, policy] = set(), set()
+    STORES[shape, policy] = store = serving.HistoryStore(**SHAPES[shape], policy=policy)
     machine = type(f"StoreMachine_{shape}_{policy}", (StoreMachine,),
                    {"shape": shape, "policy": policy})
-    run = settings(max_examples=12, stateful_step_count=14, deadline=None,
-                   suppress_health_check=list(HealthCheck))(machine)
-    run.TestCase().runTest()
-    # The runs met every rule: not a test that passes by never evicting.
-    if policy == "s3fifo":  # its main queue's second passes: the skewed trace below
-        want = {"ghost_return", "promoted", "main_evicted"}
-        assert want <= MET[shape, policy], MET[shape, policy]
-    stats = STORES[shape, policy].stats()
+    # The rules a store must meet, met on a walk whose steps do not depend on Hypothesis: not a
+    # test that passes by never evicting.
+    REFUSED[shape], MET[shape, policy] = set(), set()
+    before = store.stats()
+    seeded_walk(machine(), WALK_STEPS, seed=0)
+    stats = {name: value - before[name] for name, value in store.stats().items()
+             if isinstance(value, int)}
     met = {name for name in ("hits", "host_hits", "misses", "invalidations", "evictions",
                              "host_evictions", "prefix_hits") if stats[name]}
     want = {"hits", "host_hits", "misses", "invalidations", "evictions", "host_evictions"}
     if shape == "causal":
         want.add("prefix_hits")
     assert want <= met and REFUSED[shape] == {"RA221", "RA222"}, (stats, REFUSED[shape])
-    assert stats["compiled_programs"] <= STORES[shape, policy].buckets.programs()
+    if policy == "s3fifo":  # its main queue's second passes: the skewed trace below
+        assert {"ghost_return", "promoted", "main_evicted"} <= MET[shape, policy], MET
+    # Breadth: Hypothesis's runs, shrunk to a short failing sequence where one fails.
+    run = settings(max_examples=HYPOTHESIS_EXAMPLES, stateful_step_count=14, deadline=None,
+                   suppress_health_check=list(HealthCheck))(machine)
+    run.TestCase().runTest()
+    assert store.stats()["compiled_programs"] <= store.buckets.programs()
 
 
 def test_s3fifo_follows_its_model_on_a_skewed_trace():

@@ -10,6 +10,10 @@ takes the server's flags (``python -m examples.ranker server``'s) and these:
 and these routes:
 
 * ``POST /_test/release-warmup``: ends the hold;
+* ``POST /_test/hold-history``: the history stage waits before its next job's drop check, its
+  pins held, until ``POST /_test/release-history`` (at most :data:`HOLD_LIMIT` seconds), so
+  that a test decides what happens to the job's requests meanwhile, whatever the machine's
+  load;
 * ``POST /_test/leak`` (a /v1/rank body): acquires its store key and never writes or releases
   it, as a lost lease or a failed copy leaves an entry pinned and unwritten;
 * ``POST /_test/kill-history``: the history stage's next job raises a BaseException, which
@@ -54,6 +58,8 @@ class HookedEngine(Engine):
         self.warmup_released = threading.Event()
         if not hold_warmup:
             self.warmup_released.set()
+        self.history_released = threading.Event()
+        self.history_released.set()
         self.kill_history = False
         self.fail_next_pass = False
         self.leases = []  # leaked: never written, never released
@@ -66,6 +72,7 @@ class HookedEngine(Engine):
     def _compute(self, job) -> None:
         if self.kill_history:
             raise StageKilled("killed by POST /_test/kill-history")
+        self.history_released.wait(HOLD_LIMIT)
         time.sleep(self.history_delay)
         super()._compute(job)
 
@@ -82,6 +89,14 @@ def hook_routes(app) -> dict:
 
     async def release_warmup(scope, receive, send):
         engine.warmup_released.set()
+        await app.reply(send, Answer(200, {"released": True}))
+
+    async def hold_history(scope, receive, send):
+        engine.history_released.clear()
+        await app.reply(send, Answer(200, {"held": True}))
+
+    async def release_history(scope, receive, send):
+        engine.history_released.set()
         await app.reply(send, Answer(200, {"released": True}))
 
     async def leak(scope, receive, send):
@@ -103,6 +118,8 @@ def hook_routes(app) -> dict:
         raise RuntimeError("GET /_test/raise raises")
 
     return {"/_test/release-warmup": {"POST": release_warmup}, "/_test/leak": {"POST": leak},
+            "/_test/hold-history": {"POST": hold_history},
+            "/_test/release-history": {"POST": release_history},
             "/_test/kill-history": {"POST": kill_history},
             "/_test/fail-next-pass": {"POST": fail_next_pass}, "/_test/raise": {"GET": raises}}
 

@@ -462,16 +462,24 @@ def test_deadlines_refuse_at_once_and_drop_late_work(server_a, model, sessions):
 
 
 def test_a_request_whose_client_leaves_is_dropped(server_a, sessions):
-    """A miss whose client closes the connection once the front stage has taken it (its job
-    then waits out the history stage's 150 ms) is dropped before its history pass."""
+    """A miss whose client closes the connection once the front stage has taken it is dropped
+    before its history pass. The history stage is held (/_test/hold-history) until the server
+    has counted the disconnect: a fixed margin (the stage's 150 ms delay) was too short on a
+    loaded CI machine, whose history pass then ran."""
     request = body(sessions, 31, events=10, user=7 * 10**6 + 1)
     before = server_a.metrics()
-    conn = http.client.HTTPConnection("127.0.0.1", server_a.port, timeout=20)
-    conn.request("POST", "/v1/rank", json.dumps(request).encode(),
-                 {"Content-Type": "application/json"})
-    wait_for_count(server_a, "ranker_batch_requests_sum",
-                   count(before, "ranker_batch_requests_sum") + 1)
-    conn.close()
+    assert server_a.request("POST", "/_test/hold-history")[0] == 200
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server_a.port, timeout=20)
+        conn.request("POST", "/v1/rank", json.dumps(request).encode(),
+                     {"Content-Type": "application/json"})
+        wait_for_count(server_a, "ranker_batch_requests_sum",
+                       count(before, "ranker_batch_requests_sum") + 1)
+        conn.close()
+        wait_for_count(server_a, "ranker_client_disconnects_total",
+                       count(before, "ranker_client_disconnects_total") + 1)
+    finally:
+        assert server_a.request("POST", "/_test/release-history")[0] == 200
     dropped = count(before, "ranker_dropped_total", stage="history", reason="disconnected")
     after = wait_for_count(server_a, "ranker_dropped_total", dropped + 1, stage="history",
                            reason="disconnected")
