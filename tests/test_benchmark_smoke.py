@@ -50,12 +50,13 @@ SMOKES = {
     "compare_serving_revision.py": ["benchmarks/compare_serving_revision.py", "HEAD", "--smoke"],
     "ranker bench": ["-m", "examples.ranker", "bench", "--smoke", "--out", "{out}/ranker"],
     "bench_store.py": ["benchmarks/bench_store.py", "--smoke", "--out", "{out}/store"],
+    "call_costs.py": ["benchmarks/call_costs.py", "--smoke", "--out", "{out}/call_costs"],
 }
 # One process each, side by side; bench_distributed.py needs 8 (fake CPU) devices, which JAX
 # fixes when it starts, so its process has them. The ranker's flax / orbax imports go last.
 GROUPS = {
     "one device": ["bench.py", "bench.py --sweep", "compare_revision.py", "precision.py",
-                   "gpu.py", "gpu.py --dry-run", "compare_serving_revision.py"],
+                   "gpu.py", "gpu.py --dry-run", "compare_serving_revision.py", "call_costs.py"],
     "eight devices": ["bench_distributed.py", "bench_serving.py", "ranker bench",
                       "bench_store.py"],
 }
@@ -255,13 +256,28 @@ def check_store(out: str, printed: str):
     assert f"**{stream['requests']} of {stream['requests']}** requests" in text
 
 
+def check_call_costs(out: str, printed: str):
+    text = read(os.path.join(out, "call_costs", "CALL_COSTS.md"))
+    calls = ["a jitted x + 1 (any call's floor)", "rankattn, almost no work (8 tokens, D 8)",
+             "short-fwd", "serving.attend, 1 x 40 x 64 candidates",
+             *(["torch SDPA, short-fwd"] if TORCH else [])]
+    for call in calls:  # both ways, both settings, and their ratio
+        rows = table_rows(text, call)
+        when = [row.split("|")[2].strip() for row in rows]
+        assert when == ["after a pause", "back to back"], rows
+        for row in rows:
+            assert re.fullmatch(r"[\d.]+", row.split("|")[3].strip()), row
+            assert re.fullmatch(r"[\d.]+x", row.split("|")[5].strip()), row
+    assert len(glob.glob(os.path.join(out, "call_costs", "results", "*", "call_costs.json"))) == 1
+
+
 CHECKS = {"bench.py": check_bench, "bench.py --sweep": check_sweep,
           "compare_revision.py": check_compare_revision, "precision.py": check_precision,
           "gpu.py": check_gpu, "gpu.py --dry-run": check_gpu_plan,
           "bench_distributed.py": check_distributed,
           "bench_serving.py": check_serving,
           "compare_serving_revision.py": check_compare_serving, "ranker bench": check_ranker,
-          "bench_store.py": check_store}
+          "bench_store.py": check_store, "call_costs.py": check_call_costs}
 
 
 def committed_reports() -> dict[str, bytes]:

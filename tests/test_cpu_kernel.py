@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import re
 import subprocess
 import sys
 import textwrap
@@ -197,22 +198,46 @@ def test_results_are_bit_identical_in_any_task_order_thread_count_and_backward_m
     or shuffled order (the test-only RANKATTN_CPU_TASK_ORDER, which bites where the pool has
     one thread too), one thread or the pool, give the same bits. The backward keeps dS for the
     dq tasks in chunks of key blocks that fit RANKATTN_CPU_BACKWARD_MB (0: one key block per
-    chunk); dq sums in key order in any chunking: the same bits too."""
-    runs = {"one thread": {"RANKATTN_CPU_THREADS": "1"},
-            "pool": {},
+    chunk); dq sums in key order in any chunking: the same bits too. Two runs also trace their
+    threads (RANKATTN_CPU_TRACE=1), which changes no bit either."""
+    runs = {"one thread": {"RANKATTN_CPU_THREADS": "1", "RANKATTN_CPU_TRACE": "1"},
+            "pool": {"RANKATTN_CPU_TRACE": "1"},
             "pool, reversed, dS in chunks": {"RANKATTN_CPU_TASK_ORDER": "reverse",
                                              "RANKATTN_CPU_BACKWARD_MB": "0"},
             "pool, shuffled": {"RANKATTN_CPU_TASK_ORDER": "shuffle:7"}}
-    results = {}
+    results, traces = {}, {}
     for name, env in runs.items():
         path = tmp_path / f"{len(results)}.npz"
         run = python(ORDER_SCRIPT, env, str(path))
         assert run.returncode == 0, run.stderr[-5000:]
         results[name] = np.load(path)
+        traces[name] = trace_regions(run.stderr)
     for field in results["one thread"].files:
         bits = {name: r[field].tobytes() for name, r in results.items()}
         differ = [name for name in bits if bits[name] != bits["one thread"]]
         assert not differ, (field, differ)
+    # The trace: one caller per region, which alone runs every task on one thread; with the
+    # pool, no task twice (a worker that starts after the call has returned runs none, and
+    # may print after the process has ended).
+    assert traces["one thread"] and not traces["pool, shuffled"]
+    for name in ("one thread", "pool"):
+        for region, (tasks, lines) in traces[name].items():
+            assert [who for who, _ in lines].count("caller") == 1, (name, region, lines)
+            ran = sum(count for _, count in lines)
+            assert ran == tasks if name == "one thread" else ran <= tasks, (name, region, lines)
+
+
+def trace_regions(stderr: str) -> dict[int, tuple[int, list[tuple[str, int]]]]:
+    """RANKATTN_CPU_TRACE's lines by region: {region: (tasks, [(caller / worker, ran)])}."""
+    regions: dict = {}
+    for line in stderr.splitlines():
+        if line.startswith("rankattn cpu trace:"):
+            match = re.fullmatch(r"rankattn cpu trace: region (\d+) of (\d+) tasks: "
+                                 r"(caller|worker) started \d+ us after the call, ran (\d+)", line)
+            assert match, line
+            region, tasks, who, ran = match.groups()
+            regions.setdefault(int(region), (int(tasks), []))[1].append((who, int(ran)))
+    return regions
 
 
 @needs_cpu_kernel

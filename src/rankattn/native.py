@@ -58,6 +58,11 @@ Environment:
   RANKATTN_CPU_THREADS=n    at most n threads per kernel call (default: XLA's CPU pool).
   RANKATTN_CPU_BACKWARD_MB=n  memory the backward keeps dS in (default 1024 MiB): longer
                             sequences run in chunks of key blocks that fit it.
+  RANKATTN_CPU_MOVE_WORKERS=0  a pool worker that Linux woke onto its caller's CPU stays
+                            there (default: it moves to the caller's other CPUs for that
+                            call; benchmarks/CALL_COSTS.md measures both).
+  RANKATTN_CPU_TRACE=1      each parallel region prints, per thread, when it started, on which
+                            CPU and how many tasks it ran (stderr; for diagnosing a slow call).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <new>
 #include <numeric>
 #include <random>
+#include <sched.h>
 #include <string>
 #include <thread>
 #include <utility>
@@ -47,6 +49,13 @@ struct Settings {
   // is written by one task), even where the pool has one thread.
   TaskOrder task_order;
   uint64_t shuffle_seed;
+  // RANKATTN_CPU_TRACE=1: each thread of each parallel_for prints when it started, after the
+  // call began, and how many tasks it ran (stderr; benchmarks/CPU_KERNEL.md reads it: on a
+  // 2-core VM, a pool worker woken from sleep started milliseconds late).
+  bool trace;
+  // RANKATTN_CPU_MOVE_WORKERS=0: a pool worker woken onto its caller's CPU stays there (see
+  // AwayFrom; for measuring what moving it gains).
+  bool move_workers;
 
   static int64_t number(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
     const char* text = std::getenv(name);
@@ -70,6 +79,10 @@ struct Settings {
         s.task_order = TaskOrder::kShuffle;
         s.shuffle_seed = std::strtoull(order + 8, nullptr, 10);
       }
+    }
+    s.move_workers = number("RANKATTN_CPU_MOVE_WORKERS", 1, 0, 1) != 0;
+    if (const char* trace = std::getenv("RANKATTN_CPU_TRACE")) {
+      s.trace = std::strcmp(trace, "1") == 0;
     }
     return s;
   }
@@ -131,6 +144,35 @@ using Vector = std::vector<T, Allocator<T>>;
 // is waited for (they use the caller's stack frame), and the first failure is rethrown on the
 // calling thread, where Guarded returns it as the FFI handler's error.
 
+std::atomic<int64_t> traced_regions{0};  // numbers parallel_for's regions in the trace
+
+// Linux may wake a pool worker onto the CPU of the thread that woke it, where one of the two
+// then waits for the other while another CPU idles, for milliseconds, until the scheduler's
+// balancing moves one (RANKATTN_CPU_TRACE on a 2-core VM: caller and worker on one CPU in
+// most calls after a pause, the caller starting up to 4 ms late; see CPU_KERNEL.md). A worker
+// that finds itself on the caller's CPU with tasks left moves to the other CPUs it may run
+// on, until its share of the call is done; then it may run anywhere again.
+class AwayFrom {
+ public:
+  explicit AwayFrom(int cpu) {
+    if (cpu < 0 || sched_getcpu() != cpu || sched_getaffinity(0, sizeof saved_, &saved_) != 0) {
+      return;
+    }
+    cpu_set_t others = saved_;
+    CPU_CLR(cpu, &others);
+    moved_ = CPU_COUNT(&others) > 0 && sched_setaffinity(0, sizeof others, &others) == 0;
+  }
+  ~AwayFrom() {
+    if (moved_) sched_setaffinity(0, sizeof saved_, &saved_);
+  }
+  AwayFrom(const AwayFrom&) = delete;
+  AwayFrom& operator=(const AwayFrom&) = delete;
+
+ private:
+  cpu_set_t saved_{};
+  bool moved_ = false;
+};
+
 template <typename Fn>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
   // Claim i runs task i, or (tests only) task order[i] or n - 1 - i.
@@ -152,10 +194,17 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
     std::exception_ptr failure;  // the first, written by the task that set `failed`
   };
   auto state = std::make_shared<State>();
+  const int64_t region = settings().trace ? traced_regions.fetch_add(1) : 0;
+  const auto start = std::chrono::steady_clock::now();
   // The state outlives this call for workers that start late; `task` does not, so a worker
   // only touches it after claiming a task, which cannot happen once all are done.
-  auto work = [state, n, &task]() {
-    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
+  // `away_from`: a worker's caller's CPU (see AwayFrom); -1 for the caller.
+  auto work = [state, n, &task, region, start](int away_from) {
+    const AwayFrom moved(state->next.load(std::memory_order_relaxed) < n ? away_from : -1);
+    const auto began = std::chrono::steady_clock::now();
+    const int cpu = settings().trace ? sched_getcpu() : -1;
+    int64_t ran = 0;
+    for (int64_t i; (i = state->next.fetch_add(1)) < n; ++ran) {
       if (!state->failed.load(std::memory_order_relaxed)) {
         try {
           task(i);
@@ -165,20 +214,29 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
       }
       state->done.fetch_add(1, std::memory_order_release);
     }
+    if (settings().trace) {  // one write per line: the threads' lines do not interleave
+      std::fprintf(stderr,
+                   "rankattn cpu trace: region %lld of %lld tasks: %s started %.0f us after the "
+                   "call on cpu %d, ran %lld\n", static_cast<long long>(region),
+                   static_cast<long long>(n), on_pool_worker ? "worker" : "caller",
+                   std::chrono::duration<double, std::micro>(began - start).count(), cpu,
+                   static_cast<long long>(ran));
+    }
   };
   const int64_t workers = std::min({pool.num_threads(), settings().max_threads, n}) - 1;
   try {
+    const int caller_cpu = settings().move_workers ? sched_getcpu() : -1;
     for (int64_t w = 0; w < workers; ++w) {
-      pool.Schedule([work]() {
+      pool.Schedule([work, caller_cpu]() {
         on_pool_worker = true;
-        work();
+        work(caller_cpu);
         on_pool_worker = false;
       });
     }
   } catch (const std::bad_alloc&) {
     // A worker that could not be scheduled leaves its share to the others (the caller below).
   }
-  work();
+  work(-1);
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
   if (state->failure) std::rethrow_exception(state->failure);
 }
