@@ -232,8 +232,9 @@ def trace_regions(stderr: str) -> dict[int, tuple[int, list[tuple[str, int]]]]:
     regions: dict = {}
     for line in stderr.splitlines():
         if line.startswith("rankattn cpu trace:"):
-            match = re.fullmatch(r"rankattn cpu trace: region (\d+) of (\d+) tasks: "
-                                 r"(caller|worker) started \d+ us after the call, ran (\d+)", line)
+            match = re.fullmatch(r"rankattn cpu trace: region (\d+) of (\d+) tasks: (caller|"
+                                 r"worker) started \d+ us after the call on cpu -?\d+, ran (\d+) "
+                                 r"in \d+ us", line)
             assert match, line
             region, tasks, who, ran = match.groups()
             regions.setdefault(int(region), (int(tasks), []))[1].append((who, int(ran)))

@@ -62,7 +62,7 @@ Environment:
                             there (default: it moves to the caller's other CPUs for that
                             call; benchmarks/CALL_COSTS.md measures both).
   RANKATTN_CPU_TRACE=1      each parallel region prints, per thread, when it started, on which
-                            CPU and how many tasks it ran (stderr; for diagnosing a slow call).
+                            CPU and how many tasks it ran in how long (stderr; for a slow call).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ struct Settings {
   TaskOrder task_order;
   uint64_t shuffle_seed;
   // RANKATTN_CPU_TRACE=1: each thread of each parallel_for prints when it started, after the
-  // call began, and how many tasks it ran (stderr; benchmarks/CPU_KERNEL.md reads it: on a
+  // call began, and how many tasks it ran in how long (stderr; benchmarks/CPU_KERNEL.md reads it: on a
   // 2-core VM, a pool worker woken from sleep started milliseconds late).
   bool trace;
   // RANKATTN_CPU_MOVE_WORKERS=0: a pool worker woken onto its caller's CPU stays there (see
@@ -217,10 +217,12 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
     if (settings().trace) {  // one write per line: the threads' lines do not interleave
       std::fprintf(stderr,
                    "rankattn cpu trace: region %lld of %lld tasks: %s started %.0f us after the "
-                   "call on cpu %d, ran %lld\n", static_cast<long long>(region),
+                   "call on cpu %d, ran %lld in %.0f us\n", static_cast<long long>(region),
                    static_cast<long long>(n), on_pool_worker ? "worker" : "caller",
                    std::chrono::duration<double, std::micro>(began - start).count(), cpu,
-                   static_cast<long long>(ran));
+                   static_cast<long long>(ran),
+                   std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() -
+                                                             began).count());
     }
   };
   const int64_t workers = std::min({pool.num_threads(), settings().max_threads, n}) - 1;
