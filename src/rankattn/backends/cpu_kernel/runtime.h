@@ -50,8 +50,8 @@ struct Settings {
   TaskOrder task_order;
   uint64_t shuffle_seed;
   // RANKATTN_CPU_TRACE=1: each thread of each parallel_for prints when it started, after the
-  // call began, and how many tasks it ran in how long (stderr; benchmarks/CPU_KERNEL.md reads it: on a
-  // 2-core VM, a pool worker woken from sleep started milliseconds late).
+  // call began, on which CPU, and how many tasks it ran in how long (stderr; CPU_KERNEL.md
+  // reads it: on a 2-core VM, caller and worker shared one CPU after a pause).
   bool trace;
   // RANKATTN_CPU_MOVE_WORKERS=0: a pool worker woken onto its caller's CPU stays there (see
   // AwayFrom; for measuring what moving it gains).
