@@ -66,8 +66,8 @@ def calls(smoke: bool) -> dict:
         out["torch SDPA, short-fwd"] = (bench.torch_sdpa(by_name["short-fwd"]), None)
     history = 40 if smoke else 1022
     for users in (1,) if smoke else (1, 4):
-        shape, (cache, q, kc, vc), _ = bench_serving.peer_inputs(users, history, 64, 4, 2,
-                                                                 "float32")
+        _, (cache, q, kc, vc), _ = bench_serving.peer_inputs(users, history, 64, 4, 2,
+                                                             "float32")
         attend = jax.jit(lambda cache, q, kc, vc, u=users: serving.attend(
             q, cache, jnp.arange(u), self_kv=(kc, vc)))
         flops = 4 * users * 4 * 64 * (history + 1) * bench_serving.EXACT["head_dim"]

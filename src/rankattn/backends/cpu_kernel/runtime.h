@@ -227,7 +227,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
   };
   const int64_t workers = std::min({pool.num_threads(), settings().max_threads, n}) - 1;
   try {
-    const int caller_cpu = settings().move_workers ? sched_getcpu() : -1;
+    const int caller_cpu = workers > 0 && settings().move_workers ? sched_getcpu() : -1;
     for (int64_t w = 0; w < workers; ++w) {
       pool.Schedule([work, caller_cpu]() {
         on_pool_worker = true;
