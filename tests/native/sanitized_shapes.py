@@ -32,7 +32,8 @@ library = rankattn.backends.cpu.library()
 assert library.handle is not None, library.reasons
 print("library:", library.path)
 
-# Each compile is slow under ASan (it intercepts XLA's every allocation), so few shapes.
+# Each XLA compile is slow under ASan (it intercepts its every allocation), so few shapes, and
+# every call jitted: one compile per program, not one per operation (2.5x faster).
 SHAPES = [  # (B, Sq, Skv, Hq, Hkv, D, Dv, blocks, mask, dtype)
     (1, 1, 1, 1, 1, 1, 1, (16, 8), "seg", jnp.float32),
     (2, 9, 9, 5, 1, 33, 7, (4, 8), "seg", jnp.bfloat16),
@@ -56,7 +57,7 @@ def run(impl, q, k, v, d_out, **kw):
         out, lse = rankattn.attention(q, k, v, impl=impl, return_lse=True, **kw)
         finite = jnp.where(jnp.isfinite(lse), lse, 0)
         return (out.astype(jnp.float32) * d_out).sum() + 0.5 * (finite ** 2).sum(), out
-    grads, out = jax.grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    grads, out = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
     return [out, *grads]
 
 
@@ -96,8 +97,8 @@ def context_shard():
                                 kv_positions=jnp.arange(11, dtype=jnp.int32)[None] * 2)
     call = AttentionCall(q, k, v, jnp.ones((1, 5), jnp.int32), causal=True, scale=0.25,
                          softcap=None, softcap_method="tanh", shard_mask=shard)
-    got = Cpu(BlockSizes(2, 3))(call)
-    want = rankattn.backends.Reference()(call)
+    got = jax.jit(lambda: Cpu(BlockSizes(2, 3))(call))()  # one compile each, not one per op
+    want = jax.jit(lambda: rankattn.backends.Reference()(call))()
     for x, y in zip(got, want):
         assert float(jnp.nanmax(jnp.abs(x - y))) < 1e-4
 
@@ -108,20 +109,22 @@ def paged():
     from rankattn import serving
     from rankattn.backends.cpu import paged_forward
     q, k, v, _ = inputs(3, 10, 10, 4, 2, 33, 33, jnp.float32)
-    cache = serving.cache_from_history(k, v, jnp.array([10, 4, 0]), page_size=3)
+    cache = jax.jit(lambda k, v: serving.cache_from_history(k, v, jnp.array([10, 4, 0]),
+                                                            page_size=3))(k, v)
     self_kv = (k[:, :2], v[:, :2])
     for budget in (None, 6):
-        got, want = (serving.attend(q[:, :2], cache, jnp.array([0, 1, 2]), self_kv=self_kv,
-                                    budget=budget, selection="per_request", impl=impl)
-                     for impl in (Cpu(BlockSizes(2, 5)), "reference"))
+        got, want = (jax.jit(lambda q, cache, self_kv: serving.attend(
+            q, cache, jnp.array([0, 1, 2]), self_kv=self_kv, budget=budget,
+            selection="per_request", impl=impl))(q[:, :2], cache, self_kv)
+            for impl in (Cpu(BlockSizes(2, 5)), "reference"))
         assert float(jnp.abs(got - want).max()) < 1e-4, budget
     table = jnp.array([[0, 10**6, -5, 3]], jnp.int32)
     seen = jnp.ones((1, 12), jnp.int32)
     mask = semantics.ShardMask(seen, jnp.array([[12]], jnp.int32), jnp.arange(12)[None])
     pages = (x.reshape(-1, 3, 33) for x in (cache.k_pages, cache.v_pages))
-    out, lse = paged_forward(q[:1, :1], *pages, table, (k[:1, :1, :1], v[:1, :1, :1]),
-                             -jnp.ones((1, 1), jnp.int32), shard_mask=mask, scale=0.2,
-                             softcap=None, softcap_method="tanh")
+    out, lse = jax.jit(lambda q, kp, vp, ks, vs: paged_forward(
+        q, kp, vp, table, (ks, vs), -jnp.ones((1, 1), jnp.int32), shard_mask=mask, scale=0.2,
+        softcap=None, softcap_method="tanh"))(q[:1, :1], *pages, k[:1, :1, :1], v[:1, :1, :1])
     assert bool(jnp.isfinite(out).all() & jnp.isfinite(lse).all())
 
 
