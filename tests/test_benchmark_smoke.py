@@ -51,13 +51,14 @@ SMOKES = {
     "ranker bench": ["-m", "examples.ranker", "bench", "--smoke", "--out", "{out}/ranker"],
     "bench_store.py": ["benchmarks/bench_store.py", "--smoke", "--out", "{out}/store"],
     "call_costs.py": ["benchmarks/call_costs.py", "--smoke", "--out", "{out}/call_costs"],
+    "profile_cpu.py": ["benchmarks/profile_cpu.py", "short-fwd", "--seconds", "0.2"],
 }
 # One process each, side by side; bench_distributed.py needs 8 (fake CPU) devices, which JAX
 # fixes when it starts, so its process has them. The ranker's flax / orbax imports go last.
 GROUPS = {
     "one device": ["bench.py", "bench.py --sweep", "compare_revision.py", "precision.py",
                    "gpu.py", "gpu.py --dry-run", "compare_serving_revision.py", "call_costs.py"],
-    "eight devices": ["bench_distributed.py", "bench_serving.py", "ranker bench",
+    "eight devices": ["bench_distributed.py", "bench_serving.py", "profile_cpu.py", "ranker bench",
                       "bench_store.py"],
 }
 EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
@@ -271,13 +272,18 @@ def check_call_costs(out: str, printed: str):
     assert len(glob.glob(os.path.join(out, "call_costs", "results", "*", "call_costs.json"))) == 1
 
 
+def check_profile_cpu(out: str, printed: str):
+    assert re.search(r"^short-fwd: [1-9]\d* calls, median [\d.]+ ms per call$", printed, re.M)
+
+
 CHECKS = {"bench.py": check_bench, "bench.py --sweep": check_sweep,
           "compare_revision.py": check_compare_revision, "precision.py": check_precision,
           "gpu.py": check_gpu, "gpu.py --dry-run": check_gpu_plan,
           "bench_distributed.py": check_distributed,
           "bench_serving.py": check_serving,
           "compare_serving_revision.py": check_compare_serving, "ranker bench": check_ranker,
-          "bench_store.py": check_store, "call_costs.py": check_call_costs}
+          "bench_store.py": check_store, "call_costs.py": check_call_costs,
+          "profile_cpu.py": check_profile_cpu}
 
 
 def committed_reports() -> dict[str, bytes]:

@@ -1,0 +1,71 @@
+"""One workload on the cpu kernel, called back to back for a while: a target for a sampling
+profiler, to see where a call's time goes.
+
+    perf record -F 2000 -g -o /tmp/perf.data -- \\
+        .venv/bin/python benchmarks/profile_cpu.py serving-64 --seconds 10
+    perf report -i /tmp/perf.data --no-children -g none --sort dso,sym
+
+WORKLOAD: a workload of bench.py (nano-fwd, nano-fwdbwd, short-fwd, short-fwdbwd, ...), or
+serving-64: bench_serving.py's exact 64-candidate request (4 users x 1022 history events x 64
+candidates, 4 / 2 heads, D=128) through `jax.jit(serving.attend)`, what the ranking server runs
+on every hit. --dtype bfloat16 for either. Prints the calls made and the median ms per call
+(the first call, which compiles, untimed). CPU_KERNEL.md's profiles came from it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+import bench_serving  # noqa: E402
+from rankattn import serving  # noqa: E402
+
+SERVING = "serving-64"
+
+
+def serving_call(dtype: str):
+    """A zero-argument call of serving.attend at the 64-candidate request."""
+    users = 4
+    _, (cache, q, k_self, v_self), _ = bench_serving.peer_inputs(users, 1022, 64, 4, 2, dtype)
+    attend = jax.jit(lambda cache, q, k, v: serving.attend(q, cache, jnp.arange(users),
+                                                           self_kv=(k, v)))
+    return lambda: attend(cache, q, k_self, v_self)
+
+
+def workload_call(name: str, dtype: str):
+    """A zero-argument call of a bench.py workload on the cpu kernel."""
+    w = bench.workloads()[name]
+    if dtype:
+        w = dataclasses.replace(w, dtype=dtype)
+    call, _ = bench.jax_runner(w, bench.rankattn_with("cpu"))
+    return call
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("workload", choices=[SERVING, *bench.workloads()])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="the inputs' dtype (default: the workload's; serving-64: float32)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long to call it")
+    args = parser.parse_args(argv)
+    call = (serving_call(args.dtype or "float32") if args.workload == SERVING
+            else workload_call(args.workload, args.dtype))
+    jax.block_until_ready(call())  # compiles
+    times, end = [], time.perf_counter() + args.seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    print(f"{args.workload}: {len(times)} calls, median {np.median(times) * 1e3:.3f} ms per call")
+
+
+if __name__ == "__main__":
+    main()
