@@ -19,21 +19,6 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
 
-# One persistent compilation cache for the whole run: the xdist workers and the suites run in
-# subprocesses (which inherit the variable) share it. Tests build the same programs again from
-# fresh functions (a new jit per example, per test, per worker), which then load instead of
-# compiling: tests/test_backends.py took 221 s against 269 s on 2 cores. The process that made
-# the folder removes it at exit; a JAX_COMPILATION_CACHE_DIR of your own is used as it is.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="rankattn-tests-jax-")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-
 # tests/distributed/ needs 8 devices, and JAX fixes the device count when it starts:
 # tests/test_distributed.py runs that folder in a subprocess with
 # XLA_FLAGS=--xla_force_host_platform_device_count=8 and RANKATTN_MESH_TESTS=1; this

@@ -148,9 +148,9 @@ def run_dir_b(tmp_path_factory, model):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    """The servers' environment: the run's compilation cache (tests/conftest.py), shared by
-    every server and replica of the suite, so a program one built loads in the next."""
-    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("jax"))
+    """The servers' environment: one compilation cache for every server and replica of the
+    suite, so a program one built loads in the next."""
+    cache = str(tmp_path_factory.mktemp("jax_cache"))
     return dict(os.environ, PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR=cache,
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
