@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import threading
 import time
 
@@ -52,15 +51,15 @@ def _result(out: queue.Queue, fn):
     return value
 
 
-def wait_blocked(thread: threading.Thread) -> None:
-    """Until ``thread`` waits on a condition (threading's wait is its innermost frame)."""
+def wait_for_a_waiting_update(store) -> None:
+    """Until a device update waits for its turn (it reads stats(), never another thread's
+    frames: reading a running thread's frame is an interpreter internal)."""
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
-        frame = sys._current_frames().get(thread.ident)
-        if frame is not None and frame.f_code is threading.Condition.wait.__code__:
+        if store.stats()["device_updates_waiting"]:
             return
         time.sleep(0.001)
-    pytest.fail(f"{thread.name} never waited")
+    pytest.fail("no device update ever waited")
 
 
 class Reader:
@@ -101,7 +100,7 @@ class UpdateWaitingForReader:
         self.update = threading.Thread(target=store.release, args=(lease,), daemon=True,
                                        name="release")
         self.update.start()
-        wait_blocked(self.update)
+        wait_for_a_waiting_update(store)
 
     def __enter__(self):
         return self
@@ -153,8 +152,10 @@ def test_stats_inside_reading_while_another_thread_updates(store):
     """Regression (issue 36, finding 2): stats() inside reading() deadlocked against a writer
     that held the store's lock while it waited for that reader."""
     with UpdateWaitingForReader(store) as waiting:
-        assert waiting.reader.run(store.stats)["device_entries"] == 1
+        stats = waiting.reader.run(store.stats)
+        assert (stats["device_entries"], stats["device_updates_waiting"]) == (1, 1)
         assert waiting.update.is_alive()  # still waiting for this reader
+    assert store.stats()["device_updates_waiting"] == 0  # it ran once the reader left
 
 
 # --- A failed copy or update unpins and drops what it was for. ---------------------------------

@@ -165,12 +165,16 @@ def test_threads_acquire_write_and_release_overlapping_users(store):
                     if rng.random() < 0.2:
                         versions[users[0]] += 1
                     rows = [(u, versions[u], 3 + (u + versions[u]) % 10) for u in users]
-                for _ in range(1000):  # what a client does with a 503 and Retry-After
+                # What a client does with a 503 and Retry-After, for as long as the other
+                # threads may hold every slot on a loaded machine (1000 tries were not enough).
+                deadline = time.monotonic() + 60
+                while True:
                     try:
                         lease = store.acquire(*map(list, zip(*rows)), timeout=30)
                         break
                     except rankattn.RankattnError as e:
                         assert e.code == "RA222", str(e)  # all pinned by the other threads
+                        assert time.monotonic() < deadline, f"refused for 60 s: {e}"
                         refused.append(e)
                         time.sleep(0.002)
                 with lease:

@@ -628,15 +628,18 @@ class HistoryStore:
         """Counters since the store was built: rows by source (hits, host_hits, prefix_hits,
         misses), invalidations (stale entries dropped), evictions (device, by the policy),
         host_evictions, clears; and now: device_pages_used, host_pages_used, entries on the
-        device and in the host tier, pinned entries, and compiled_programs (the programs JAX
-        built for this store's calls: the device updates, per shape and input dtype, and the
-        row takes of jax inputs to write; one this process built before for another store of
-        the same shapes is reused, not counted).
+        device and in the host tier, pinned entries, device_updates_waiting (issued, not yet
+        run: behind another update, or waiting for readers to leave ``reading()``), and
+        compiled_programs (the programs JAX built for this store's calls: the device updates,
+        per shape and input dtype, and the row takes of jax inputs to write; one this process
+        built before for another store of the same shapes is reused, not counted).
 
         Never waits for a compile or an update: it takes the policy lock, which no method
         holds while a device program runs or while it waits; safe inside ``reading()``."""
         with self._built_lock:
             built = self._built
+        with self._device:  # not inside the policy lock, which is taken before this one
+            waiting = self._issued - self._done
         with self._lock:
             out = {name: self._counts[name] for name in
                    ("hits", "host_hits", "prefix_hits", "misses", "invalidations",
@@ -646,7 +649,7 @@ class HistoryStore:
                        device_entries=len(self._device_entries),
                        host_entries=len(self._host),
                        pinned_entries=sum(1 for e in self._device_entries.values() if e.pins),
-                       compiled_programs=built)
+                       device_updates_waiting=waiting, compiled_programs=built)
             return out
 
     def warmup(self) -> int:
