@@ -9,7 +9,13 @@ WORKLOAD: a workload of bench.py (nano-fwd, nano-fwdbwd, short-fwd, short-fwdbwd
 serving-64: bench_serving.py's exact 64-candidate request (4 users x 1022 history events x 64
 candidates, 4 / 2 heads, D=128) through `jax.jit(serving.attend)`, what the ranking server runs
 on every hit. --dtype bfloat16 for either. Prints the calls made and the median ms per call
-(the first call, which compiles, untimed). CPU_KERNEL.md's profiles came from it.
+(the first call, which compiles, untimed). CPU_KERNEL.md's profiles came from it, and its
+instruction counts of the kernel alone (one thread, so that every task runs inside the FFI
+handler; the first call included):
+
+    RANKATTN_CPU_THREADS=1 valgrind --tool=callgrind --toggle-collect=RankattnCpuForward \
+        --toggle-collect=RankattnCpuPagedForward .venv/bin/python benchmarks/profile_cpu.py \
+        serving-64 --calls 1
 """
 from __future__ import annotations
 
@@ -55,12 +61,15 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="the inputs' dtype (default: the workload's; serving-64: float32)")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long to call it")
+    parser.add_argument("--calls", type=int, default=None,
+                        help="make exactly this many calls instead (for an instruction count, "
+                             "which unlike seconds does not vary with the machine's load)")
     args = parser.parse_args(argv)
     call = (serving_call(args.dtype or "float32") if args.workload == SERVING
             else workload_call(args.workload, args.dtype))
     jax.block_until_ready(call())  # compiles
     times, end = [], time.perf_counter() + args.seconds
-    while time.perf_counter() < end:
+    while len(times) < args.calls if args.calls else time.perf_counter() < end:
         start = time.perf_counter()
         jax.block_until_ready(call())
         times.append(time.perf_counter() - start)

@@ -96,10 +96,11 @@ bool finite_row(const typename D::T* src, int64_t width, E* dst) {
   return any != 0;
 }
 
-// dst[d * ld_dst + i] = src[i * ld_src + d] for i < n, d < width: 8 x 8 blocks transposed in
-// registers (three rounds of interleaving rows i and i + 4 turn rows into columns), the edges
-// element by element. (An element-by-element loop measured 44% of packing a key block.)
+// The transposes below work on 8 x 8 blocks in registers (three rounds of interleaving rows i
+// and i + 4 turn rows into columns), the edges element by element. (An element-by-element loop
+// measured 44% of packing a key block.)
 typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t v8i __attribute__((vector_size(8 * sizeof(int32_t))));
 
 // Lanes 0-3 of a and b interleaved into *low (a0 b0 a1 b1 ...), lanes 4-7 into *high. GCC
 // before 12 (Ubuntu 22.04's default compiler is GCC 11) has no __builtin_shufflevector; its
@@ -110,36 +111,80 @@ inline void interleave(const v8f& a, const v8f& b, v8f* low, v8f* high) {
   *low = __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11);
   *high = __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15);
 #else
-  typedef int32_t v8i __attribute__((vector_size(8 * sizeof(int32_t))));
   *low = __builtin_shuffle(a, b, v8i{0, 8, 1, 9, 2, 10, 3, 11});
   *high = __builtin_shuffle(a, b, v8i{4, 12, 5, 13, 6, 14, 7, 15});
 #endif
 }
 
-void transpose(const float* src, int64_t ld_src, int64_t n, int64_t width, float* dst,
-               int64_t ld_dst) {
+// Elements x[0..8) of dtype D as float, non-finite ones 0; their lanes' non-finite flags
+// (-1) OR-ed into *flags.
+template <typename D>
+inline void finite8(const typename D::T* x, v8f* out, v8i* flags) {
+  v8f v;
+  if constexpr (std::is_same_v<D, F32>) {
+    std::memcpy(&v, x, sizeof v);
+  } else {
+    for (int c = 0; c < 8; ++c) v[c] = D::to(x[c]);
+  }
+  v8i bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const v8i inf_or_nan = (bits & 0x7f800000) == 0x7f800000;
+  *flags |= inf_or_nan;
+  *out = inf_or_nan ? v8f{} : v;
+}
+
+// dst[d * ld_dst + i] = x_i[d] for i < n, d < width, where x_i = row(i) holds `width` elements
+// of dtype D, converted to float with non-finite entries 0 (finite_row's rule); rows with a
+// non-finite entry get bad[i] = -1 (when `bad` is given). One pass over the source: a key
+// block's K^T packed from the pages directly, without a finite copy first (the kernel's
+// instructions in the 64-candidate serving call -2.2%, CPU_KERNEL.md).
+template <typename D, typename Row>
+void transpose_finite(Row row, int64_t n, int64_t width, float* dst, int64_t ld_dst,
+                      int32_t* bad) {
   int64_t i0 = 0;
   for (; i0 + 8 <= n; i0 += 8) {
+    const typename D::T* x[8];
+    v8i flags[8] = {};
+    for (int j = 0; j < 8; ++j) x[j] = row(i0 + j);
     int64_t d0 = 0;
     for (; d0 + 8 <= width; d0 += 8) {
       v8f r[8];
-      for (int j = 0; j < 8; ++j) std::memcpy(&r[j], src + (i0 + j) * ld_src + d0, sizeof(v8f));
+      for (int j = 0; j < 8; ++j) finite8<D>(x[j] + d0, &r[j], &flags[j]);
       for (int round = 0; round < 3; ++round) {
         v8f t[8];
-        for (int j = 0; j < 4; ++j) {
-          interleave(r[j], r[j + 4], &t[2 * j], &t[2 * j + 1]);
-        }
+        for (int j = 0; j < 4; ++j) interleave(r[j], r[j + 4], &t[2 * j], &t[2 * j + 1]);
         std::copy(t, t + 8, r);
       }
       for (int j = 0; j < 8; ++j) std::memcpy(dst + (d0 + j) * ld_dst + i0, &r[j], sizeof(v8f));
     }
-    for (; d0 < width; ++d0) {
-      for (int64_t i = i0; i < i0 + 8; ++i) dst[d0 * ld_dst + i] = src[i * ld_src + d0];
+    for (int j = 0; j < 8; ++j) {
+      float edge[1];
+      bool any = false;
+      for (int64_t d = d0; d < width; ++d) {
+        any |= finite_row<D, float>(x[j] + d, 1, edge);
+        dst[d * ld_dst + i0 + j] = edge[0];
+      }
+      for (int c = 0; c < 8; ++c) any |= flags[j][c] != 0;
+      if (bad && any) bad[i0 + j] = -1;
     }
   }
   for (; i0 < n; ++i0) {
-    for (int64_t d = 0; d < width; ++d) dst[d * ld_dst + i0] = src[i0 * ld_src + d];
+    const typename D::T* x = row(i0);
+    bool any = false;
+    for (int64_t d = 0; d < width; ++d) {
+      float edge[1];
+      any |= finite_row<D, float>(x + d, 1, edge);
+      dst[d * ld_dst + i0] = edge[0];
+    }
+    if (bad && any) bad[i0] = -1;
   }
+}
+
+// src[n][ld_src] (finite floats) transposed: dst[d * ld_dst + i] = src[i * ld_src + d].
+inline void transpose(const float* src, int64_t ld_src, int64_t n, int64_t width, float* dst,
+                      int64_t ld_dst) {
+  transpose_finite<F32>([&](int64_t i) { return src + i * ld_src; }, n, width, dst, ld_dst,
+                        nullptr);
 }
 
 // Where gather puts tokens X[n][width] of one head, token t at row `first` + t (null: not
@@ -167,6 +212,16 @@ void gather(Row row, int64_t width, int64_t n, const Destination<E>& to, int32_t
   // scratch per call, allocated and zeroed, and a panel copied from it, measured a fifth of
   // a 64-query forward over 1024 keys.)
   const bool rows_in_panel = !to.rows && to.panel && kRowsArePanel<E>;
+  if constexpr (kRowsArePanel<E>) {  // float32 X^T alone: transposed from the source
+    if (!to.rows && !to.panel && (!to.rows_t || !to.panel_t)) {
+      float* x_t = to.rows_t ? to.rows_t : to.panel_t;
+      if (x_t) {
+        transpose_finite<D>(row, n, width, x_t + to.first,
+                            to.rows_t ? to.ld_rows_t : to.ld_panel_t, bad);
+        return;
+      }
+    }
+  }
   thread_local Vector<E> scratch;
   E* rows;
   int64_t ld;
