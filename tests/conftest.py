@@ -6,11 +6,7 @@ the float64 oracle in tests/oracle.py.
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import re
-import shutil
-import tempfile
 
 # Warnings are errors in the suite's kernel builds (and so in CI's), never in users' (native.py).
 os.environ.setdefault("RANKATTN_CXX_WERROR", "1")
@@ -127,52 +123,5 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name not in SLOW_FIRST)
 
 
-# ---- A worker that dies. ------------------------------------------------------------------
-# A fatal signal in an xdist worker prints its faulthandler dump (which thread crashed, in
-# which Python frames) to stderr mid-run, long before the summary, where a CI log that keeps
-# only its tail loses it. Each worker writes its dump to a file of its own instead, and the
-# controller prints the dumps of the workers that died after everything else.
-CRASH_DIR = "RANKATTN_TEST_CRASH_DIR"
-_crash_dump = pytest.StashKey()
-
-
-@pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin, which writes to stderr
-def pytest_configure(config):
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None:
-        if config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
-            os.environ[CRASH_DIR] = tempfile.mkdtemp(prefix="rankattn-crashes-")
-    elif os.environ.get(CRASH_DIR):
-        dump = open(os.path.join(os.environ[CRASH_DIR], f"{worker}-{os.getpid()}.txt"), "w")
-        faulthandler.enable(file=dump, all_threads=True)
-        config.stash[_crash_dump] = dump
-
-
-def pytest_unconfigure(config):
-    dump = config.stash.get(_crash_dump, None)
-    if dump is not None:  # a worker that ends normally leaves an empty file
-        faulthandler.disable()
-        dump.close()
-        os.unlink(dump.name)
-    elif os.environ.get("PYTEST_XDIST_WORKER") is None and os.environ.get(CRASH_DIR):
-        folder = os.environ.pop(CRASH_DIR)
-        for name in sorted(os.listdir(folder)):
-            text = open(os.path.join(folder, name)).read().strip()
-            if text:
-                print(f"\n==== test process {name[:-4]} (xdist worker, pid) died; its faulthandler "
-                      f"dump, the crashing thread last:\n{_crashing_thread_last(text)}", flush=True)
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _crashing_thread_last(dump: str) -> str:
-    """faulthandler's dump without the test runner's frames, the threads that did not crash
-    first (it lists them newest first), then the one that did, then the line that names the
-    signal."""
-    runner = re.compile(r'/(_pytest|pluggy|execnet|xdist)/|"<string>"')  # the test runner's
-    dump = "\n".join(line for line in dump.splitlines() if not runner.search(line))
-    blocks = [b.strip() for b in re.split(r"\n\s*\n", dump) if b.strip()]
-    threads = [b for b in blocks if b.startswith(("Thread 0x", "Current thread 0x"))]
-    crashed = [b for b in threads if b.startswith("Current")]
-    others = [b for b in threads if not b.startswith("Current")]
-    signal = [b for b in blocks if b.startswith("Fatal Python error")]
-    return "\n\n".join(others + crashed + signal)
+# A test process that dies prints what it was doing at the end of the run (crash_report.py).
+from crash_report import pytest_configure, pytest_unconfigure  # noqa: E402, F401

@@ -1,0 +1,47 @@
+"""crash_report.py: a worker that dies is reported at the end of the run, its crashing thread
+and (where the kernel writes cores here and gdb exists) its native frames."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import crash_report
+
+TESTS = Path(__file__).parent
+
+
+def test_a_worker_that_dies_is_reported_at_the_end_of_the_run(tmp_path):
+    # A session of its own, without the suite's conftest (no JAX: a small core, a quick gdb).
+    (tmp_path / "conftest.py").write_text(
+        "from crash_report import pytest_configure, pytest_unconfigure  # noqa: F401\n")
+    (tmp_path / "test_dies.py").write_text(textwrap.dedent("""\
+        import ctypes, threading, time
+        def test_passes():
+            pass
+        def test_dies():
+            threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+            ctypes.string_at(0)
+    """))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTEST_XDIST_WORKER", crash_report.CRASH_DIR, "PYTEST_ADDOPTS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "1",
+                          "-q", "test_dies.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    out = run.stdout
+    assert run.returncode == 1 and "1 failed, 1 passed" in out, out[-3000:] + run.stderr
+    report = out[out.index("==== xdist worker gw0"):]
+    # The sleeping thread first, then the crashing one with the test's frame, then the signal;
+    # none of the runner's frames.
+    crashed = report.index("Current thread")
+    assert report.index("in _bootstrap") < crashed < report.index("line 6 in test_dies")
+    assert report.index("Fatal Python error: Segmentation fault") > crashed
+    assert "_pytest" not in report and "execnet" not in report
+    if crash_report._cores_written_here():
+        assert "Program terminated with signal SIGSEGV" in report
+        assert "string_at" in report.split("gdb's backtrace")[1]
+        assert not (tmp_path / "core").exists()  # read and removed
