@@ -89,12 +89,11 @@ def _cores_written_here() -> bool:
     return pattern == "core" and shutil.which("gdb") is not None
 
 
-def _core_of(pid: int, *folders: str) -> str | None:
-    for folder in folders:
-        for name in (f"core.{pid}", "core"):
-            path = os.path.join(folder, name)
-            if os.path.isfile(path):
-                return path
+def _core_of(pid: int, folder: str) -> str | None:
+    for name in (f"core.{pid}", "core"):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            return path
     return None
 
 

@@ -141,6 +141,17 @@ inline void finite8(const typename D::T* x, v8f* out, v8i* flags) {
 template <typename D, typename Row>
 void transpose_finite(Row row, int64_t n, int64_t width, float* dst, int64_t ld_dst,
                       int32_t* bad) {
+  // Entries [from, width) of row i, one by one (the edges of the 8 x 8 blocks); whether any
+  // was non-finite.
+  auto column_tail = [&](const typename D::T* x, int64_t i, int64_t from) {
+    bool any = false;
+    for (int64_t d = from; d < width; ++d) {
+      float edge[1];
+      any |= finite_row<D, float>(x + d, 1, edge);
+      dst[d * ld_dst + i] = edge[0];
+    }
+    return any;
+  };
   int64_t i0 = 0;
   for (; i0 + 8 <= n; i0 += 8) {
     const typename D::T* x[8];
@@ -158,25 +169,13 @@ void transpose_finite(Row row, int64_t n, int64_t width, float* dst, int64_t ld_
       for (int j = 0; j < 8; ++j) std::memcpy(dst + (d0 + j) * ld_dst + i0, &r[j], sizeof(v8f));
     }
     for (int j = 0; j < 8; ++j) {
-      float edge[1];
-      bool any = false;
-      for (int64_t d = d0; d < width; ++d) {
-        any |= finite_row<D, float>(x[j] + d, 1, edge);
-        dst[d * ld_dst + i0 + j] = edge[0];
-      }
+      bool any = column_tail(x[j], i0 + j, d0);
       for (int c = 0; c < 8; ++c) any |= flags[j][c] != 0;
       if (bad && any) bad[i0 + j] = -1;
     }
   }
   for (; i0 < n; ++i0) {
-    const typename D::T* x = row(i0);
-    bool any = false;
-    for (int64_t d = 0; d < width; ++d) {
-      float edge[1];
-      any |= finite_row<D, float>(x + d, 1, edge);
-      dst[d * ld_dst + i0] = edge[0];
-    }
-    if (bad && any) bad[i0] = -1;
+    if (column_tail(row(i0), i0, 0) && bad) bad[i0] = -1;
   }
 }
 
