@@ -81,6 +81,7 @@ class Config:
     seq_len: int = 1031
     causal: bool = False
     softcap_method: str | None = None
+    multiplier: bool = False  # a logit multiplier per query (Phoenix's temperatures)
     precision: str = "highest"  # of float32 dots (PallasTriton's option)
     impl: str = "pallas_triton"  # or "mosaic_gpu" (sm_90 only: wgmma)
 
@@ -97,6 +98,8 @@ class Config:
             parts.append("causal")
         if self.softcap_method:
             parts.append(f"softcap {self.softcap_method}")
+        if self.multiplier:
+            parts.append("multiplier")
         return ", ".join(parts)
 
 
@@ -123,7 +126,9 @@ def mosaic_configs(axes: list[str] | None = None) -> list[Config]:
     out += [mosaic("softcap", softcap_method=m) for m in ("tanh", "soft_sign")]
     out += [mosaic("causal+softcap", causal=True, softcap_method="tanh"),
             mosaic("causal+softcap", causal=True, softcap_method="tanh", head_dim=64,
-                   q_heads=20, kv_heads=4)]
+                   q_heads=20, kv_heads=4),
+            mosaic("causal+softcap+multiplier", causal=True, softcap_method="tanh",
+                   multiplier=True, q_heads=20, kv_heads=4)]
     out += [mosaic("seq_len", seq_len=40)]
     return [c for c in out if axes is None or c.axis in axes]
 
@@ -291,7 +296,8 @@ def child(target: str, cfgs_json: str, options_json: str):
             out, lse = rankattn.attention(
                 q, k, v, segment_ids=seg, causal=cfg.causal,
                 softcap=None if cfg.softcap_method is None else 20.0,
-                softcap_method=cfg.softcap_method or "tanh", return_lse=True, impl=impl)
+                softcap_method=cfg.softcap_method or "tanh", return_lse=True, impl=impl,
+                logit_multiplier=(1 + seg / 8).astype(jnp.float32) if cfg.multiplier else None)
             return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
 
         dump = tempfile.mkdtemp(prefix="gpu-compile-")

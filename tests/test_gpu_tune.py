@@ -266,3 +266,22 @@ def test_mosaic_gpu_is_checked_and_timed_on_sm_90_only():
     # bf16 D=80, bf16 D=8 and f16 D=48 / 24 it takes; float32 and D=256 it declines.
     assert [i for i, case in enumerate(gpu.CHECKS)
             if "mosaic_gpu" in run.check_impls(case)[0]] == [0, 3, 5]
+
+
+def test_compiles_are_priced_at_the_median_of_their_kind():
+    """The built-in configurations of one dtype and head dim price a compile at their median:
+    one slow outlier of a noisy report (12 s among 7-8 s) does not move the plan."""
+    def result(seconds, impl="pallas_triton", **config):
+        return {"error": None, "seconds": seconds,
+                "config": dict(dict(dtype="bfloat16", head_dim=128, precision="highest",
+                                    impl=impl), **config)}
+
+    report = {"results": {"sm_90": [
+        result(2.0), result(3.0), result(10.0), result(5.0, head_dim=64),
+        result(7.0, "mosaic_gpu"), result(8.0, "mosaic_gpu"), result(12.0, "mosaic_gpu")]}}
+    costs = gpu_plan.Costs(None, report)
+    factor = gpu_plan.COMPILE_FACTOR
+    assert costs.pallas_compile("bfloat16", 128) == pytest.approx(3.0 * factor)
+    assert costs.pallas_compile("bfloat16", 64) == pytest.approx(5.0 * factor)
+    assert costs.mosaic_compile("bfloat16", 128) == pytest.approx(8.0 * factor)
+    assert costs.mosaic_compile("float16", 64) == pytest.approx(8.0 * factor)  # unknown: any

@@ -10,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import rankattn
@@ -129,3 +130,50 @@ def test_interpret_mode_is_declined_where_the_interpreter_fixes_do_not_apply(mon
     (reason,) = MosaicGpu(interpret=True).not_supported_reasons(call_of())
     assert "JAX 0.11's interpreter" in reason and "PallasTriton(interpret=True)" in reason
     assert MosaicGpu().not_supported_reasons(call_of()) == []
+
+
+# --- The dk / dv kernel's logit gradients (flash_math.logit_grad_factor). -----------------
+
+
+@pytest.mark.parametrize("method", ["tanh", "soft_sign"])
+def test_the_caps_derivative_of_the_capped_logit_is_its_derivative(method):
+    """semantics.softcap_grad_of_capped(softcap(s)) == softcap_grad(s), from logits well
+    inside the cap to far past it (where both derivatives fall towards 0)."""
+    from rankattn import semantics
+    s = jnp.asarray(np.concatenate([np.linspace(-400, 400, 2001), [0.0, 1e-3, -1e-3]]),
+                    jnp.float64 if jax.config.x64_enabled else jnp.float32)
+    want = semantics.softcap_grad(s, 20.0, method)
+    got = semantics.softcap_grad_of_capped(semantics.softcap(s, 20.0, method), 20.0, method)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("softcap, method", [(None, "tanh"), (5.0, "tanh"), (2.0, "soft_sign")])
+@pytest.mark.parametrize("multiplied", [False, True])
+def test_the_gradient_factor_from_p_and_lse_matches_logit_grads(softcap, method, multiplied):
+    """factor * (dp - delta) == logit_grads(p, dp, delta, scaled logits) on float32 blocks of
+    [queries, keys] with masked keys, an empty row, a poisoned row (lse +inf) and multipliers
+    of 0, negative and past 1: the factor takes the cap's derivative from p and the lse
+    alone. Tolerance: the capped logit comes back as log2(p) + lse2, off by a few float32
+    ulps of lse2 (|lse2| < 40 here: ~1e-5), which moves the derivative by ~1e-5 / cap."""
+    from types import SimpleNamespace
+
+    from rankattn.backends import flash_math
+    st = SimpleNamespace(scale=0.3, softcap=softcap, softcap_method=method)
+    rng = np.random.default_rng(3)
+    qk = jnp.asarray(rng.normal(0, 8, (6, 40)), jnp.float32)
+    s2, s_scaled = flash_math.capped_logits(st, qk)
+    mult = jnp.asarray([1.0, 0.0, -0.7, 2.0, 1.3, 1.0], jnp.float32)[:, None] if multiplied \
+        else None
+    seen = jnp.asarray(rng.random((6, 40)) < 0.7).at[4].set(False)  # row 4 sees nothing
+    s2 = jnp.where(seen, flash_math.times(s2, mult), -jnp.inf)
+    lse2 = flash_math.lse2(jax.nn.logsumexp(s2 * flash_math.LN2, axis=1, keepdims=True)
+                           ).at[5].set(jnp.inf)  # row 5 poisoned
+    p = jnp.exp2(s2 - lse2)
+    dp = jnp.asarray(rng.normal(0, 1, (6, 40)), jnp.float32)
+    delta = jnp.asarray(rng.normal(0, 1, (6, 1)), jnp.float32)
+    want = flash_math.logit_grads(st, p, dp, delta, s_scaled, mult)
+    got = flash_math.logit_grad_factor(st, p, lse2 if softcap else None, mult) * (dp - delta)
+    assert bool(jnp.isfinite(got).all())
+    assert bool((got[~seen] == 0).all()) and bool((got[4:] == 0).all())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=2e-5 * float(jnp.abs(want).max()))

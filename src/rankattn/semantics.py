@@ -146,6 +146,17 @@ def softcap_grad(s, cap: float | None, method: str):
     return 1 / jnp.square(1 + jnp.abs(s) / cap)
 
 
+def softcap_grad_of_capped(y, cap: float | None, method: str):
+    """:func:`softcap_grad` as a function of the capped logit ``y = softcap(s)``, for a kernel
+    that keeps y but not s: tanh's 1 - tanh^2 is 1 - (y / cap)^2, soft_sign's
+    1 / (1 + |s| / cap)^2 is (1 - |y| / cap)^2."""
+    if cap is None:
+        return jnp.ones_like(y)
+    if method == "tanh":
+        return 1 - jnp.square(y / cap)
+    return jnp.square(1 - jnp.abs(y) / cap)
+
+
 # --- Non-finite inputs. -------------------------------------------------------------
 
 

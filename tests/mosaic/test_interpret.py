@@ -69,9 +69,11 @@ def check_interpreted(case: Case, impl=INTERPRETER) -> None:
 
 
 # 150 tokens: two query blocks of 128 (the second ragged) over four key blocks of 64; packed
-# sessions with candidates and padding, causal history with a cap, GQA 2, D=96 (padded to 128).
+# sessions with candidates and padding, causal history with a cap and a logit multiplier per
+# query and head (0 and negative among them: the dk / dv kernel takes the cap's derivative
+# from p and lse, dividing by it), GQA 2, D=96 (padded to 128).
 COMPACT = Case(batch=1, seq=150, heads_q=2, heads_kv=1, dim=96, dtype="bfloat16",
-               mask="segment_ids", causal=True, softcap=5.0, seed=5)
+               mask="segment_ids", causal=True, softcap=5.0, multiplier="heads", seed=5)
 MORE = [
     # GQA 5, D=64, a per-head logit multiplier, not causal
     Case(batch=1, seq=100, heads_q=5, heads_kv=1, dim=64, dtype="float16", mask="segment_ids",

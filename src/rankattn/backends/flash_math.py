@@ -59,6 +59,24 @@ def logit_grads(st, p, dp, delta, s, multiplier=None):
     return times(ds, multiplier) * st.scale
 
 
+def logit_grad_factor(st, p, lse2, multiplier=None):
+    """The factor of :func:`logit_grads` known before dp: d loss / d (q . k) is this times
+    (dp - delta). The cap's derivative comes from p = exp2(s2 - lse2) itself, not from the
+    scaled logits: the capped logit is (log2(p) + lse2) / log2(e) / multiplier
+    (:func:`rankattn.semantics.softcap_grad_of_capped`); ``lse2`` is read only with a cap
+    (None without). For a kernel that cannot keep the logits live beside p until dp is
+    known (mosaic_gpu's dk / dv at D=128). Where p is 0 (masked, underflowed, a poisoned
+    row's) the factor is 0; a multiplier of 0 gives 0."""
+    factor = times(p, multiplier) * st.scale
+    if st.softcap is None:
+        return factor
+    to_capped = 1 / LOG2E if multiplier is None else (
+        jnp.where(multiplier == 0, 1.0, multiplier) * LOG2E) ** -1
+    slope = semantics.softcap_grad_of_capped((jnp.log2(p) + lse2) * to_capped, st.softcap,
+                                             st.softcap_method)
+    return jnp.where(p > 0, factor * slope, 0.0)
+
+
 def lse2(lse):
     """The saved lse in base 2, for recomputing p = exp2(s2 - lse2) in a backward kernel.
 

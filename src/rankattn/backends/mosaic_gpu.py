@@ -21,8 +21,12 @@ of 64 tokens; the list holds full blocks first, so ``entry < full_count`` skips 
 * dk / dv, grid (kv head, key block, batch): each compute warpgroup owns 64 keys and
   accumulates their dk and dv in registers over the G query heads of the group (K / V
   read once per group), streamed (query head, query block) steps from the plan's
-  transposed lists: Q, dO and the queries' rows. The candidates' own-key terms of dk and
-  dv are per token and summed over the group: XLA adds them in the fusion that casts the
+  transposed lists: Q, dO and the queries' rows. dk and dv take 128 of a compute
+  warpgroup's 240 registers a thread at D=128, so ds is factor * (dp - delta), the factor
+  (p, the cap's derivative, the multiplier, the scale) taken before dp's product and the
+  cap's derivative recovered from p and lse (:func:`flash_math.logit_grad_factor`), not
+  from logits kept live. The candidates' own-key terms of dk and dv are per token and
+  summed over the group: XLA adds them in the fusion that casts the
   kernel's float32 sums (one more read of Q and dO).
 
 Per-token vectors ride the pipelines beside the tiles as [64] blocks, or are copied once
@@ -469,8 +473,7 @@ def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
             mult_consumed, ((dk, dv),) = (refs[0], refs[1:]) if multiplied else (None, refs)
             shape = (ROWS, ROWS)  # keys x queries
             by_query = lambda ref: _along(ref[...], shape, 1)  # noqa: E731
-            s2, s_scaled = flash_math.capped_logits(
-                st, _matmul(shape, k_smem, _transposed(q_smem)))
+            s2, _ = flash_math.capped_logits(st, _matmul(shape, k_smem, _transposed(q_smem)))
             mult = by_query(mult_smem) if multiplied else None
             s2 = flash_math.times(s2, mult)
 
@@ -487,14 +490,25 @@ def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
             plgpu.barrier_arrive(seg_consumed)
             plgpu.barrier_arrive(pos_consumed)
             p = jnp.exp2(s2 - by_query(lse2_smem))
-            plgpu.barrier_arrive(lse2_consumed)
             dv = _accumulate(st, dv, p.astype(q.dtype), do_smem)
+
+            def grad_factor():  # all of ds but (dp - delta); lse read only where used (an
+                # unused value leaves layout inference without a solution)
+                capped = st.softcap is not None
+                return flash_math.logit_grad_factor(
+                    st, p, by_query(lse2_smem) if capped else None, mult)
+
+            # With a cap, the factor is taken before dp's product, the cap's derivative from p
+            # and lse: holding the scaled logits (and the multiplier) beside p until dp is
+            # known spilled 48-188 bytes at D=128. Without one, after it: Mosaic GPU's layout
+            # inference finds no solution for the multiplier's product before it.
+            factor = grad_factor() if st.softcap is not None else None
             dp = _matmul(shape, v_smem, _transposed(do_smem))
             plgpu.barrier_arrive(do_consumed)
-            ds = flash_math.logit_grads(st, p, dp, by_query(delta_smem), s_scaled, mult)
-            plgpu.barrier_arrive(delta_consumed)
-            if multiplied:
-                plgpu.barrier_arrive(mult_consumed)
+            ds = (grad_factor() if factor is None else factor) * (dp - by_query(delta_smem))
+            for consumed in (lse2_consumed, delta_consumed, mult_consumed):
+                if consumed is not None:
+                    plgpu.barrier_arrive(consumed)
             dk = _accumulate(st, dk, ds.astype(q.dtype), q_smem)
             plgpu.barrier_arrive(q_consumed)
             return dk, dv
