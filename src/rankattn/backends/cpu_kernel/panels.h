@@ -123,6 +123,13 @@ inline void finite8(const typename D::T* x, v8f* out, v8i* flags) {
   v8f v;
   if constexpr (std::is_same_v<D, F32>) {
     std::memcpy(&v, x, sizeof v);
+  } else if constexpr (std::is_same_v<D, BF16>) {  // widened as a vector: BF16::to's shift
+    typedef uint16_t v8u16 __attribute__((vector_size(8 * sizeof(uint16_t))));
+    typedef uint32_t v8u32 __attribute__((vector_size(8 * sizeof(uint32_t))));
+    v8u16 half;
+    std::memcpy(&half, x, sizeof half);
+    const v8u32 bits = __builtin_convertvector(half, v8u32) << 16;
+    std::memcpy(&v, &bits, sizeof v);
   } else {
     for (int c = 0; c < 8; ++c) v[c] = D::to(x[c]);
   }
