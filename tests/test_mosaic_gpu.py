@@ -43,17 +43,47 @@ def test_it_lowers_for_cuda_without_a_gpu():
     assert all(f"rankattn_{k}" in text for k in ("forward", "dq", "dkv")), "the kernels' names"
 
 
-def call_of(dtype=jnp.bfloat16, d=128, dv=None, shard_mask=None) -> AttentionCall:
+def test_the_blocks_launched_together_share_a_row_and_head(monkeypatch):
+    """Mosaic GPU makes a grid's last axis CUDA's x, launched fastest (jax's
+    pallas/mosaic_gpu/lowering.py, _program_id): every kernel's grid ends with its block axis
+    and starts with the batch, so blocks launched together read one row's K / V (or Q / dO)
+    through L2. (The batch last launched different rows together, sharing nothing.)"""
+    from rankattn.backends import mosaic_gpu
+    launched = {}
+    real_kernel = mosaic_gpu.plgpu.kernel
+
+    def kernel(body, **kw):
+        launched[body.__name__] = dict(zip(kw["grid_names"], kw["grid"]))
+        return real_kernel(body, **kw)
+
+    monkeypatch.setattr(mosaic_gpu.plgpu, "kernel", kernel)
+    q = jax.ShapeDtypeStruct((3, 300, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((3, 300, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return rankattn.attention(q, k, v, impl=MosaicGpu()).astype(jnp.float32).sum()
+
+    lower_for_cuda(jax.grad(loss, (0, 1, 2)), q, kv, kv)
+    assert launched == {"rankattn_forward": dict(batch=3, heads=4, q_block=3),
+                        "rankattn_dq": dict(batch=3, heads=4, q_block=3),
+                        "rankattn_dkv": dict(batch=3, heads=2, k_block=3)}
+    assert all(list(grid)[0] == "batch" and list(grid)[-1].endswith("_block")
+               for grid in launched.values())
+
+
+def call_of(dtype=jnp.bfloat16, d=128, dv=None, shard_mask=None, batch=1) -> AttentionCall:
     shape = jax.ShapeDtypeStruct
-    return AttentionCall(q=shape((1, 64, 2, d), dtype), k=shape((1, 64, 1, d), dtype),
-                         v=shape((1, 64, 1, dv or d), dtype), segment_ids=None, causal=False,
-                         scale=1.0, softcap=None, softcap_method="tanh", shard_mask=shard_mask)
+    return AttentionCall(q=shape((batch, 64, 2, d), dtype), k=shape((batch, 64, 1, d), dtype),
+                         v=shape((batch, 64, 1, dv or d), dtype), segment_ids=None,
+                         causal=False, scale=1.0, softcap=None, softcap_method="tanh",
+                         shard_mask=shard_mask)
 
 
 @pytest.mark.parametrize("call, fragment", [
     (call_of(jnp.float32), "float32"),
     (call_of(d=200), "head dim 200"),
     (call_of(d=128, dv=32), "v head dim 32"),
+    (call_of(batch=65536), "batch 65536"),  # CUDA's grid z: at most 65535
 ])
 def test_what_it_cannot_run_is_declined_with_the_fix(call, fragment):
     (reason,) = MosaicGpu().not_supported_reasons(call)

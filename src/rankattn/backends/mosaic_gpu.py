@@ -10,7 +10,7 @@ a slot's "consumed" barrier once done with it. Blocks of the plan are 128 x 128 
 (64 for sequences of at most 64 tokens; :class:`MosaicGpu` options), streamed in steps
 of 64 tokens; the list holds full blocks first, so ``entry < full_count`` skips the mask.
 
-* forward, grid (query head, query block, batch): per key block, s = q k^T by wgmma (f32
+* forward, grid (batch, query head, query block): per key block, s = q k^T by wgmma (f32
   accumulation, K through a transposed shared-memory view), scale, cap, logit multiplier
   and the keys' poison (NaN for a key whose k or v is non-finite), the mask in partial
   blocks only, the online softmax in base 2, p v by wgmma with p in registers; the two
@@ -18,7 +18,7 @@ of 64 tokens; the list holds full blocks first, so ``entry < full_count`` skips 
   candidate's own key joins as one more column, and out / lse leave through shared memory.
 * dq, the same grid and stream: p recomputed from the saved lse, dp = dO v^T, ds, and
   dq += ds k by wgmma; the own key's term per row.
-* dk / dv, grid (kv head, key block, batch): each compute warpgroup owns 64 keys and
+* dk / dv, grid (batch, kv head, key block): each compute warpgroup owns 64 keys and
   accumulates their dk and dv in registers over the G query heads of the group (K / V
   read once per group), streamed (query head, query block) steps from the plan's
   transposed lists: Q, dO and the queries' rows. dk and dv take 128 of a compute
@@ -28,6 +28,12 @@ of 64 tokens; the list holds full blocks first, so ``entry < full_count`` skips 
   from logits kept live. The candidates' own-key terms of dk and dv are per token and
   summed over the group: XLA adds them in the fusion that casts the
   kernel's float32 sums (one more read of Q and dO).
+
+Grids end with the block axis, which Mosaic GPU makes CUDA's x, launched fastest: the blocks
+launched together are one row's and head's (and then the group's next heads'), which read the
+same K / V (the forward, dq) or Q / dO (dk / dv), so L2 serves most of those reads. (With
+the batch last, as at first, the blocks launched together were different rows', sharing
+nothing.) CUDA caps the other grid dims at 65535: larger batches are declined.
 
 Per-token vectors ride the pipelines beside the tiles as [64] blocks, or are copied once
 per warpgroup. The mask is :func:`rankattn.semantics.sees_history` recast on three int32
@@ -83,6 +89,7 @@ SHARED_MEMORY_BUDGET = 227 * 1024 - 8 * 1024
 # warpgroups get (512 - 24) / 2, rounded down to 240, which dk / dv's accumulators need.
 MEMORY_REGISTERS = 24
 CANDIDATE = 1 << 30    # a candidate row's position: past every key
+MAX_GRID_DIM = 65535   # CUDA's limit on a grid's y and z dims (the batch, the heads)
 
 
 def _token_rows(seg, s: int):
@@ -182,7 +189,7 @@ def _launch(st, name: str, kernel, out_type, scratch, grid, grid_names, warpgrou
 def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, grads=None):
     """The forward (``grads`` None): (out, lse); or dq (``grads`` = (d_out, lse, delta)).
 
-    Grid (query head, query block, batch); each compute warpgroup owns 64 of the block's
+    Grid (batch, query head, query block); each compute warpgroup owns 64 of the block's
     rows, copied once with their per-row vectors, and both share the memory warpgroup's
     stream of key blocks (K, V, the keys' segment ids, and in the forward their poison).
     """
@@ -387,8 +394,8 @@ def _query_major(st, q, k, v, seg, plan: BlockPlan, multiplier, poison=None, gra
             *(x for _, x, _ in rows_in)]
     assert len(args) == n_in
     results = _launch(st, "rankattn_forward" if forward else "rankattn_dq", kernel, out_type,
-                      scratch, (hq, n_q, b),
-                      ("heads", "q_block", "batch"), warpgroups, *args)
+                      scratch, (b, hq, n_q), ("batch", "heads", "q_block"), warpgroups,
+                      *args)
     return tuple(results) if forward else results[0]
 
 
@@ -421,7 +428,7 @@ def mosaic_dkv(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
 def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier):
     """dk, dv float32 [B, S, Hkv, D] of the history part.
 
-    Grid (kv head, key block, batch); each compute warpgroup owns 64 of the block's keys
+    Grid (batch, kv head, key block); each compute warpgroup owns 64 of the block's keys
     (K, V and their segment ids copied once) and accumulates their dk and dv in registers
     over the G query heads of the group, so K / V are read once per group. Both share the
     memory warpgroup's stream of (query head, query block) steps: Q, dO, the queries'
@@ -546,8 +553,8 @@ def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
     )
     grad = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.float32)
     return _launch(st, "rankattn_dkv", kernel, [grad, grad], scratch,
-                   (hkv, plan.q_index.shape[1], b),
-                   ("heads", "k_block", "batch"), warpgroups, q, d_out, row_seg, row_pos,
+                   (b, hkv, plan.q_index.shape[1]),
+                   ("batch", "heads", "k_block"), warpgroups, q, d_out, row_seg, row_pos,
                    *per_head_rows, k, v, key_seg, plan.q_index.astype(jnp.int32),
                    plan.q_full_count.astype(jnp.int32), plan.q_count.astype(jnp.int32))
 
@@ -709,6 +716,10 @@ class MosaicGpu(Backend):
             reasons.append(f"mosaic_gpu: q / k head dim {call.q.shape[-1]} and v head dim "
                            f"{call.v.shape[-1]} take different tiles; its kernel takes one "
                            "(use impl='pallas_triton')")
+        if call.q.shape[0] > MAX_GRID_DIM:
+            reasons.append(f"mosaic_gpu: batch {call.q.shape[0]}; its grids put the batch on "
+                           f"CUDA's z axis, at most {MAX_GRID_DIM} (split the batch into calls "
+                           "or use impl='pallas_triton')")
         if call.shard_mask is not None:
             reasons.append("mosaic_gpu: its kernels read positions from their indices, so "
                            "they cannot run on one context shard yet; use impl='xla'")
