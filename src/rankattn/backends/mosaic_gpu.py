@@ -89,7 +89,6 @@ SHARED_MEMORY_BUDGET = 227 * 1024 - 8 * 1024
 # warpgroups get (512 - 24) / 2, rounded down to 240, which dk / dv's accumulators need.
 MEMORY_REGISTERS = 24
 CANDIDATE = 1 << 30    # a candidate row's position: past every key
-MAX_GRID_DIM = 65535   # CUDA's limit on a grid's y and z dims (the batch, the heads)
 
 
 def _token_rows(seg, s: int):
@@ -716,10 +715,9 @@ class MosaicGpu(Backend):
             reasons.append(f"mosaic_gpu: q / k head dim {call.q.shape[-1]} and v head dim "
                            f"{call.v.shape[-1]} take different tiles; its kernel takes one "
                            "(use impl='pallas_triton')")
-        if call.q.shape[0] > MAX_GRID_DIM:
-            reasons.append(f"mosaic_gpu: batch {call.q.shape[0]}; its grids put the batch on "
-                           f"CUDA's z axis, at most {MAX_GRID_DIM} (split the batch into calls "
-                           "or use impl='pallas_triton')")
+        if not self.interpret:
+            reasons += gpu_config.batch_reasons(self.name, call.q.shape[0], "z",
+                                                "impl='pallas_triton'")
         if call.shard_mask is not None:
             reasons.append("mosaic_gpu: its kernels read positions from their indices, so "
                            "they cannot run on one context shard yet; use impl='xla'")
