@@ -36,6 +36,7 @@ from rankattn.errors import fail
 
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16, and its loads power-of-two shapes.
 MAX_GRID_DIM = 65535  # CUDA's limit on a grid's y and z dims, where the kernels put the batch
+PRECISIONS = ("highest", "high", "default")  # of float32 dots (PallasTriton's precision=)
 
 
 def batch_reasons(backend: str, batch: int, axis: str, fallback: str) -> list[str]:
@@ -45,7 +46,6 @@ def batch_reasons(backend: str, batch: int, axis: str, fallback: str) -> list[st
         return []
     return [f"{backend}: batch {batch}; its grids put the batch on CUDA's {axis} axis, at "
             f"most {MAX_GRID_DIM} (split the batch into calls or use {fallback})"]
-PRECISIONS = ("highest", "high", "default")  # of float32 dots (PallasTriton's precision=)
 
 
 @dataclasses.dataclass(frozen=True)
