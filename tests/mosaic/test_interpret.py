@@ -6,9 +6,9 @@ interpreter (rankattn.backends.mosaic_gpu_interpret), so none of that stays in t
 test process.
 
 Interpret mode runs a kernel's grid blocks one after another, each in two or three threads
-(about 2.5 s a block here), so CI runs one compact case (24 s); the rest carry the
+(about 2.5 s a block here), so CI runs one compact case (35 s quiet); the rest carry the
 ``mosaic_interpret`` marker (``RANKATTN_MOSAIC_TESTS=1 pytest -m mosaic_interpret tests/mosaic``,
-80 s here). Each test dumps every thread's stack and exits past a timeout (an exception in one
+130 s here). Each test dumps every thread's stack and exits past a timeout (an exception in one
 warpgroup leaves the others waiting at a barrier). Interpret mode runs eagerly: under jit
 it is refused (RA128, tests/test_errors.py).
 """
