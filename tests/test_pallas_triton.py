@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -122,22 +121,6 @@ def test_float64_is_declined_with_a_reason():
         with pytest.raises(rankattn.RankattnValueError, match="RA115") as err:
             rankattn.attention(q, k, v, impl=SMALL_TRITON)
     assert "float64" in str(err.value) and "impl='xla'" in str(err.value)
-
-
-def test_a_batch_past_cudas_grid_is_declined_with_a_reason():
-    """The kernels' grids put the batch on CUDA's y axis (at most 65535 blocks): a larger
-    batch is declined with the fix, not left to fail at launch; interpret mode has no limit."""
-    from rankattn.validate import AttentionCall
-    shape = jax.ShapeDtypeStruct
-    call = AttentionCall(q=shape((65536, 16, 2, 64), jnp.bfloat16),
-                         k=shape((65536, 16, 1, 64), jnp.bfloat16),
-                         v=shape((65536, 16, 1, 64), jnp.bfloat16), segment_ids=None,
-                         causal=False, scale=1.0, softcap=None, softcap_method="tanh")
-    (reason,) = PallasTriton().not_supported_reasons(call)
-    assert "batch 65536" in reason and "65535" in reason and "split the batch" in reason
-    assert PallasTriton(interpret=True).not_supported_reasons(call) == []
-    smaller = dataclasses.replace(call, q=shape((65535, 16, 2, 64), jnp.bfloat16))
-    assert PallasTriton().not_supported_reasons(smaller) == []
 
 
 def test_one_plan_serves_both_blocked_backends():

@@ -59,20 +59,23 @@ def logit_grads(st, p, dp, delta, s, multiplier=None):
     return times(ds, multiplier) * st.scale
 
 
-def logit_grad_factor(st, p, lse2, multiplier=None):
+def logit_grad_factor(st, p, multiplier=None, *, s=None, lse2=None):
     """The factor of :func:`logit_grads` known before dp: d loss / d (q . k) is this times
-    (dp - delta). The cap's derivative comes from p = exp2(s2 - lse2) itself, not from the
-    scaled logits: the capped logit is (log2(p) + lse2) / log2(e) / multiplier
-    (:func:`rankattn.semantics.softcap_grad_of_capped`); ``lse2`` is read only with a cap
-    (None without). For a kernel that cannot keep the logits live beside p until dp is
-    known (mosaic_gpu's dk / dv at D=128). Where p is 0 (masked, underflowed, a poisoned
-    row's) the factor is 0; a multiplier of 0 gives 0."""
+    (dp - delta). With a cap, its derivative is taken at the scaled logits ``s``, or, without
+    a multiplier, from p = exp2(s2 - lse2) and ``lse2`` alone: the capped logit is
+    (log2(p) + lse2) / log2(e) (:func:`rankattn.semantics.softcap_grad_of_capped`), good to a
+    few ulps of lse2. For a kernel that cannot keep the logits live beside p until dp is
+    known (mosaic_gpu's dk / dv at D=128). (Under a multiplier m the logit would come back
+    divided by m, its error too: p's float32 precision bounds |m| c, not c, so a tiny m
+    gives garbage; there ``s`` is needed.) Where p is 0 (masked, underflowed, a poisoned
+    row's) the recovered factor is 0."""
     factor = times(p, multiplier) * st.scale
     if st.softcap is None:
         return factor
-    to_capped = 1 / LOG2E if multiplier is None else (
-        jnp.where(multiplier == 0, 1.0, multiplier) * LOG2E) ** -1
-    slope = semantics.softcap_grad_of_capped((jnp.log2(p) + lse2) * to_capped, st.softcap,
+    if s is not None:
+        return factor * semantics.softcap_grad(s, st.softcap, st.softcap_method)
+    assert multiplier is None and lse2 is not None, "recovering the logit needs lse2, no m"
+    slope = semantics.softcap_grad_of_capped((jnp.log2(p) + lse2) * (1 / LOG2E), st.softcap,
                                              st.softcap_method)
     return jnp.where(p > 0, factor * slope, 0.0)
 

@@ -35,17 +35,7 @@ from rankattn.blocks import BlockSizes
 from rankattn.errors import fail
 
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16, and its loads power-of-two shapes.
-MAX_GRID_DIM = 65535  # CUDA's limit on a grid's y and z dims, where the kernels put the batch
 PRECISIONS = ("highest", "high", "default")  # of float32 dots (PallasTriton's precision=)
-
-
-def batch_reasons(backend: str, batch: int, axis: str, fallback: str) -> list[str]:
-    """Why ``backend``'s kernels cannot launch for ``batch`` rows (their grids put the batch
-    on CUDA's ``axis``, which holds at most MAX_GRID_DIM blocks), or none."""
-    if batch <= MAX_GRID_DIM:
-        return []
-    return [f"{backend}: batch {batch}; its grids put the batch on CUDA's {axis} axis, at "
-            f"most {MAX_GRID_DIM} (split the batch into calls or use {fallback})"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,8 @@ Grids end with the block axis, which Mosaic GPU makes CUDA's x, launched fastest
 launched together are one row's and head's (and then the group's next heads'), which read the
 same K / V (the forward, dq) or Q / dO (dk / dv), so L2 serves most of those reads. (With
 the batch last, as at first, the blocks launched together were different rows', sharing
-nothing.) CUDA caps the other grid dims at 65535: larger batches are declined.
+nothing.) CUDA caps the z dim, the batch's, at 65535 blocks, which Mosaic GPU does not fold
+into x (Triton's lowering does): larger batches are declined.
 
 Per-token vectors ride the pipelines beside the tiles as [64] blocks, or are copied once
 per warpgroup. The mask is :func:`rankattn.semantics.sees_history` recast on three int32
@@ -89,6 +90,7 @@ SHARED_MEMORY_BUDGET = 227 * 1024 - 8 * 1024
 # warpgroups get (512 - 24) / 2, rounded down to 240, which dk / dv's accumulators need.
 MEMORY_REGISTERS = 24
 CANDIDATE = 1 << 30    # a candidate row's position: past every key
+MAX_GRID_DIM = 65535   # CUDA's limit on a grid's z dim (the batch); Mosaic GPU does not fold it
 
 
 def _token_rows(seg, s: int):
@@ -479,7 +481,8 @@ def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
             mult_consumed, ((dk, dv),) = (refs[0], refs[1:]) if multiplied else (None, refs)
             shape = (ROWS, ROWS)  # keys x queries
             by_query = lambda ref: _along(ref[...], shape, 1)  # noqa: E731
-            s2, _ = flash_math.capped_logits(st, _matmul(shape, k_smem, _transposed(q_smem)))
+            s2, s_scaled = flash_math.capped_logits(
+                st, _matmul(shape, k_smem, _transposed(q_smem)))
             mult = by_query(mult_smem) if multiplied else None
             s2 = flash_math.times(s2, mult)
 
@@ -500,14 +503,16 @@ def _key_major(st, q, k, v, seg, plan: BlockPlan, d_out, lse, delta, multiplier)
 
             def grad_factor():  # all of ds but (dp - delta); lse read only where used (an
                 # unused value leaves layout inference without a solution)
-                capped = st.softcap is not None
-                return flash_math.logit_grad_factor(
-                    st, p, by_query(lse2_smem) if capped else None, mult)
+                if st.softcap is None or multiplied:
+                    return flash_math.logit_grad_factor(st, p, mult, s=s_scaled)
+                return flash_math.logit_grad_factor(st, p, lse2=by_query(lse2_smem))
 
-            # With a cap, the factor is taken before dp's product, the cap's derivative from p
-            # and lse: holding the scaled logits (and the multiplier) beside p until dp is
-            # known spilled 48-188 bytes at D=128. Without one, after it: Mosaic GPU's layout
-            # inference finds no solution for the multiplier's product before it.
+            # With a cap, the factor is taken before dp's product, and without a multiplier the
+            # cap's derivative comes from p and lse: holding the scaled logits beside p until
+            # dp is known spilled 48-52 bytes at D=128. (Under a multiplier the logits are
+            # kept: recovered, they lose the multiplier's precision.) Without a cap, after
+            # dp's product: Mosaic GPU's layout inference finds no solution for the
+            # multiplier's product before it.
             factor = grad_factor() if st.softcap is not None else None
             dp = _matmul(shape, v_smem, _transposed(do_smem))
             plgpu.barrier_arrive(do_consumed)
@@ -715,9 +720,10 @@ class MosaicGpu(Backend):
             reasons.append(f"mosaic_gpu: q / k head dim {call.q.shape[-1]} and v head dim "
                            f"{call.v.shape[-1]} take different tiles; its kernel takes one "
                            "(use impl='pallas_triton')")
-        if not self.interpret:
-            reasons += gpu_config.batch_reasons(self.name, call.q.shape[0], "z",
-                                                "impl='pallas_triton'")
+        if not self.interpret and call.q.shape[0] > MAX_GRID_DIM:
+            reasons.append(f"mosaic_gpu: batch {call.q.shape[0]}; its grids put the batch on "
+                           f"CUDA's z axis, at most {MAX_GRID_DIM} blocks (split the batch into "
+                           "calls, or use impl='pallas_triton', whose lowering folds it into x)")
         if call.shard_mask is not None:
             reasons.append("mosaic_gpu: its kernels read positions from their indices, so "
                            "they cannot run on one context shard yet; use impl='xla'")

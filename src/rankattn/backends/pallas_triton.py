@@ -696,9 +696,7 @@ class PallasTriton(Backend):
         if call.shard_mask is not None:
             return ["pallas_triton: its kernels read positions from their indices, so they "
                     "cannot run on one context shard of a sequence yet; use impl='xla'"]
-        if self.interpret:
-            return []
-        return gpu_config.batch_reasons(self.name, call.q.shape[0], "y", "impl='xla'")
+        return []
 
     def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
         """Every tile pair a call of this length may use: over dtypes and head dims by the
