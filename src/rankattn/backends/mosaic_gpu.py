@@ -23,11 +23,11 @@ of 64 tokens; the list holds full blocks first, so ``entry < full_count`` skips 
   read once per group), streamed (query head, query block) steps from the plan's
   transposed lists: Q, dO and the queries' rows. dk and dv take 128 of a compute
   warpgroup's 240 registers a thread at D=128, so ds is factor * (dp - delta), the factor
-  (p, the cap's derivative, the multiplier, the scale) taken before dp's product and the
-  cap's derivative recovered from p and lse (:func:`flash_math.logit_grad_factor`), not
-  from logits kept live. The candidates' own-key terms of dk and dv are per token and
-  summed over the group: XLA adds them in the fusion that casts the
-  kernel's float32 sums (one more read of Q and dO).
+  (p, the cap's derivative, the multiplier, the scale) taken before dp's product where there
+  is a cap; without a multiplier the cap's derivative is recovered from p and lse
+  (:func:`flash_math.logit_grad_factor`), not from logits kept live. The candidates'
+  own-key terms of dk and dv are per token and summed over the group: XLA adds them in the
+  fusion that casts the kernel's float32 sums (one more read of Q and dO).
 
 Grids end with the block axis, which Mosaic GPU makes CUDA's x, launched fastest: the blocks
 launched together are one row's and head's (and then the group's next heads'), which read the
