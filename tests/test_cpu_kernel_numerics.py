@@ -61,11 +61,18 @@ def test_bfloat16_from_float32_rounds_to_nearest_even():
 
 
 def test_p_and_ds_round_to_bfloat16_like_the_scalar_conversion():
-    """bf16_bits, the vector rounding of p and ds before their dots (never NaN)."""
+    """bf16_bits, the vector rounding of p and ds before their dots (never NaN): to nearest
+    even, bit for bit, except that a build with AVX-512 BF16 (VCVTNEPS2BF16) takes float32
+    denormals as zero of their sign; one rule or the other for every denormal."""
     x = dense_float32([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF])
     x = x[~np.isnan(x)]
     want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
-    np.testing.assert_array_equal(kernel("bf16_bits", x, np.uint16), want)
+    got = kernel("bf16_bits", x, np.uint16)
+    denormal = (x != 0) & (np.abs(x) < np.finfo(np.float32).tiny)
+    np.testing.assert_array_equal(got[~denormal], want[~denormal])
+    exact = got[denormal] == want[denormal]
+    as_zero = got[denormal] == (want[denormal] & np.uint16(0x8000))
+    assert exact.all() or as_zero.all(), x[denormal][~(exact | as_zero)][:5]
 
 
 def test_float16_to_float32_is_exact_for_every_half():

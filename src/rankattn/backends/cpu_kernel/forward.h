@@ -42,14 +42,15 @@ struct Forward {
     const int64_t ld_d = pr.ld_d(), ld_dv = pr.ld_dv(), ld_keys = pr.ld_keys();
     const int64_t key_cols = pr.key_cols(), dv_cols = pr.dv_cols();
     // Per-thread buffers, reused by every task the thread runs (see Workspace): the rows of q
-    // (zero where the dots read past them), S and then P in place, P rounded for the dot
-    // (bfloat16), acc, and per row m (the running max), l (the running sum) and whether it
+    // (zero where the dots read past them), S (and P in place in float32), P rounded for
+    // the dot (bfloat16, p_rows), acc, and per row m (the running max), l (the running sum) and whether it
     // saw a non-finite input.
-    thread_local Vector<E> q_rows, rounded;
+    thread_local Vector<E> q_rows, p_buffer;
     thread_local Vector<float> s, acc, m, l;
     thread_local Vector<int32_t> poisoned;
     q_rows.assign(rows_size<E>(m_rows, ld_d), E{});
     s.resize(rows_size<E>(m_rows, ld_keys));
+    E* const p = p_rows<E>(s.data(), m_rows, ld_keys, p_buffer);
     acc.assign(rows_size<E>(m_rows, ld_dv), 0.0f);
     m.assign(m_rows, -kInf);
     l.assign(m_rows, 0.0f);
@@ -102,12 +103,14 @@ struct Forward {
         }
         const float m_new = std::max(m[r], max_lane(top) * (fold ? pr.scale : 1.0f));
         const float shift = std::isfinite(m_new) ? m_new : 0.0f;
-        // p = exp(s - m'), l = exp(m - m') l + sum_j p, acc = exp(m - m') acc.
-        const float alpha = std::exp(m[r] - shift);
+        // p = exp(s - m'), l = exp(m - m') l + sum_j p, acc = exp(m - m') acc. (exp(0) is 1:
+        // a row whose max stays, most rows after the first blocks, skips the libm call.)
+        const float alpha = m[r] == shift ? 1.0f : std::exp(m[r] - shift);
+        E* pr = p + r * ld_keys;
         vf sum = splat(0.0f);
         for (int64_t j = 0; j < key_cols; j += kLanes) {
           vf pj = vexp(load(sr + j) * mul - shift);
-          store(sr + j, pj);
+          store_element(pr + j, pj);
           sum += pj;
         }
         l[r] = l[r] * alpha + sum_lanes(sum);
@@ -118,9 +121,8 @@ struct Forward {
         }
       }
       // acc += P V. p past the block's keys is 0 (their logits are -inf), so a bfloat16 pair
-      // may read it.
-      gemm<true>(m_rows, dv_cols, key.nk, dot_rows<E>(s.data(), m_rows, key.nk, ld_keys, rounded),
-                 ld_keys, key.v_panel, ld_dv, acc.data(), ld_dv);
+      // or an AMX tile row may read it.
+      gemm<true>(m_rows, dv_cols, key.nk, p, ld_keys, key.v_panel, ld_dv, acc.data(), ld_dv);
     }
 
     thread_local Vector<float> own_k, own_v;  // zero past dim, as the rows of q

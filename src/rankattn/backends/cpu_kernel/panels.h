@@ -38,13 +38,40 @@ const E* dot_rows(const float* x, int64_t rows, int64_t cols, int64_t ld,
     for (int64_t r = 0; r < rows; ++r) {
       E* out = buffer.data() + r * ld;
       for (int64_t c = 0; c < width; c += kLanes) {
-        const vh h = __builtin_convertvector(bf16_bits(load(x + r * ld + c)), vh);
+        const vh h = bf16_round(load(x + r * ld + c));
         std::memcpy(out + c, &h, sizeof h);
       }
       std::fill(out + cols, out + read, 0);
     }
     std::fill(buffer.data() + rows * ld, buffer.data() + buffer.size(), 0);
     return buffer.data();
+  }
+}
+
+// The rows the forward writes p into, as the A operand of its P V dot: the logits' rows `s`
+// themselves in float32 (p in place); in bfloat16 `buffer` [rows_size(rows, ld)], p rounded as
+// dot_rows rounds it, written by the softmax pass itself (a separate rounding pass over the
+// block measured 8% of a bfloat16 forward on AMX). Only the padded rows are cleared here: the
+// pass writes every column of a row that the dot reads.
+template <typename E>
+E* p_rows(float* s, int64_t rows, int64_t ld, Vector<E>& buffer) {
+  if constexpr (std::is_same_v<E, float>) {
+    return s;
+  } else {
+    buffer.resize(rows_size<E>(rows, ld));
+    std::fill(buffer.data() + rows * ld, buffer.data() + buffer.size(), 0);
+    return buffer.data();
+  }
+}
+
+// x into out[0, kLanes) as element type E (bfloat16: rounded as dot_rows rounds).
+template <typename E>
+inline void store_element(E* out, vf x) {
+  if constexpr (std::is_same_v<E, float>) {
+    store(out, x);
+  } else {
+    const vh h = bf16_round(x);
+    std::memcpy(out, &h, sizeof h);
   }
 }
 
