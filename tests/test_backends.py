@@ -230,6 +230,9 @@ TRITON_CONFIGS = CONFIGS + [
     C(batch=1, seq=17, heads_q=5, heads_kv=5, dim=8, dtype="float16", mask=ROWS,
       softcap=2.0, softcap_method="soft_sign"),
     C(batch=1, seq=9, kv_seq=40, heads_q=4, heads_kv=2, dim=48, dim_v=8),
+    # Odd head dims in bfloat16: the dots' pair panels pair d with a zero past the last one.
+    C(batch=2, seq=23, heads_q=6, heads_kv=2, dim=33, dim_v=17, dtype="bfloat16", mask=SEG,
+      softcap=2.0),
 ]
 TRITON_LONG_CONFIGS = [
     C(batch=1, seq=1031, heads_q=5, heads_kv=1, dim=32, dtype="bfloat16", mask=SEG,
@@ -280,6 +283,9 @@ CPU_CONFIGS = CONFIGS + [
     C(batch=2, seq=31, heads_q=5, heads_kv=1, dim=80, dtype="float16", mask=SEG, causal=True,
       softcap=2.0),
     C(batch=1, seq=9, kv_seq=40, heads_q=4, heads_kv=2, dim=48, dim_v=8),
+    # Odd head dims in bfloat16: the dots' pair panels pair d with a zero past the last one.
+    C(batch=2, seq=23, heads_q=6, heads_kv=2, dim=33, dim_v=17, dtype="bfloat16", mask=SEG,
+      softcap=2.0),
 ]
 
 

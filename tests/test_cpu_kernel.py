@@ -81,14 +81,14 @@ def kernel_features(case) -> set[str]:
     features |= {name for name, used in [
         ("causal", case.causal), (f"cap {case.softcap_method}", case.softcap),
         ("gqa", case.heads_q > case.heads_kv), ("dv != d", case.dim_v not in (None, case.dim)),
-        ("d > 128", case.dim > 128), ("cross-attention", case.kv_seq),
+        ("d > 128", case.dim > 128), ("odd d", case.dim % 2), ("cross-attention", case.kv_seq),
         ("several blocks", case.seq > 16)] if used}
     return features
 
 
 def core_cases(dtype: str) -> list[str]:
     """Node ids of TestCpu's property test for the first `dtype` configurations that, between
-    them, take every path of kernel_features (6 in float32, 4 in bfloat16)."""
+    them, take every path of kernel_features (6 in float32, 5 in bfloat16)."""
     from helpers import case_id
     from test_backends import CPU_CONFIGS
 
