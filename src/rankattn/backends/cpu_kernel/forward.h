@@ -107,11 +107,11 @@ struct Forward {
         // p = exp(s - m'), l = exp(m - m') l + sum_j p, acc = exp(m - m') acc. (exp(0) is 1:
         // a row whose max stays, most rows after the first blocks, skips the libm call.)
         const float alpha = m[r] == shift ? 1.0f : std::exp(m[r] - shift);
-        E* pr = p + r * ld_keys;
+        E* p_row = p + r * ld_keys;
         vf sum = splat(0.0f);
         for (int64_t j = 0; j < key_cols; j += kLanes) {
           vf pj = vexp(load(sr + j) * mul - shift);
-          store_element(pr + j, pj);
+          store_element(p_row + j, pj);
           sum += pj;
         }
         store(l.data() + r * kLanes, load(l.data() + r * kLanes) * alpha + sum);
