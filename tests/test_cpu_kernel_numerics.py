@@ -134,6 +134,34 @@ def test_exp_is_zero_below_the_cutoff_and_saturates_above_the_range():
     assert np.isnan(kernel("exp", np.float32([np.nan, -np.nan]), np.float32)).all()
 
 
+# vexp2's worst case, measured on every float in [-126, 128): 0.95 ulp (at -0.497, FMA builds).
+EXP2_MAX_ULPS = 0.96
+
+
+def test_exp2_is_within_its_ulp_bound_over_its_whole_range():
+    """Every 997th float32 bit pattern in [-126, 128) (every exponent, both signs), every float
+    in [-0.5, -0.25), where the polynomial's worst case lies, and the ends of the range."""
+    x = floats(np.arange(0, 1 << 32, 997, dtype=np.uint64).astype(np.uint32))
+    worst_binade = np.arange(0x3E800000, 0x3F000000, dtype=np.uint32) | 0x80000000
+    ends = np.float32([-126, np.nextafter(np.float32(-126), 0), 127.99999, 0.5, -0.5])
+    x = np.concatenate([x, floats(worst_binade), ends])
+    x = x[(x >= np.float32(-126)) & (x < np.float32(128))]
+    got = kernel("exp2", x, np.float32)
+    err = ulps(got, np.exp2(x.astype(np.float64)))
+    assert err.max() <= EXP2_MAX_ULPS, (err.max(), x[err.argmax()])
+
+
+def test_exp2_is_exact_at_integers_and_zero_below_the_normal_range():
+    """2^n exactly (the row's max logit gets p = 1, a power of two times the rest); exact 0
+    below -126, so masked -inf logits add nothing to l; NaN stays NaN."""
+    n = np.arange(-126, 128, dtype=np.float32)
+    np.testing.assert_array_equal(kernel("exp2", n, np.float32), 2.0 ** n.astype(np.float64))
+    below = np.float32([np.nextafter(np.float32(-126), -np.inf), -126.5, -127, -150, -1e30,
+                        -np.inf])
+    np.testing.assert_array_equal(kernel("exp2", below, np.float32), 0.0)
+    assert np.isnan(kernel("exp2", np.float32([np.nan, -np.nan]), np.float32)).all()
+
+
 # vtanh's worst case on every 997th float32 and the sets below: 1.33 ulp (at 0.628, just past
 # the polynomial's range); 0.75 ulp on |y| < 0.625, where 1 - 2 / (exp(2y) + 1) would lose
 # eps / |y| relative.

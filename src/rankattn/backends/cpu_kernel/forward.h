@@ -109,8 +109,9 @@ struct Forward {
         const float alpha = m[r] == shift ? 1.0f : std::exp(m[r] - shift);
         E* p_row = p + r * ld_keys;
         vf sum = splat(0.0f);
+        const vf log2e = mul * kLog2e, shift2 = splat(shift * kLog2e);
         for (int64_t j = 0; j < key_cols; j += kLanes) {
-          vf pj = vexp(load(sr + j) * mul - shift);
+          vf pj = vexp2(load(sr + j) * log2e - shift2);
           store_element(p_row + j, pj);
           sum += pj;
         }
