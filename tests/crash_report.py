@@ -100,17 +100,37 @@ def _core_of(pid: int, folder: str) -> str | None:
 def _backtrace(core: str) -> str:
     """The crashing thread's innermost 20 native frames, one short line each, outermost first
     (so the crash point is the log's last line)."""
+    return _frames_of(_gdb(["-ex", "bt 20", sys.executable, core], timeout=300))
+
+
+def _gdb(arguments: list[str], timeout: float) -> str:
+    """gdb's output in batch mode; if it runs past `timeout`, what it printed by then (loading
+    the core it prints the crashing thread's frame 0), then the reason. No scripts auto-loaded
+    beside the libraries (libpython's walks Python's frames, which a crash may have left
+    corrupted) and no debuginfod downloads (CI hosts have no network but package
+    registries)."""
+    command = ["gdb", "-batch", "-nx", "-q", "-iex", "set auto-load off",
+               "-iex", "set debuginfod enabled off", *arguments]
     try:
-        run = subprocess.run(["gdb", "-batch", "-nx", "-q", "-ex", "bt 20", sys.executable,
-                              core], capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        run = subprocess.run(command, capture_output=True, timeout=timeout)
+        return (run.stdout + run.stderr).decode(errors="replace")
+    except subprocess.TimeoutExpired as e:
+        printed = ((e.stdout or b"") + (e.stderr or b"")).decode(errors="replace")
+        return printed + f"\n(gdb ran past {timeout:.0f} s and was stopped: above, what it printed)"
+    except OSError as e:
         return f"(gdb failed: {e})"
+
+
+def _frames_of(output: str) -> str:
+    """gdb's backtrace, one short line per frame, outermost first (so the crash point is the
+    log's last line), then the line naming the signal; gdb's raw output where it has none."""
     frame = re.compile(r"#(\d+)\s+(?:0x[0-9a-f]+ in )?(<signal handler called>|\S+ \(.*?\)"
                        r"(?: (?:at|from) \S+)?)$")
     lines = []  # gdb prints frame 0 once as it loads the core, then the backtrace
-    for m in map(frame.match, run.stdout.splitlines()):
+    for m in map(frame.match, output.splitlines()):
         line = m and f"#{m[1]} " + re.sub(r" \(.*?\)(?: (?:at|from))?", " ", m[2], count=1)
         if line and line not in lines:
             lines.append(line)
-    signal = [line for line in run.stdout.splitlines() if line.startswith("Program terminated")]
-    return "\n".join(lines[::-1] + signal) or run.stdout[-3000:] + run.stderr[-2000:]
+    tail = [line for line in output.splitlines()
+            if line.startswith(("Program terminated", "(gdb ran past"))]
+    return "\n".join(lines[::-1] + tail) or output[-5000:]

@@ -4,10 +4,13 @@ and (where the kernel writes cores here and gdb exists) its native frames."""
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 import crash_report
 
@@ -45,3 +48,25 @@ def test_a_worker_that_dies_is_reported_at_the_end_of_the_run(tmp_path):
         assert "Program terminated with signal SIGSEGV" in report
         assert "string_at" in report.split("gdb's backtrace")[1]
         assert not (tmp_path / "core").exists()  # read and removed
+
+
+HARD_CORE_LIMIT = resource.getrlimit(resource.RLIMIT_CORE)[1]
+
+
+@pytest.mark.skipif(not crash_report._cores_written_here() or HARD_CORE_LIMIT == 0,
+                    reason="no core is written here (core_pattern, a hard limit of 0) or no gdb")
+def test_gdb_past_its_timeout_still_names_the_crash_point(tmp_path):
+    """Regression (stop 51: gdb on a worker's 6.1 GB core ran past its 300 s and the report
+    said only that): what gdb printed before it was stopped, frame 0 and the signal, is kept."""
+    subprocess.run([sys.executable, "-c", "import ctypes; ctypes.string_at(0)"], cwd=tmp_path,
+                   capture_output=True, timeout=60, preexec_fn=lambda: resource.setrlimit(
+                       resource.RLIMIT_CORE, (HARD_CORE_LIMIT, HARD_CORE_LIMIT)))
+    core = next(tmp_path.glob("core*"), None)
+    assert core, "the crash left no core"
+    output = crash_report._gdb(["-ex", "shell sleep 60", sys.executable, str(core)], timeout=5)
+    core.unlink()
+    report = crash_report._frames_of(output)
+    assert report.splitlines()[-2:] == [
+        "Program terminated with signal SIGSEGV, Segmentation fault.",
+        "(gdb ran past 5 s and was stopped: above, what it printed)"], report
+    assert report.startswith("#0 "), report
