@@ -58,9 +58,9 @@ HARD_CORE_LIMIT = resource.getrlimit(resource.RLIMIT_CORE)[1]
 def test_gdb_past_its_timeout_still_names_the_crash_point(tmp_path):
     """Regression (stop 51: gdb on a worker's 6.1 GB core ran past its 300 s and the report
     said only that): what gdb printed before it was stopped, frame 0 and the signal, is kept."""
-    subprocess.run([sys.executable, "-c", "import ctypes; ctypes.string_at(0)"], cwd=tmp_path,
-                   capture_output=True, timeout=60, preexec_fn=lambda: resource.setrlimit(
-                       resource.RLIMIT_CORE, (HARD_CORE_LIMIT, HARD_CORE_LIMIT)))
+    crash = ("import ctypes, resource; hard = resource.getrlimit(resource.RLIMIT_CORE)[1]; "
+             "resource.setrlimit(resource.RLIMIT_CORE, (hard, hard)); ctypes.string_at(0)")
+    subprocess.run([sys.executable, "-c", crash], cwd=tmp_path, capture_output=True, timeout=60)
     core = next(tmp_path.glob("core*"), None)
     assert core, "the crash left no core"
     output = crash_report._gdb(["-ex", "shell sleep 60", sys.executable, str(core)], timeout=5)
