@@ -65,7 +65,8 @@ struct Forward {
     const int32_t* pos_q = pr.pos_q + b * pr.q_len + q0;
 
     const bool fold = pr.folds_scale();
-    const vf mul = splat(fold ? pr.scale : 1.0f);
+    // exp(x) = 2^(x log2(e)): the logits' factor in vexp2's argument, with the scale if folded.
+    const vf to_base2 = splat((fold ? pr.scale : 1.0f) * kLog2e);
     const Visits list = visits(pr, pr.kv_index, pr.full_count, pr.count, b * pr.n_q + qb, pr.n_k);
     for (int64_t e = 0; e < list.count; ++e) {
       const int32_t kb = list.index[e];
@@ -109,9 +110,9 @@ struct Forward {
         const float alpha = m[r] == shift ? 1.0f : std::exp(m[r] - shift);
         E* p_row = p + r * ld_keys;
         vf sum = splat(0.0f);
-        const vf log2e = mul * kLog2e, shift2 = splat(shift * kLog2e);
+        const vf shift2 = splat(shift * kLog2e);
         for (int64_t j = 0; j < key_cols; j += kLanes) {
-          vf pj = vexp2(load(sr + j) * log2e - shift2);
+          vf pj = vexp2(load(sr + j) * to_base2 - shift2);
           store_element(p_row + j, pj);
           sum += pj;
         }

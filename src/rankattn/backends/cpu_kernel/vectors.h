@@ -106,7 +106,7 @@ inline vf vexp(vf x) {
 // relative error), scaled by 2^n. Within 0.95 ulp of 2^t in double (8.0e-8 relative) on every
 // float in [-126, 128) (FMA builds; tests/test_cpu_kernel_numerics.py), as accurate as vexp,
 // in 12 vector instructions per 16 logits with the FMA against vexp's 19 with the scaling
-// (the bfloat16 forward on AMX: 4-8% faster, CPU_KERNEL.md).
+// (the bfloat16 forward on AMX: 5-9% faster, CPU_KERNEL.md).
 // Exact 0 below -126 (masked -inf logits give p = 0, so that a row that sees no key has
 // l = 0); NaN stays NaN; from 128 up, inf (AVX-512) or a large finite value (the rows of an
 // infinite input, which the kernel poisons, are the only ones that see one).
