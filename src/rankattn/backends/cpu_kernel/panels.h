@@ -75,25 +75,23 @@ inline void store_element(E* out, vf x) {
   }
 }
 
-// ds^T x[rows][ld] (float: rows are keys, columns query rows, the first `cols` valid) as the
-// B panel of dQ^T += K^T dS^T, `rows` contraction rows, into `out` (panel_size(rows, ld)).
+// dS^T x[rows][ld] (float: rows are keys, columns query rows, the first `cols` valid) rounded
+// to bfloat16 as the B panel of dQ^T += K^T dS^T, `rows` contraction rows, into `out`
+// (panel_size(rows, ld)). A float32 dS^T is that panel already.
 template <typename E>
 void keep_panel(const float* x, int64_t rows, int64_t cols, int64_t ld, E* out) {
-  if constexpr (std::is_same_v<E, float>) {
-    std::copy_n(x, rows * ld, out);
-  } else {
-    const int64_t width = round_up(cols, kLanes);
-    for (int64_t k = 0; k < rows; k += 2) {
-      for (int64_t c = 0; c < width; c += kLanes) {
-        const vu low = bf16_bits(load(x + k * ld + c));
-        const vu high = k + 1 < rows ? bf16_bits(load(x + (k + 1) * ld + c)) : vu{};
-        const vu pairs = low | (high << 16);
-        std::memcpy(out + panel_index<E>(k, c, ld), &pairs, sizeof pairs);
-      }
-      std::fill(out + panel_index<E>(k, width, ld), out + panel_index<E>(k, ld, ld), 0);
+  static_assert(!kRowsArePanel<E>, "a float32 dS^T is computed in its kept panel");
+  const int64_t width = round_up(cols, kLanes);
+  for (int64_t k = 0; k < rows; k += 2) {
+    for (int64_t c = 0; c < width; c += kLanes) {
+      const vu low = bf16_bits(load(x + k * ld + c));
+      const vu high = k + 1 < rows ? bf16_bits(load(x + (k + 1) * ld + c)) : vu{};
+      const vu pairs = low | (high << 16);
+      std::memcpy(out + panel_index<E>(k, c, ld), &pairs, sizeof pairs);
     }
-    std::fill(out + panel_index<E>(round_up(rows, 2), 0, ld), out + panel_size<E>(rows, ld), 0);
+    std::fill(out + panel_index<E>(k, width, ld), out + panel_index<E>(k, ld, ld), 0);
   }
+  std::fill(out + panel_index<E>(round_up(rows, 2), 0, ld), out + panel_size<E>(rows, ld), 0);
 }
 
 // ---- Packing.
