@@ -26,7 +26,7 @@ import pytest
 
 import rankattn
 from conftest import needs_cpu_kernel
-from rankattn import api, blocks, planning
+from rankattn import api, blocks, native, planning
 from rankattn.backends import Cpu, cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +98,19 @@ def core_cases(dtype: str) -> list[str]:
             seen |= kernel_features(case)
             ids.append(f"tests/test_backends.py::TestCpu::test_matches_oracle[{case_id(case)}]")
     return ids
+
+
+@needs_cpu_kernel
+def test_the_first_compiler_builds_the_kernel_with_warnings_as_errors():
+    """The suite builds with -Werror (conftest.py), and a compiler whose build fails is
+    skipped for the next one (zig's clang), silently. GCC 12 flagged its own AVX-512
+    intrinsics (-Wmaybe-uninitialized) for two stops, and the suite passed on clang's build;
+    the host's library must be the first compiler's."""
+    source = native.SOURCE_DIR / f"{cpu.LIBRARY}.cc"
+    first = native.target_path(source, native.compiler(), native.source_digest(source))
+    failed = first.with_suffix(".failed")
+    assert cpu.library().path == first, (
+        failed.read_text() if failed.exists() else f"loaded {cpu.library().path}")
 
 
 # In a build with other flags: its vector width and bfloat16 dots, then TestCpu's core cases.

@@ -63,11 +63,19 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kLog2e = 1.44269504088896341f;
 
+#if defined(__AVX512F__)
+// The AVX-512 intrinsics below are their all-lanes zero-masking forms, which compile to the
+// same unmasked instructions: GCC 12's plain _mm512_scalef_ps and _mm512_roundscale_ps merge
+// into _mm512_undefined_ps(), which -Wmaybe-uninitialized flags once inlined, failing the
+// -Werror build (tests/test_cpu_kernel.py checks that g++ builds it).
+constexpr __mmask16 kAllLanes = 0xFFFF;
+#endif
+
 // p 2^n for whole n in [-127, 128] (-127: 0 without AVX-512): one VSCALEFPS with AVX-512 (the
 // same product, rounded once, for three instructions), else 2^n built from its exponent bits.
 inline vf times_pow2(vf p, vf n) {
 #if defined(__AVX512F__)
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(kAllLanes, p, n);
 #else
   vi e = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
@@ -113,7 +121,8 @@ inline vf vexp(vf x) {
 inline vf vexp2(vf t) {
   const vi underflow = t < -126.0f;
 #if defined(__AVX512F__)  // VRNDSCALEPS and VSCALEFPS take every input, infinities included
-  const vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf n = _mm512_maskz_roundscale_ps(kAllLanes, t,
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else  // n goes through an int below: t is clamped to where it fits
   t = t < -127.0f ? splat(-127.0f) : t;
   t = t > 128.0f ? splat(128.0f) : t;
