@@ -43,6 +43,25 @@ def run_suite(folder: str, env: dict[str, str], timeout: int = 600) -> None:
     assert " passed" in result.stdout
 
 
+# --- The cpu kernel's build. ---------------------------------------------------------
+
+
+def kernel_not_first_compilers() -> str | None:
+    """Why the loaded cpu kernel is not the first compiler's build, or None when it is.
+    native.load moves on to the next compiler (zig's clang) when one fails, silently, so a
+    -Werror failure of g++ (the suite's builds, conftest.py) would otherwise pass unseen:
+    GCC 12 flagged its own AVX-512 intrinsics for two stops that way."""
+    from rankattn import native
+    from rankattn.backends import cpu
+    source = native.SOURCE_DIR / f"{cpu.LIBRARY}.cc"
+    first = native.target_path(source, native.compiler(), native.source_digest(source))
+    if cpu.library().path == first:
+        return None
+    failed = first.with_suffix(".failed")
+    return (failed.read_text() if failed.exists()
+            else f"loaded {cpu.library().path}, not {first}: {cpu.library().reasons}")
+
+
 # --- Errors. ---------------------------------------------------------------------
 
 
