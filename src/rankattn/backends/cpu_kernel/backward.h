@@ -184,8 +184,10 @@ struct Backward {
     for (int64_t i = kept.row_start[task]; i < kept.row_start[task + 1]; ++i) {
       const auto& [kb, ds_t] = kept.pairs[i];
       const KeyPanel<E> key = keys.get(b, hk, kb);
-      gemm<true>(pr.d_cols(), pr.row_cols(), key.nk, key.k_t_rows, pr.ld_keys(), ds_t,
-                 pr.ld_rows(), qp.dq_t, pr.ld_rows());
+      // Only dQ^T's first `dim` rows (whole row tiles of AMX) are read: d_cols rounds D up
+      // to the column tile, 96 for D = 80.
+      gemm<true>(round_up(pr.dim, kRows<E>), pr.row_cols(), key.nk, key.k_t_rows, pr.ld_keys(),
+                 ds_t, pr.ld_rows(), qp.dq_t, pr.ld_rows());
     }
   }
 
