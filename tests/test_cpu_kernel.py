@@ -49,15 +49,18 @@ def gxx_runtime(name: str) -> str:
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("part, budget_mb", [("chunked", "0"), ("whole", str(10**20))])
-def test_sanitized_build_runs_odd_shapes_and_malformed_plans(part, budget_mb):
+@pytest.mark.parametrize("part, budget_mb, backward_pass",
+                         [("chunked", "0", "blocks"), ("whole", str(10**20), "rows")])
+def test_sanitized_build_runs_odd_shapes_and_malformed_plans(part, budget_mb, backward_pass):
     """AddressSanitizer + UBSan: odd shapes (fwd + grads against the oracle), a context shard,
-    and plans whose lists point outside the block grid, without one bad access; dS kept in
-    chunks of one key block, and whole under a budget whose bytes overflowed an int64."""
+    and plans whose lists point outside the block grid, without one bad access; the backward's
+    blocks pass with dS kept in chunks of one key block, and its rows pass under a budget whose
+    bytes overflowed an int64."""
     # Python is not linked to libstdc++: preload it after libasan, so that ASan finds the
     # __cxa_throw it wraps (jaxlib throws while it starts).
     env = {"RANKATTN_CPU_KERNEL_SANITIZE": "1", "ASAN_OPTIONS": "detect_leaks=0",
            "UBSAN_OPTIONS": "print_stacktrace=1", "RANKATTN_CPU_BACKWARD_MB": budget_mb,
+           "RANKATTN_CPU_BACKWARD_PASS": backward_pass,
            "LD_PRELOAD": f"{gxx_runtime('libasan.so')} {gxx_runtime('libstdc++.so')}"}
     script = (ROOT / "tests/native/sanitized_shapes.py").read_text()
     result = python(script, env, part)
@@ -203,18 +206,23 @@ ORDER_SCRIPT = textwrap.dedent("""
 
 
 @needs_cpu_kernel
-def test_results_are_bit_identical_in_any_task_order_thread_count_and_backward_memory(tmp_path):
+def test_results_are_bit_identical_in_any_task_order_thread_count_backward_pass_and_memory(
+        tmp_path):
     """Every output element is written by one task, in a fixed order: tasks claimed in reverse
     or shuffled order (the test-only RANKATTN_CPU_TASK_ORDER, which bites where the pool has
-    one thread too), one thread or the pool, give the same bits. The backward keeps dS for the
-    dq tasks in chunks of key blocks that fit RANKATTN_CPU_BACKWARD_MB (0: one key block per
-    chunk); dq sums in key order in any chunking: the same bits too. Two runs also trace their
+    one thread too), one thread or the pool, give the same bits. The backward's two passes
+    (RANKATTN_CPU_BACKWARD_PASS) agree bit for bit: rows (one task per batch row and kv head,
+    each dq term added at once: what one thread takes) and blocks, which keeps dS for the dq
+    tasks in chunks of key blocks that fit RANKATTN_CPU_BACKWARD_MB (0: one key block per
+    chunk); dq sums in key order in either pass and any chunking. Two runs also trace their
     threads (RANKATTN_CPU_TRACE=1), which changes no bit either."""
     runs = {"one thread": {"RANKATTN_CPU_THREADS": "1", "RANKATTN_CPU_TRACE": "1"},
-            "pool": {"RANKATTN_CPU_TRACE": "1"},
-            "pool, reversed, dS in chunks": {"RANKATTN_CPU_TASK_ORDER": "reverse",
-                                             "RANKATTN_CPU_BACKWARD_MB": "0"},
-            "pool, shuffled": {"RANKATTN_CPU_TASK_ORDER": "shuffle:7"}}
+            "pool, rows": {"RANKATTN_CPU_TRACE": "1", "RANKATTN_CPU_TASK_ORDER": "reverse",
+                           "RANKATTN_CPU_BACKWARD_PASS": "rows"},
+            "pool, dS kept": {"RANKATTN_CPU_BACKWARD_PASS": "blocks"},
+            "pool, shuffled, dS kept in chunks": {"RANKATTN_CPU_TASK_ORDER": "shuffle:7",
+                                                  "RANKATTN_CPU_BACKWARD_PASS": "blocks",
+                                                  "RANKATTN_CPU_BACKWARD_MB": "0"}}
     results, traces = {}, {}
     for name, env in runs.items():
         path = tmp_path / f"{len(results)}.npz"
@@ -229,8 +237,8 @@ def test_results_are_bit_identical_in_any_task_order_thread_count_and_backward_m
     # The trace: one caller per region, which alone runs every task on one thread; with the
     # pool, no task twice (a worker that starts after the call has returned runs none, and
     # may print after the process has ended).
-    assert traces["one thread"] and not traces["pool, shuffled"]
-    for name in ("one thread", "pool"):
+    assert traces["one thread"] and not traces["pool, dS kept"]
+    for name in ("one thread", "pool, rows"):
         for region, (tasks, lines) in traces[name].items():
             assert [who for who, _ in lines].count("caller") == 1, (name, region, lines)
             ran = sum(count for _, count in lines)

@@ -56,8 +56,11 @@ Environment:
   RANKATTN_CPU_KERNEL_SANITIZE=1  build with AddressSanitizer and UBSan (tests only: the
                             process must preload libasan).
   RANKATTN_CPU_THREADS=n    at most n threads per kernel call (default: XLA's CPU pool).
-  RANKATTN_CPU_BACKWARD_MB=n  memory the backward keeps dS in (default 1024 MiB): longer
-                            sequences run in chunks of key blocks that fit it.
+  RANKATTN_CPU_BACKWARD_MB=n  memory the backward's blocks pass keeps dS in (default 1024
+                            MiB): longer sequences run in chunks of key blocks that fit it.
+  RANKATTN_CPU_BACKWARD_PASS=rows|blocks  force one of the backward's two passes (default:
+                            rows where the batch rows x kv heads fill the threads; the same
+                            bits either way; for tests and measurements).
   RANKATTN_CPU_MOVE_WORKERS=0  a pool worker that Linux woke onto its caller's CPU stays
                             there (default: it moves to the caller's other CPUs for that
                             call; benchmarks/CALL_COSTS.md measures both).

@@ -7,10 +7,11 @@ gradients against the reference on shapes chosen to break tiling (one token,
 odd lengths, one past a block, head dims 1 / 8 / 33 / 200, GQA 5, cross-attention,
 a context shard), then runs plans whose lists point outside the block grid.
 
-The kernel reads RANKATTN_CPU_BACKWARD_MB once per process, so the test runs the script
-twice, with half of the cases each (argv[1]): "chunked" keeps dS in chunks of one key block
-(budget 0, the path of long sequences), "whole" keeps all of it under a budget too large for
-its bytes to fit an int64 (it is clamped: shifting it was undefined behaviour).
+The kernel reads its settings once per process, so the test runs the script twice, with
+half of the cases each (argv[1]): "chunked" takes the backward's blocks pass and keeps dS in
+chunks of one key block (RANKATTN_CPU_BACKWARD_PASS=blocks, budget 0: the path of long
+sequences on many threads), "whole" its rows pass (each dq term added at once) under a budget
+too large for its bytes to fit an int64 (it is clamped: shifting it was undefined behaviour).
 """
 
 import os
@@ -62,8 +63,9 @@ def run(impl, q, k, v, d_out, **kw):
 
 
 PART = sys.argv[1]
-BUDGETS = {"chunked": "0", "whole": str(10**20)}
-assert os.environ["RANKATTN_CPU_BACKWARD_MB"] == BUDGETS[PART]
+SETTINGS = {"chunked": ("0", "blocks"), "whole": (str(10**20), "rows")}
+assert (os.environ["RANKATTN_CPU_BACKWARD_MB"],
+        os.environ["RANKATTN_CPU_BACKWARD_PASS"]) == SETTINGS[PART]
 
 for b, sq, skv, hq, hkv, d, dv, blocks, mask, dtype in SHAPES[PART == "chunked"::2]:
     q, k, v, d_out = inputs(b, sq, skv, hq, hkv, d, dv, dtype)
@@ -130,7 +132,8 @@ def paged():
 
 def malformed_plan():
     """Block indices and counts outside the grid must never be followed, and repeated entries
-    (query block 0, listed many times) must stay inside the kept dS."""
+    (query block 0, listed many times) must stay inside the kept dS (blocks pass) and add into
+    their query block's dQ (rows pass)."""
     b, s = 2, 21
     q, k, v, d_out = inputs(b, s, s, 2, 1, 8, 8, jnp.float32)
     sizes = BlockSizes(4, 8)
@@ -146,7 +149,7 @@ def malformed_plan():
     jax.block_until_ready(run(Cpu(sizes), q, k, v, d_out, plan=plan))
 
 
-for case in {"chunked": [context_shard, paged], "whole": [malformed_plan]}[PART]:
+for case in {"chunked": [context_shard, paged, malformed_plan], "whole": [malformed_plan]}[PART]:
     case()
     print("ok", case.__name__)
 print("SANITIZED RUN PASSED")

@@ -276,14 +276,17 @@ ffi::Error backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
     KeptGrads<E> kept(pr, settings().backward_bytes);
     Backward<D> kernel{pr, keys, queries, kept, static_cast<T*>(dq->untyped_data()),
                        static_cast<T*>(dk->untyped_data()), static_cast<T*>(dv->untyped_data())};
-    const int64_t query_tasks = tasks - key_tasks;
-    // Per chunk of key blocks: their dk, dv (keeping dS^T), then dQ^T += K^T dS^T per query
-    // block; then dq from dQ^T.
-    for (int64_t from = 0; kept.next(from); from = kept.end) {
-      parallel_for(pool, kept.end - kept.start,
-                   [&](int64_t t) { kernel.dkv_task(kept.start + t); });
-      parallel_for(pool, query_tasks, [&](int64_t t) { kernel.dq_add(t); });
+    const int64_t query_tasks = tasks - key_tasks, rows = pr.batch * pr.kv_heads;
+    if (rows_pass(rows, call_threads(pool))) {  // dk, dv and dQ^T per (batch row, kv head)
+      parallel_for(pool, rows, [&](int64_t row) { kernel.row_task(row); });
+    } else {  // per chunk of key blocks: dk, dv (keeping dS^T), then dQ^T per query block
+      for (int64_t from = 0; kept.next(from); from = kept.end) {
+        parallel_for(pool, kept.end - kept.start,
+                     [&](int64_t t) { kernel.dkv_task(kept.start + t, false); });
+        parallel_for(pool, query_tasks, [&](int64_t t) { kernel.dq_add(t); });
+      }
     }
+    // Then dq from dQ^T.
     parallel_for(pool, query_tasks, [&](int64_t t) { kernel.dq_finish(t); });
     return ffi::Error::Success();
   });

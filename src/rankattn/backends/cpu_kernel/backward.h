@@ -4,14 +4,22 @@
 //   p = exp(t cap(s) - lse),  dp = dO . v,  ds = p (dp - delta) t cap'(s),
 //   dq = scale * ds k,  dk = scale * ds^T q,  dv = p^T dO.
 // Every block pair is computed once, key-major (rows are keys, columns query rows), by the
-// dk / dv task of its key block, which keeps its dS^T for the dq tasks (KeptGrads): 5 dots per
-// pair. Per pair of a key block (K) and a query block (Q, dO):
+// dk / dv work of its key block: 5 dots per pair. Per pair of a key block (K) and a query
+// block (Q, dO):
 //   S^T = K Q^T,  dP^T = V dO^T                      (dots: K and V rows, Q^T and dO^T panels)
 //   P^T = exp(t cap(scale S^T) - lse), masked to 0   (Problem::logits, then the exp)
 //   dV += P^T dO                                     (a dot: P^T rows, the dO panel)
 //   dS^T = P^T (dP^T - delta) t cap'                 (Problem::logit_grads)
-//   dK += dS^T Q, and dS^T kept                      (a dot: dS^T rows, the Q panel)
-// then, per query block, dQ^T += K^T dS^T over its kept pairs in key-block order.
+//   dK += dS^T Q                                     (a dot: dS^T rows, the Q panel)
+//   dQ^T += K^T dS^T                                 (a dot: K^T rows, the dS^T panel)
+// in one of two passes (backward_pass picks), which add every dQ^T's pairs in ascending
+// key-block order and every dK / dV's in its list's order, so they give the same bits:
+//  - rows: one task per (batch row, kv head) runs its key blocks in order and adds each
+//    pair's dQ^T term at once, into the dQ^T its task alone writes;
+//  - blocks: one task per key block keeps its pairs' dS^T (KeptGrads), then one task per
+//    query block adds its dQ^T terms: for calls with fewer (batch row, kv head) pairs than
+//    threads. Keeping dS^T writes it out of cache and reads it back: the rows pass measured
+//    3-8% faster fwd+bwd where both fill the threads (CPU_KERNEL.md).
 //
 // Part of cpu_attention.cc (see vectors.h).
 #pragma once
@@ -100,6 +108,19 @@ struct KeptGrads {
   }
 };
 
+// Whether the backward takes the rows pass (see above): unless RANKATTN_CPU_BACKWARD_PASS says,
+// where its tasks, one per (batch row, kv head), fill the call's threads: a multiple of them,
+// or so many that a last partial round idles little. (Equal rows then take equal time; rows of
+// very unequal masks would balance better in the blocks pass.)
+inline bool rows_pass(int64_t rows, int64_t threads) {
+  switch (settings().backward_pass) {
+    case BackwardPass::kRows: return true;
+    case BackwardPass::kBlocks: return false;
+    case BackwardPass::kAuto: break;
+  }
+  return rows % threads == 0 || rows >= 8 * threads;
+}
+
 template <typename D>
 struct Backward {
   using T = typename D::T;
@@ -183,12 +204,16 @@ struct Backward {
     const QueryPanel<E> qp = queries.get(b, hk, task % pr.n_q);
     for (int64_t i = kept.row_start[task]; i < kept.row_start[task + 1]; ++i) {
       const auto& [kb, ds_t] = kept.pairs[i];
-      const KeyPanel<E> key = keys.get(b, hk, kb);
-      // Only dQ^T's first `dim` rows (whole row tiles of AMX) are read: d_cols rounds D up
-      // to the column tile, 96 for D = 80.
-      gemm<true>(round_up(pr.dim, kRows<E>), pr.row_cols(), key.nk, key.k_t_rows, pr.ld_keys(),
-                 ds_t, pr.ld_rows(), qp.dq_t, pr.ld_rows());
+      dq_pair(keys.get(b, hk, kb), ds_t, qp);
     }
+  }
+
+  // dQ^T += K^T dS^T of one pair, dS^T as the panel ds_t.
+  void dq_pair(const KeyPanel<E>& key, const E* ds_t, const QueryPanel<E>& qp) const {
+    // Only dQ^T's first `dim` rows (whole row tiles of AMX) are read: d_cols rounds D up
+    // to the column tile, 96 for D = 80.
+    gemm<true>(round_up(pr.dim, kRows<E>), pr.row_cols(), key.nk, key.k_t_rows, pr.ld_keys(),
+               ds_t, pr.ld_rows(), qp.dq_t, pr.ld_rows());
   }
 
   // dq of query task `task`: its dQ^T, the candidates' own keys, the scale.
@@ -218,8 +243,14 @@ struct Backward {
     }
   }
 
-  // dk, dv of one key block of one kv head, over the query blocks that see it.
-  void dkv_task(int64_t task) const {
+  // The rows pass's task: every key block of (batch row, kv head) `row`, in order.
+  void row_task(int64_t row) const {
+    for (int64_t kb = 0; kb < pr.n_k; ++kb) dkv_task(row * pr.n_k + kb, true);
+  }
+
+  // dk, dv of one key block of one kv head, over the query blocks that see it; each pair's
+  // dQ^T term added at once (`add_dq`, the rows pass) or its dS^T kept (the blocks pass).
+  void dkv_task(int64_t task, bool add_dq) const {
     const int64_t b = task / (pr.kv_heads * pr.n_k), hk = task / pr.n_k % pr.kv_heads;
     const int64_t kb = task % pr.n_k, ld_d = pr.ld_d(), ld_dv = pr.ld_dv();
     const int64_t ld_rows = pr.ld_rows();
@@ -227,7 +258,7 @@ struct Backward {
     const int64_t nk = key.nk;
     thread_local Pair pair;
     thread_local Vector<float> dk_acc, dv_acc;
-    thread_local Vector<E> rounded;
+    thread_local Vector<E> rounded, ds_panel;
     dk_acc.assign(rows_size<E>(nk, ld_d), 0.0f);
     dv_acc.assign(rows_size<E>(nk, ld_dv), 0.0f);
     const Visits list = visits(pr, pr.q_index, pr.q_full_count, pr.q_count, b * pr.n_k + kb,
@@ -236,13 +267,14 @@ struct Backward {
       const int32_t qb = list.index[e];
       if (qb < 0 || qb >= pr.n_q) continue;
       const QueryPanel<E> qp = queries.get(b, hk, qb);
-      // In float32, dS^T's rows are the panel dQ^T += K^T dS^T reads, so the pair is computed
-      // in its kept slot (a copy measured 2.4% of nano fwd+bwd); in bfloat16 in pair.s_t,
-      // then rounded into it.
-      float* s_t;
+      // In float32, dS^T's rows are the panel dQ^T += K^T dS^T reads, so a kept pair is
+      // computed in its kept slot (a copy measured 2.4% of nano fwd+bwd); else in pair.s_t,
+      // and a bfloat16 one then rounded into its panel.
+      float* s_t = nullptr;
       if constexpr (kRowsArePanel<E>) {
-        s_t = kept.slot(task, e);
-      } else {
+        if (!add_dq) s_t = kept.slot(task, e);
+      }
+      if (!s_t) {
         pair.s_t.resize(rows_size<E>(nk, ld_rows));
         s_t = pair.s_t.data();
       }
@@ -250,11 +282,18 @@ struct Backward {
       // dV += P^T dO.
       gemm<true>(nk, pr.dv_cols(), qp.m, dot_rows<E>(s_t, nk, qp.m, ld_rows, rounded), ld_rows,
                  qp.d_out_panel, ld_dv, dv_acc.data(), ld_dv);
-      // dS^T, then dK += dS^T Q, and dS^T kept for dQ.
+      // dS^T, then dK += dS^T Q, and dQ^T += K^T dS^T now or dS^T kept for it.
       logit_grads_of(nk, qp, s_t, pair);
       gemm<true>(nk, pr.d_cols(), qp.m, dot_rows<E>(s_t, nk, qp.m, ld_rows, rounded), ld_rows,
                  qp.q_panel, ld_d, dk_acc.data(), ld_d);
-      if constexpr (!kRowsArePanel<E>) keep_panel(s_t, nk, qp.m, ld_rows, kept.slot(task, e));
+      if constexpr (kRowsArePanel<E>) {
+        if (add_dq) dq_pair(key, s_t, qp);
+      } else {
+        if (add_dq) ds_panel.resize(panel_size<E>(pr.block_k, ld_rows));
+        E* panel = add_dq ? ds_panel.data() : kept.slot(task, e);
+        keep_panel(s_t, nk, qp.m, ld_rows, panel);
+        if (add_dq) dq_pair(key, panel, qp);
+      }
     }
 
     if (pr.own) {  // each candidate key's own query rows

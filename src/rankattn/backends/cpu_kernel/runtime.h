@@ -35,10 +35,15 @@ namespace {
 // ---- Settings: the environment, read once per process (by the first call), in one place.
 
 enum class TaskOrder { kNatural, kReverse, kShuffle };
+enum class BackwardPass { kAuto, kRows, kBlocks };  // see backward.h
 
 struct Settings {
   int64_t max_threads;     // RANKATTN_CPU_THREADS: at most this many threads per call
   int64_t backward_bytes;  // RANKATTN_CPU_BACKWARD_MB, in bytes: the dS a backward keeps
+  // RANKATTN_CPU_BACKWARD_PASS=auto | rows | blocks: which of the backward's two passes runs
+  // (auto: rows where its tasks fill the threads, see backward_pass). Both give the same bits;
+  // for tests and measurements.
+  BackwardPass backward_pass;
   // Tests only: RANKATTN_CPU_FAIL_ALLOC=caller:<n> or pool:<n> fails the n-th allocation
   // (from 1) of the kernel's buffers on the threads that call the kernel, or on XLA's pool
   // workers, once per process.
@@ -72,6 +77,10 @@ struct Settings {
       if (s.fail_in_pool || std::strncmp(fail, "caller:", 7) == 0) {
         s.fail_at = std::max<int64_t>(0, std::strtoll(std::strchr(fail, ':') + 1, nullptr, 10));
       }
+    }
+    if (const char* pass = std::getenv("RANKATTN_CPU_BACKWARD_PASS")) {
+      if (std::strcmp(pass, "rows") == 0) s.backward_pass = BackwardPass::kRows;
+      if (std::strcmp(pass, "blocks") == 0) s.backward_pass = BackwardPass::kBlocks;
     }
     if (const char* order = std::getenv("RANKATTN_CPU_TASK_ORDER")) {
       if (std::strcmp(order, "reverse") == 0) s.task_order = TaskOrder::kReverse;
@@ -173,6 +182,11 @@ class AwayFrom {
   bool moved_ = false;
 };
 
+// The threads a call's parallel_for runs tasks on (the caller and pool workers), at most.
+inline int64_t call_threads(ffi::ThreadPool& pool) {
+  return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), settings().max_threads));
+}
+
 template <typename Fn>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
   // Claim i runs task i, or (tests only) task order[i] or n - 1 - i.
@@ -225,7 +239,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
                                                              began).count());
     }
   };
-  const int64_t workers = std::min({pool.num_threads(), settings().max_threads, n}) - 1;
+  const int64_t workers = std::min(call_threads(pool), n) - 1;
   try {
     const int caller_cpu = workers > 0 && settings().move_workers ? sched_getcpu() : -1;
     for (int64_t w = 0; w < workers; ++w) {
