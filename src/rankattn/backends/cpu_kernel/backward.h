@@ -280,11 +280,11 @@ struct Backward {
       }
       probabilities(key, qp, e >= list.full, s_t, pair);
       // dV += P^T dO.
-      gemm<true>(nk, pr.dv_cols(), qp.m, dot_rows<E>(s_t, nk, qp.m, ld_rows, rounded), ld_rows,
+      gemm<true>(nk, pr.dim_v, qp.m, dot_rows<E>(s_t, nk, qp.m, ld_rows, rounded), ld_rows,
                  qp.d_out_panel, ld_dv, dv_acc.data(), ld_dv);
       // dS^T, then dK += dS^T Q, and dQ^T += K^T dS^T now or dS^T kept for it.
       logit_grads_of(nk, qp, s_t, pair);
-      gemm<true>(nk, pr.d_cols(), qp.m, dot_rows<E>(s_t, nk, qp.m, ld_rows, rounded), ld_rows,
+      gemm<true>(nk, pr.dim, qp.m, dot_rows<E>(s_t, nk, qp.m, ld_rows, rounded), ld_rows,
                  qp.q_panel, ld_d, dk_acc.data(), ld_d);
       if constexpr (kRowsArePanel<E>) {
         if (add_dq) dq_pair(key, s_t, qp);

@@ -137,41 +137,62 @@ struct DotOps<bf16_t> {  // bfloat16: a broadcast pair of A times 16 pairs of B,
 };
 #endif
 
-// ---- The one dot: C[M, N] (+)= A[M, K] B[K, N], N a multiple of kColTile, A rows, B a panel.
+// ---- The one dot: C[M, N] (+)= A[M, K] B[K, N], A rows, B a panel. Its columns are computed
+// in strips of kColTile, the last one a single vector wide where N ends within one (head dim
+// 80: 16 of its 96 padded columns are not computed, a sixth of the P V, dS^T Q and P^T dO dots);
+// so B and C hold N rounded up to kColTile columns.
 
-template <int R, bool kAccumulate, typename E>
+template <int R, bool kAccumulate, typename E, int V>  // R rows x V vectors of C
 inline void tile(int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb, float* c,
                  int64_t ldc) {
   using Ops = DotOps<E>;
-  vf acc[R][2];
+  vf acc[R][V];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    acc[r][0] = kAccumulate ? load(c + r * ldc) : splat(0.0f);
-    acc[r][1] = kAccumulate ? load(c + r * ldc + kLanes) : splat(0.0f);
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) {
+      acc[r][v] = kAccumulate ? load(c + r * ldc + v * kLanes) : splat(0.0f);
+    }
   }
   for (int64_t k = 0; k < k_len; k += kPair<E>) {
-    const auto b0 = Ops::load_b(b + panel_index<E>(k, 0, ldb));
-    const auto b1 = Ops::load_b(b + panel_index<E>(k, kLanes, ldb));
+    typename Ops::B bv[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) bv[v] = Ops::load_b(b + panel_index<E>(k, v * kLanes, ldb));
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const auto x = Ops::broadcast(a + r * lda + k);
-      acc[r][0] = Ops::madd(acc[r][0], x, b0);
-      acc[r][1] = Ops::madd(acc[r][1], x, b1);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) acc[r][v] = Ops::madd(acc[r][v], x, bv[v]);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    store(c + r * ldc, acc[r][0]);
-    store(c + r * ldc + kLanes, acc[r][1]);
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
   }
 }
 
-template <bool kAccumulate, typename E, int R = kRowTile>
+template <bool kAccumulate, typename E, int V, int R = kRowTile>
 inline void tail_rows(int rows, int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb,
                       float* c, int64_t ldc) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, kAccumulate>(k_len, a, lda, b, ldb, c, ldc);
-    tail_rows<kAccumulate, E, R - 1>(rows, k_len, a, lda, b, ldb, c, ldc);
+    if (rows == R) return tile<R, kAccumulate, E, V>(k_len, a, lda, b, ldb, c, ldc);
+    tail_rows<kAccumulate, E, V, R - 1>(rows, k_len, a, lda, b, ldb, c, ldc);
+  }
+}
+
+// Rows [0, m) of C's strip of V vectors at column j.
+template <bool kAccumulate, typename E, int V>
+inline void strip(int64_t m, int64_t j, int64_t k_len, const E* a, int64_t lda, const E* b,
+                  int64_t ldb, float* c, int64_t ldc) {
+  const E* bj = b + panel_index<E>(0, j, ldb);  // a B panel stays in L1 across the rows
+  int64_t i = 0;
+  for (; i + kRowTile <= m; i += kRowTile) {
+    tile<kRowTile, kAccumulate, E, V>(k_len, a + i * lda, lda, bj, ldb, c + i * ldc + j, ldc);
+  }
+  if (i < m) {
+    tail_rows<kAccumulate, E, V>(static_cast<int>(m - i), k_len, a + i * lda, lda, bj, ldb,
+                                 c + i * ldc + j, ldc);
   }
 }
 
@@ -245,15 +266,11 @@ void gemm(int64_t m, int64_t n, int64_t k_len, const E* a, int64_t lda, const E*
     if (amx_usable()) return amx_gemm<kAccumulate>(m, n, k_len, a, lda, b, ldb, c, ldc);
   }
 #endif
-  for (int64_t j = 0; j < n; j += kColTile) {  // a B panel stays in L1 across the rows
-    const E* bj = b + panel_index<E>(0, j, ldb);
-    int64_t i = 0;
-    for (; i + kRowTile <= m; i += kRowTile) {
-      tile<kRowTile, kAccumulate>(k_len, a + i * lda, lda, bj, ldb, c + i * ldc + j, ldc);
-    }
-    if (i < m) {
-      tail_rows<kAccumulate>(static_cast<int>(m - i), k_len, a + i * lda, lda, bj, ldb,
-                             c + i * ldc + j, ldc);
+  for (int64_t j = 0; j < n; j += kColTile) {
+    if (n - j <= kLanes) {
+      strip<kAccumulate, E, 1>(m, j, k_len, a, lda, b, ldb, c, ldc);
+    } else {
+      strip<kAccumulate, E, 2>(m, j, k_len, a, lda, b, ldb, c, ldc);
     }
   }
 }

@@ -125,7 +125,7 @@ struct Forward {
       }
       // acc += P V. p past the block's keys is 0 (their logits are -inf), so a bfloat16 pair
       // or an AMX tile row may read it.
-      gemm<true>(m_rows, dv_cols, key.nk, p, ld_keys, key.v_panel, ld_dv, acc.data(), ld_dv);
+      gemm<true>(m_rows, pr.dim_v, key.nk, p, ld_keys, key.v_panel, ld_dv, acc.data(), ld_dv);
     }
 
     thread_local Vector<float> own_k, own_v;  // zero past dim, as the rows of q
