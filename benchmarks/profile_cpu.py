@@ -5,8 +5,8 @@ profiler, to see where a call's time goes.
         .venv/bin/python benchmarks/profile_cpu.py serving-64 --seconds 10
     perf report -i /tmp/perf.data --no-children -g none --sort dso,sym
 
-WORKLOAD: a workload of bench.py (nano-fwd, nano-fwdbwd, short-fwd, short-fwdbwd, ...), or
-serving-64: bench_serving.py's exact 64-candidate request (4 users x 1022 history events x 64
+WORKLOAD: a workload of bench.py (nano-fwd, nano-fwdbwd, short-fwd, short-fwdbwd, ...), a cell
+of its shape sweep by its name in sweep.json (quoted: "head dim=80 fwdbwd"), or serving-64: bench_serving.py's exact 64-candidate request (4 users x 1022 history events x 64
 candidates, 4 / 2 heads, D=128) through `jax.jit(serving.attend)`, what the ranking server runs
 on every hit. --dtype bfloat16 for either. Prints the calls made and the median ms per call
 (the first call, which compiles, untimed). CPU_KERNEL.md's profiles came from it, and its
@@ -46,9 +46,13 @@ def serving_call(dtype: str):
     return lambda: attend(cache, q, k_self, v_self)
 
 
+def sweep_cells() -> dict[str, bench.Workload]:
+    return {w.name: w for _, _, w in bench.sweep_cells()}
+
+
 def workload_call(name: str, dtype: str):
-    """A zero-argument call of a bench.py workload on the cpu kernel."""
-    w = bench.workloads()[name]
+    """A zero-argument call of a bench.py workload or sweep cell on the cpu kernel."""
+    w = bench.workloads().get(name) or sweep_cells()[name]
     if dtype:
         w = dataclasses.replace(w, dtype=dtype)
     call, _ = bench.jax_runner(w, bench.rankattn_with("cpu"))
@@ -57,7 +61,9 @@ def workload_call(name: str, dtype: str):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("workload", choices=[SERVING, *bench.workloads()])
+    parser.add_argument("workload", metavar="WORKLOAD",
+                        choices=[SERVING, *bench.workloads(), *sweep_cells()],
+                        help=f"{SERVING}, a bench.py workload or a sweep cell")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="the inputs' dtype (default: the workload's; serving-64: float32)")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long to call it")

@@ -51,7 +51,7 @@ SMOKES = {
     "ranker bench": ["-m", "examples.ranker", "bench", "--smoke", "--out", "{out}/ranker"],
     "bench_store.py": ["benchmarks/bench_store.py", "--smoke", "--out", "{out}/store"],
     "call_costs.py": ["benchmarks/call_costs.py", "--smoke", "--out", "{out}/call_costs"],
-    "profile_cpu.py": ["benchmarks/profile_cpu.py", "short-fwd", "--calls", "2"],
+    "profile_cpu.py": ["benchmarks/profile_cpu.py", "history=128 fwd", "--calls", "2"],
 }
 # One process each, side by side; bench_distributed.py needs 8 (fake CPU) devices, which JAX
 # fixes when it starts, so its process has them. The ranker's flax / orbax imports go last.
@@ -273,7 +273,7 @@ def check_call_costs(out: str, printed: str):
 
 
 def check_profile_cpu(out: str, printed: str):
-    assert re.search(r"^short-fwd: 2 calls, median [\d.]+ ms per call$", printed, re.M)
+    assert re.search(r"^history=128 fwd: 2 calls, median [\d.]+ ms per call$", printed, re.M)
 
 
 CHECKS = {"bench.py": check_bench, "bench.py --sweep": check_sweep,

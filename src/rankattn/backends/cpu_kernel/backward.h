@@ -12,14 +12,14 @@
 //   dS^T = P^T (dP^T - delta) t cap'                 (Problem::logit_grads)
 //   dK += dS^T Q                                     (a dot: dS^T rows, the Q panel)
 //   dQ^T += K^T dS^T                                 (a dot: K^T rows, the dS^T panel)
-// in one of two passes (backward_pass picks), which add every dQ^T's pairs in ascending
+// in one of two passes (rows_pass picks), which add every dQ^T's pairs in ascending
 // key-block order and every dK / dV's in its list's order, so they give the same bits:
 //  - rows: one task per (batch row, kv head) runs its key blocks in order and adds each
 //    pair's dQ^T term at once, into the dQ^T its task alone writes;
 //  - blocks: one task per key block keeps its pairs' dS^T (KeptGrads), then one task per
-//    query block adds its dQ^T terms: for calls with fewer (batch row, kv head) pairs than
-//    threads. Keeping dS^T writes it out of cache and reads it back: the rows pass measured
-//    3-8% faster fwd+bwd where both fill the threads (CPU_KERNEL.md).
+//    query block adds its dQ^T terms: for calls whose (batch row, kv head) pairs do not
+//    fill the threads. Keeping dS^T writes it out of cache and reads it back, which the
+//    rows pass saves (CPU_KERNEL.md measures both).
 //
 // Part of cpu_attention.cc (see vectors.h).
 #pragma once
