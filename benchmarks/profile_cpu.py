@@ -6,9 +6,10 @@ profiler, to see where a call's time goes.
     perf report -i /tmp/perf.data --no-children -g none --sort dso,sym
 
 WORKLOAD: a workload of bench.py (nano-fwd, nano-fwdbwd, short-fwd, short-fwdbwd, ...), a cell
-of its shape sweep by its name in sweep.json (quoted: "head dim=80 fwdbwd"), or serving-64: bench_serving.py's exact 64-candidate request (4 users x 1022 history events x 64
-candidates, 4 / 2 heads, D=128) through `jax.jit(serving.attend)`, what the ranking server runs
-on every hit. --dtype bfloat16 for either. Prints the calls made and the median ms per call
+of its shape sweep by its name in sweep.json (quoted: "head dim=80 fwdbwd"), or serving-64:
+bench_serving.py's exact 64-candidate request (4 users x 1022 history events x 64 candidates,
+4 / 2 heads, D=128) through `jax.jit(serving.attend)`, what the ranking server runs on every
+hit. --dtype bfloat16 for either. Prints the calls made and the median ms per call
 (the first call, which compiles, untimed). CPU_KERNEL.md's profiles came from it, and its
 instruction counts of the kernel alone (one thread, so that every task runs inside the FFI
 handler; the first call included):
