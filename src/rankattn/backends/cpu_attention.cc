@@ -428,7 +428,10 @@ void rankattn_test_f16_to_f32(const uint16_t* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = F16::to(x[i]);
 }
 void rankattn_test_exp(const float* x, float* y, int64_t n) { by_vectors(x, y, n, vexp); }
-void rankattn_test_exp2(const float* x, float* y, int64_t n) { by_vectors(x, y, n, vexp2); }
+void rankattn_test_exp2(const float* x, float* y, int64_t n) { by_vectors(x, y, n, vexp2<6>); }
+void rankattn_test_exp2_degree4(const float* x, float* y, int64_t n) {
+  by_vectors(x, y, n, vexp2<4>);
+}
 void rankattn_test_tanh(const float* x, float* y, int64_t n) { by_vectors(x, y, n, vtanh); }
 int rankattn_test_lanes() { return kLanes; }
 // 0: bfloat16 inputs run float32 dots; 1: VDPBF16PS; 2: AMX tiles.

@@ -84,6 +84,12 @@ inline int64_t rows_size(int64_t rows, int64_t ld) {  // an A or C operand of `r
   return round_up(rows, kRows<E>) * ld;
 }
 
+// The degree of the softmax's exp2 polynomial (vexp2) whose p feed dots of element E: p bound
+// for bfloat16 dots is rounded to bfloat16 (2^-9 relative) first, which a degree-4
+// polynomial's 2.7e-6 does not show through.
+template <typename E>
+constexpr int kExp2Degree = std::is_same_v<E, float> ? 6 : 4;
+
 // The storage dtype whose bits an element E of the dots holds, and its conversions.
 template <typename E>
 using ElementDtype = std::conditional_t<std::is_same_v<E, float>, F32, BF16>;

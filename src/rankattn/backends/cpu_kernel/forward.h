@@ -47,24 +47,32 @@ struct Forward {
     // kLanes partial sums added at the end: a horizontal sum per row and block took 3% of a
     // bfloat16 forward on AMX) and whether it saw a non-finite input.
     thread_local Vector<E> q_rows, p_buffer;
-    thread_local Vector<float> s, acc, m, l;
+    thread_local Vector<float> s, acc, m, l, shift, alpha;  // shift, alpha: see the softmax
     thread_local Vector<int32_t> poisoned;
     q_rows.assign(rows_size<E>(m_rows, ld_d), E{});
     s.resize(rows_size<E>(m_rows, ld_keys));
     E* const p = p_rows<E>(s.data(), m_rows, ld_keys, p_buffer);
     acc.assign(rows_size<E>(m_rows, ld_dv), 0.0f);
-    m.assign(m_rows, -kInf);
+    const int64_t row_vectors = round_up(m_rows, kLanes);  // m, shift, alpha: whole vectors
+    m.assign(row_vectors, -kInf);
+    shift.assign(row_vectors, -kInf);
+    alpha.resize(row_vectors);
     l.assign(m_rows * kLanes, 0.0f);
     poisoned.assign(m_rows, 0);
-    for (int64_t g = 0; g < g_len; ++g) {
-      const int64_t h = hk * g_len + g;
-      gather<D, E>([&](int64_t t) { return q + pr.q_offset(b, h, q0 + t, pr.dim); }, pr.dim,
-                   nq, {q_rows.data() + g * nq * ld_d, ld_d}, poisoned.data() + g * nq);
+    // Token by token, the group's heads side by side in q: head by head, reads 1-2 KB apart
+    // missed the cache (5% of a bfloat16 forward on AMX, CPU_KERNEL.md).
+    for (int64_t t = 0; t < nq; ++t) {
+      for (int64_t g = 0; g < g_len; ++g) {
+        const int64_t r = g * nq + t;
+        poisoned[r] = finite_row<D, E>(q + pr.q_offset(b, hk * g_len + g, q0 + t, pr.dim), pr.dim,
+                                       q_rows.data() + r * ld_d);
+      }
     }
     const int32_t* seg_q = pr.seg_q + b * pr.q_len + q0;
     const int32_t* pos_q = pr.pos_q + b * pr.q_len + q0;
 
     const bool fold = pr.folds_scale();
+    const vf fold_scale = splat(fold ? pr.scale : 1.0f);
     // exp(x) = 2^(x log2(e)): the logits' factor in vexp2's argument, with the scale if folded.
     const vf to_base2 = splat((fold ? pr.scale : 1.0f) * kLog2e);
     const Visits list = visits(pr, pr.kv_index, pr.full_count, pr.count, b * pr.n_q + qb, pr.n_k);
@@ -73,13 +81,11 @@ struct Forward {
       if (kb < 0 || kb >= pr.n_k) continue;
       const KeyPanel<E> key = keys.template for_task<D>(b, hk, kb, k, v);
       const bool masked = e >= list.full;
-      // S = Q K^T.
-      gemm<false>(m_rows, key_cols, pr.dim, q_rows.data(), ld_d, key.k_t_panel, ld_keys,
-                  s.data(), ld_keys);
-      for (int64_t r = 0; r < m_rows; ++r) {
+      // Row r's logits of the block, s = t cap(scale S) (folded: S, scaled in the exp below),
+      // -inf where the mask hides a key; returns their max.
+      auto logits = [&](int64_t r) {
         const int64_t t = r % nq;
         float* sr = s.data() + r * ld_keys;
-        // s = t cap(scale S) (folded: S, scaled in the exp below), -inf where the mask hides it.
         if (!fold) {
           const vf t_row = splat(pr.multiplier_of(b, hk * g_len + r / nq, q0 + t));
           pr.logits(sr, key_cols, nullptr, [&](int64_t) { return t_row; });
@@ -97,31 +103,50 @@ struct Forward {
           poisoned[r] |= key.any_bad;
           std::fill(sr + key.nk, sr + key_cols, -kInf);
         }
-        // m' = max(m, max_j s).
         vf top = splat(-kInf);
         for (int64_t j = 0; j < key_cols; j += kLanes) {
           vf x = load(sr + j);
           top = x > top ? x : top;
         }
-        const float m_new = std::max(m[r], max_lane(top) * (fold ? pr.scale : 1.0f));
-        const float shift = std::isfinite(m_new) ? m_new : 0.0f;
-        // p = exp(s - m'), l = exp(m - m') l + sum_j p, acc = exp(m - m') acc. (exp(0) is 1:
-        // a row whose max stays, most rows after the first blocks, skips the libm call.)
-        const float alpha = m[r] == shift ? 1.0f : std::exp(m[r] - shift);
+        return max_lane(top);
+      };
+      // Row r's p = exp(s - m') (shift[r] is m' where finite), l = alpha l + sum_j p and
+      // acc = alpha acc.
+      auto exponentiate = [&](int64_t r) {
+        const float* sr = s.data() + r * ld_keys;
         E* p_row = p + r * ld_keys;
         vf sum = splat(0.0f);
-        const vf shift2 = splat(shift * kLog2e);
+        const vf shift2 = splat(shift[r] * kLog2e);
         for (int64_t j = 0; j < key_cols; j += kLanes) {
-          vf pj = vexp2(load(sr + j) * to_base2 - shift2);
+          vf pj = vexp2<kExp2Degree<E>>(load(sr + j) * to_base2 - shift2);
           store_element(p_row + j, pj);
           sum += pj;
         }
-        store(l.data() + r * kLanes, load(l.data() + r * kLanes) * alpha + sum);
-        m[r] = m_new;
-        if (alpha != 1.0f) {
+        store(l.data() + r * kLanes, load(l.data() + r * kLanes) * alpha[r] + sum);
+        if (alpha[r] != 1.0f) {
           float* ar = acc.data() + r * ld_dv;
-          for (int64_t d = 0; d < dv_cols; d += kLanes) store(ar + d, load(ar + d) * alpha);
+          const vf a = splat(alpha[r]);
+          for (int64_t d = 0; d < dv_cols; d += kLanes) store(ar + d, load(ar + d) * a);
         }
+      };
+
+      // S = Q K^T.
+      gemm<false>(m_rows, key_cols, pr.dim, q_rows.data(), ld_d, key.k_t_panel, ld_keys,
+                  s.data(), ld_keys);
+      // The softmax, kLanes rows at a time, whose logits stay in L1 between its passes. Their
+      // m' = max(m, max_j s), its finite shift and alpha = exp(m - shift) are vectors over the
+      // rows: row by row, that chain of scalar steps and a libm exp measured a fifth of the
+      // softmax's time. (exp(0) is 1: a row whose max stays keeps alpha exactly 1.)
+      for (int64_t r0 = 0; r0 < m_rows; r0 += kLanes) {
+        const int64_t r_end = std::min(m_rows, r0 + kLanes);
+        for (int64_t r = r0; r < r_end; ++r) shift[r] = logits(r);
+        const vf m_old = load(m.data() + r0), top = load(shift.data() + r0) * fold_scale;
+        const vf m_new = m_old < top ? top : m_old;
+        const vf finite_max = (m_new - m_new) == splat(0.0f) ? m_new : splat(0.0f);
+        store(alpha.data() + r0, m_old == finite_max ? splat(1.0f) : vexp(m_old - finite_max));
+        store(shift.data() + r0, finite_max);
+        store(m.data() + r0, m_new);
+        for (int64_t r = r0; r < r_end; ++r) exponentiate(r);
       }
       // acc += P V. p past the block's keys is 0 (their logits are -inf), so a bfloat16 pair
       // or an AMX tile row may read it.
