@@ -182,6 +182,11 @@ class AwayFrom {
   bool moved_ = false;
 };
 
+// What a thread must undo once its share of a parallel_for is done, set by what needs it: the
+// AMX tile state that the first bfloat16 dot on a thread configures (dots.h), so that the
+// tiles are configured once per call and thread, not per dot, and none outlives a call.
+thread_local void (*at_region_end)() = nullptr;
+
 // The threads a call's parallel_for runs tasks on (the caller and pool workers), at most.
 inline int64_t call_threads(ffi::ThreadPool& pool) {
   return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), settings().max_threads));
@@ -228,6 +233,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
       }
       state->done.fetch_add(1, std::memory_order_release);
     }
+    if (at_region_end) std::exchange(at_region_end, nullptr)();
     if (settings().trace) {  // one write per line: the threads' lines do not interleave
       std::fprintf(stderr,
                    "rankattn cpu trace: region %lld of %lld tasks: %s started %.0f us after the "
