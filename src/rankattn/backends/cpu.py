@@ -43,7 +43,7 @@ LIBRARY = "cpu_attention"
 SYMBOLS = ("RankattnCpuForward", "RankattnCpuPagedForward", "RankattnCpuBackward",
            "RankattnCpuPageBounds")
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-DEFAULT_BLOCK_SIZES = BlockSizes(64, 128)
+DEFAULT_BLOCK_SIZES = BlockSizes(64, 256)
 
 
 def plan_sizes(sizes: BlockSizes | None, q_len: int, kv_len: int) -> BlockSizes:
