@@ -9,8 +9,9 @@ WORKLOAD: a workload of bench.py (nano-fwd, nano-fwdbwd, short-fwd, short-fwdbwd
 of its shape sweep by its name in sweep.json (quoted: "head dim=80 fwdbwd"), or serving-64:
 bench_serving.py's exact 64-candidate request (4 users x 1022 history events x 64 candidates,
 4 / 2 heads, D=128) through `jax.jit(serving.attend)`, what the ranking server runs on every
-hit. --dtype bfloat16 for either. Prints the calls made and the median ms per call
-(the first call, which compiles, untimed). CPU_KERNEL.md's profiles came from it, and its
+hit. --dtype bfloat16 for either; --block-sizes 64,128 runs a workload at other block sizes
+than the default (`Cpu(BlockSizes(64, 128))`). Prints the calls made and the median ms per
+call (the first call, which compiles, untimed). CPU_KERNEL.md's profiles came from it, and its
 instruction counts of the kernel alone (one thread, so that every task runs inside the FFI
 handler; the first call included):
 
@@ -34,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
 import bench_serving  # noqa: E402
 from rankattn import serving  # noqa: E402
+from rankattn.backends import BlockSizes  # noqa: E402
+from rankattn.backends.cpu import Cpu  # noqa: E402
 
 SERVING = "serving-64"
 
@@ -51,13 +54,22 @@ def sweep_cells() -> dict[str, bench.Workload]:
     return {w.name: w for _, _, w in bench.sweep_cells()}
 
 
-def workload_call(name: str, dtype: str):
+def workload_call(name: str, dtype: str, block_sizes: BlockSizes | None = None):
     """A zero-argument call of a bench.py workload or sweep cell on the cpu kernel."""
     w = bench.workloads().get(name) or sweep_cells()[name]
     if dtype:
         w = dataclasses.replace(w, dtype=dtype)
-    call, _ = bench.jax_runner(w, bench.rankattn_with("cpu"))
+    call, _ = bench.jax_runner(w, bench.rankattn_with(Cpu(block_sizes)))
     return call
+
+
+def block_sizes_arg(text: str) -> BlockSizes:
+    try:
+        block_q, block_k = (int(x) for x in text.split(","))
+        return BlockSizes(block_q, block_k)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give two sizes, BLOCK_Q,BLOCK_K (64,256)") from None
 
 
 def main(argv=None) -> None:
@@ -67,13 +79,15 @@ def main(argv=None) -> None:
                         help=f"{SERVING}, a bench.py workload or a sweep cell")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="the inputs' dtype (default: the workload's; serving-64: float32)")
+    parser.add_argument("--block-sizes", type=block_sizes_arg, default=None, metavar="BQ,BK",
+                        help="a workload's block sizes (default: the cpu backend's)")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long to call it")
     parser.add_argument("--calls", type=int, default=None,
                         help="make exactly this many calls instead (for an instruction count, "
                              "which unlike seconds does not vary with the machine's load)")
     args = parser.parse_args(argv)
     call = (serving_call(args.dtype or "float32") if args.workload == SERVING
-            else workload_call(args.workload, args.dtype))
+            else workload_call(args.workload, args.dtype, args.block_sizes))
     jax.block_until_ready(call())  # compiles
     times, end = [], time.perf_counter() + args.seconds
     while len(times) < args.calls if args.calls else time.perf_counter() < end:

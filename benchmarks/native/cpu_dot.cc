@@ -58,6 +58,46 @@ double bf16_peak_gflops() {  // 16 independent VDPBF16PS chains: 32 products eac
 }
 #endif
 
+#if defined(RANKATTN_AMX)
+// Nanoseconds per AMX instruction, each in a loop of its own over 4 tiles (so 4 are in
+// flight): TDPBF16PS on 4 independent accumulators, TILELOADD of 1 KB tiles from L1 (4 KB
+// in all), TILESTORED of 1 KB tiles to L1. A dot needs a load per TDPBF16PS in 2 x 2 blocks.
+void amx_instruction_costs() {
+  alignas(64) static bf16_t in[4 * 512];
+  alignas(64) static float out[4 * 256];
+  std::fill(in, in + 4 * 512, to_element<bf16_t>(1.0f));  // tiles of zeros load faster
+  const long n = 2000000;
+  configure_tiles();
+  auto start = std::chrono::steady_clock::now();
+  for (long i = 0; i < n; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  const double dp = seconds_since(start) / (4.0 * n) * 1e9;
+  start = std::chrono::steady_clock::now();
+  for (long i = 0; i < n; ++i) {
+    _tile_loadd(4, in, 64);
+    _tile_loadd(5, in + 512, 64);
+    _tile_loadd(6, in + 1024, 64);
+    _tile_loadd(7, in + 1536, 64);
+  }
+  const double load = seconds_since(start) / (4.0 * n) * 1e9;
+  start = std::chrono::steady_clock::now();
+  for (long i = 0; i < n; ++i) {
+    _tile_stored(0, out, 64);
+    _tile_stored(1, out + 256, 64);
+    _tile_stored(2, out + 512, 64);
+    _tile_stored(3, out + 768, 64);
+  }
+  const double stored = seconds_since(start) / (4.0 * n) * 1e9;
+  std::exchange(at_region_end, nullptr)();
+  std::printf("AMX, one core: TDPBF16PS %.1f ns (%.0f GFLOP/s), TILELOADD %.1f ns, TILESTORED "
+              "%.1f ns\n", dp, 2.0 * 16 * 16 * 32 / dp, load, stored);
+}
+#endif
+
 // One block dot C[m, n] = A[m, k] B[k, n] as the kernel calls it, in the dots' element type E.
 template <typename E>
 double dot_gflops(int64_t m, int64_t n, int64_t k, int blocks) {
@@ -88,6 +128,7 @@ int main() {
 #if defined(__AVX512BF16__)
   std::printf("VDPBF16PS peak, one core: %.0f GFLOP/s\n", bf16_peak_gflops());
 #if defined(RANKATTN_AMX)
+  if (amx_usable()) amx_instruction_costs();
   const char* unit = amx_usable() ? "AMX" : "VDPBF16PS";
 #else
   const char* unit = "VDPBF16PS";
