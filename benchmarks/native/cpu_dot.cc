@@ -66,32 +66,31 @@ void amx_instruction_costs() {
   alignas(64) static bf16_t in[4 * 512];
   alignas(64) static float out[4 * 256];
   std::fill(in, in + 4 * 512, to_element<bf16_t>(1.0f));  // tiles of zeros load faster
-  const long n = 2000000;
   configure_tiles();
-  auto start = std::chrono::steady_clock::now();
-  for (long i = 0; i < n; ++i) {
+  auto ns_per_instruction = [](auto four_instructions) {  // four_instructions(), timed
+    const long n = 2000000;
+    const auto start = std::chrono::steady_clock::now();
+    for (long i = 0; i < n; ++i) four_instructions();
+    return seconds_since(start) / (4.0 * n) * 1e9;
+  };
+  const double dp = ns_per_instruction([] {
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
-  }
-  const double dp = seconds_since(start) / (4.0 * n) * 1e9;
-  start = std::chrono::steady_clock::now();
-  for (long i = 0; i < n; ++i) {
+  });
+  const double load = ns_per_instruction([] {
     _tile_loadd(4, in, 64);
     _tile_loadd(5, in + 512, 64);
     _tile_loadd(6, in + 1024, 64);
     _tile_loadd(7, in + 1536, 64);
-  }
-  const double load = seconds_since(start) / (4.0 * n) * 1e9;
-  start = std::chrono::steady_clock::now();
-  for (long i = 0; i < n; ++i) {
+  });
+  const double stored = ns_per_instruction([] {
     _tile_stored(0, out, 64);
     _tile_stored(1, out + 256, 64);
     _tile_stored(2, out + 512, 64);
     _tile_stored(3, out + 768, 64);
-  }
-  const double stored = seconds_since(start) / (4.0 * n) * 1e9;
+  });
   std::exchange(at_region_end, nullptr)();
   std::printf("AMX, one core: TDPBF16PS %.1f ns (%.0f GFLOP/s), TILELOADD %.1f ns, TILESTORED "
               "%.1f ns\n", dp, 2.0 * 16 * 16 * 32 / dp, load, stored);
