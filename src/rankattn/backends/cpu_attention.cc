@@ -434,6 +434,14 @@ void rankattn_test_exp2_degree4(const float* x, float* y, int64_t n) {
 }
 void rankattn_test_tanh(const float* x, float* y, int64_t n) { by_vectors(x, y, n, vtanh); }
 int rankattn_test_lanes() { return kLanes; }
+// Where a kernel buffer (Vector) of n floats, and one of n 16-bit elements, starts within its
+// cache line: the sum of the two offsets in bytes.
+int64_t rankattn_test_buffer_offsets(int64_t n) {
+  const Vector<float> f(n);
+  const Vector<uint16_t> h(n);
+  return reinterpret_cast<uintptr_t>(f.data()) % kCacheLine +
+         reinterpret_cast<uintptr_t>(h.data()) % kCacheLine;
+}
 // 0: bfloat16 inputs run float32 dots; 1: VDPBF16PS; 2: AMX tiles.
 int rankattn_test_bf16_dots() {
 #if defined(RANKATTN_AMX)

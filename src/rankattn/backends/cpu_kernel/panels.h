@@ -382,21 +382,23 @@ struct Workspace {
     if (n > size) {  // the old contents are not kept: freed first, for a lower peak
       bytes.reset();
       size = 0;
-      bytes.reset(static_cast<std::byte*>(allocate_bytes(round_up(n, 64), 64)));
-      size = round_up(n, 64);  // only once the buffer exists (else the next call believes it)
+      const int64_t bytes_wanted = round_up(n, kCacheLine);
+      bytes.reset(static_cast<std::byte*>(allocate_bytes(bytes_wanted, kCacheLine)));
+      size = bytes_wanted;  // only once the buffer exists (else the next call believes it)
     }
     return bytes.get();
   }
 };
 
-// Per block: `elements` of the dots' type E, `floats` and `ints`, each region 64-byte aligned.
+// Per block: `elements` of the dots' type E, `floats` and `ints`, each region on cache lines.
 template <typename E>
 struct Panels {
   int64_t e_bytes, f_bytes, block_bytes;
   std::byte* base;
   Panels(Workspace& memory, int64_t blocks, int64_t elements, int64_t floats, int64_t ints)
-      : e_bytes(round_up(elements * sizeof(E), 64)), f_bytes(round_up(floats * 4, 64)),
-        block_bytes(e_bytes + f_bytes + round_up(ints * 4, 64)),
+      : e_bytes(round_up(elements * sizeof(E), kCacheLine)),
+        f_bytes(round_up(floats * 4, kCacheLine)),
+        block_bytes(e_bytes + f_bytes + round_up(ints * 4, kCacheLine)),
         base(memory.reserve(blocks * block_bytes)) {}
   E* e(int64_t block) const { return reinterpret_cast<E*>(base + block * block_bytes); }
   float* f(int64_t block) const {
