@@ -103,8 +103,9 @@ double dot_gflops(int64_t m, int64_t n, int64_t k, int blocks) {
   const int64_t lda = round_up(k, kDepth<E>) + kLanes, ldb = n + kLanes, ldc = n + kLanes;
   const int64_t a_size = rows_size<E>(m, lda), b_size = panel_size<E>(k, ldb);
   const int64_t c_size = rows_size<E>(m, ldc);
-  std::vector<E> a(a_size * blocks, to_element<E>(1.0f)), b(b_size * blocks, to_element<E>(0.5f));
-  std::vector<float> c(c_size * blocks);
+  // The kernel's allocator: on cache lines, as its buffers are.
+  Vector<E> a(a_size * blocks, to_element<E>(1.0f)), b(b_size * blocks, to_element<E>(0.5f));
+  Vector<float> c(c_size * blocks);
   const int reps = 4000;
   auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < reps; ++r) {
