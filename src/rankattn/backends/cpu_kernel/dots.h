@@ -85,9 +85,9 @@ inline int64_t rows_size(int64_t rows, int64_t ld) {  // an A or C operand of `r
   return round_up(rows, kRows<E>) * ld;
 }
 
-// The degree of the softmax's exp2 polynomial (vexp2) whose p feed dots of element E: p bound
-// for bfloat16 dots is rounded to bfloat16 (2^-9 relative) first, which a degree-4
-// polynomial's 2.7e-6 does not show through.
+// The degree of the softmax's exp2 polynomial (vexp2) where its p feed dots of element E. A p
+// that feeds a bfloat16 dot is rounded to bfloat16 (2^-9 relative) first, under which a
+// degree-4 polynomial's 2.7e-6 does not show.
 template <typename E>
 constexpr int kExp2Degree = std::is_same_v<E, float> ? 6 : 4;
 
