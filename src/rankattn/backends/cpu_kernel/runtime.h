@@ -132,7 +132,7 @@ void* allocate_bytes(int64_t bytes, int64_t alignment) {
 
 // std::vector's allocator for the kernel's buffers, on cache lines: malloc aligns to 16 bytes
 // (a large block starts 16 bytes into a page), which split every 64-byte vector and AMX tile
-// row of a buffer over two lines (an AMX dot measured 2.8x slower on such rows).
+// row of a buffer over two lines (an AMX dot measured half as fast on such rows, cpu_dot).
 constexpr int64_t kCacheLine = 64;
 template <typename T>
 struct Allocator {
