@@ -93,17 +93,17 @@ def paged_forward(q, k_pages, v_pages, page_table, self_kv, segment_ids, *, shar
                   block_sizes: BlockSizes | None = None):
     """Serving's exact scoring on the ``cpu`` kernel, reading the cache's pages in place.
 
-    q [B, T, Hq, D]; k_pages / v_pages [N, P, D / Dv] (q's dtype), pages of one kv head;
-    page_table int32 [B, M]: row b's keys are its M pages in order (S = M * P tokens;
-    entries outside [0, N) read a clamped page, so mask them). ``segment_ids`` [B, T] and
-    ``shard_mask`` (keys [B, S]) as :func:`fused_attention`'s; ``self_kv``: None, or
-    (k_self, v_self) [B, T, 1, D / Dv], each query's own key, seen by the candidates
-    (segment id < 0).
+    q [B, T, Hq, D]; k_pages / v_pages [N, Hkv, P, D / Dv] (q's dtype; [N, P, D / Dv]: one
+    kv head), Hq a multiple of Hkv; page_table int32 [B, M]: row b's keys are its M pages in
+    order (S = M * P tokens), every kv head of them (entries outside [0, N) read a clamped
+    page, so mask them). ``segment_ids`` [B, T] and ``shard_mask`` (keys [B, S]) as
+    :func:`fused_attention`'s; ``self_kv``: None, or (k_self, v_self) [B, T, Hkv, D / Dv],
+    each query's own key, seen by the candidates (segment id < 0).
     Returns (out [B, T, Hq, Dv], lse [B, Hq, T] float32). Forward only (no VJP: the
     caller's custom VJP differentiates an equivalent contiguous call).
     """
     b, t = q.shape[:2]
-    s = page_table.shape[1] * k_pages.shape[1]
+    s = page_table.shape[1] * k_pages.shape[-2]
     static, mask, block_plan = _prepare(q.shape, s, segment_ids, False, scale, softcap,
                                         softcap_method, block_sizes, None, shard_mask, None,
                                         own=self_kv is not None)

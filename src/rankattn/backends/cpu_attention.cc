@@ -68,7 +68,8 @@ bool dims_are(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want
 
 // The problem of a call, after checking every shape against q, k, v and the block sizes, so
 // the tasks can index without further checks. With a page table [B, M], k and v are pages
-// [N, P, D] of one kv head and the keys of row b are its M pages in table order (S = M * P).
+// [N, Hkv, P, D] (or [N, P, D], one kv head) and the keys of row b are its M pages in table
+// order (S = M * P), every kv head of them.
 // The logit multiplier is [B, Sq, Hq], or empty for none.
 ffi::Error describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                     const I32* page_table, const F32Buffer& multiplier, const I32& seg_q,
@@ -77,9 +78,9 @@ ffi::Error describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi:
                     bool soft_sign, bool causal, bool own, int64_t block_q, int64_t block_k,
                     Problem* pr) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  const size_t kv_rank = page_table ? 3 : 4;
+  const size_t kv_rank = page_table && kd.size() == 3 ? 3 : 4;
   if (auto e = check(qd.size() == 4 && kd.size() == kv_rank && vd.size() == kv_rank,
-                     "q must be 4-D, and k, v 4-D (3-D pages with a page table)");
+                     "q must be 4-D, and k, v 4-D (or 3-D pages with a page table)");
       e.failure())
     return e;
   *pr = Problem{};
@@ -91,15 +92,22 @@ ffi::Error describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi:
   bool ok;
   if (page_table) {
     auto td = page_table->dimensions();
-    ok = td.size() == 2 && td[0] == pr->batch && td[1] >= 1 && kd[0] >= 1 && kd[1] >= 1;
-    if (auto e = check(ok, "the page table must be [B, M] and the pages [N, P, D]");
+    ok = td.size() == 2 && td[0] == pr->batch && td[1] >= 1 && kd[0] >= 1 &&
+         kd[kv_rank - 2] >= 1;
+    if (auto e = check(ok, "the page table must be [B, M] and the pages [N, Hkv, P, D]");
         e.failure())
       return e;
     pr->page_table = page_table->typed_data();
-    pr->num_pages = kd[0], pr->kv_heads = 1, pr->page_size = kd[1];
+    pr->num_pages = kd[0], pr->kv_heads = kv_rank == 4 ? kd[1] : 1;
+    pr->page_size = kd[kv_rank - 2];
     pr->kv_len = td[1] * pr->page_size;
-    ok = dims_are(kd, {pr->num_pages, pr->page_size, pr->dim}) &&
-         dims_are(vd, {pr->num_pages, pr->page_size, pr->dim_v});
+    if (kv_rank == 4) {
+      ok = dims_are(kd, {pr->num_pages, pr->kv_heads, pr->page_size, pr->dim}) &&
+           dims_are(vd, {pr->num_pages, pr->kv_heads, pr->page_size, pr->dim_v});
+    } else {
+      ok = dims_are(kd, {pr->num_pages, pr->page_size, pr->dim}) &&
+           dims_are(vd, {pr->num_pages, pr->page_size, pr->dim_v});
+    }
   } else {  // an own key in k / v is key i of query i: one sequence for both
     pr->kv_len = kd[1], pr->kv_heads = kd[2];
     ok = dims_are(kd, {pr->batch, pr->kv_len, pr->kv_heads, pr->dim}) &&
@@ -196,8 +204,9 @@ ffi::Error forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return run_forward(pool, pr, q, k, v, out, lse);
 }
 
-// Serving: queries over paged history keys (pages [N, P, D], page_table [B, M]), and with
-// `own` each query's own key from k_self / v_self [B, Sq, 1, D] (ignored without it).
+// Serving: queries over paged history keys (pages [N, Hkv, P, D] or [N, P, D], page_table
+// [B, M]), and with `own` each query's own key from k_self / v_self [B, Sq, Hkv, D] (ignored
+// without it).
 ffi::Error paged_forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                          ffi::AnyBuffer v_pages, I32 page_table, ffi::AnyBuffer k_self,
                          ffi::AnyBuffer v_self, F32Buffer multiplier, I32 seg_q, I32 seg_k,

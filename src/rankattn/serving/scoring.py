@@ -525,19 +525,25 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     rankattn.distributed.merge_partials can combine with others over disjoint keys (e.g.
     other context shards of the history)."""
     b, t, hq, d = q.shape
-    hkv, g = cache.kv_heads, hq // cache.kv_heads
+    hkv, g, p = cache.kv_heads, hq // cache.kv_heads, cache.page_size
     dtype = jnp.promote_types(q.dtype, cache.k_pages.dtype)
     table, length, valid = _user_pages(cache, users)
-    if plan.pages is None or plan.pages >= cache.max_pages:  # exact: every page, in order
-        logical = jnp.broadcast_to(jnp.arange(cache.max_pages, dtype=jnp.int32),
-                                   (b, hkv, 1, 1, cache.max_pages))
-    else:
-        logical = _select_pages(plan, _head_major(q, hkv), cache, table, valid)
-        logical = jnp.broadcast_to(logical, (b, hkv, *logical.shape[2:]))
+    k_pages, v_pages = (x.astype(dtype) for x in (cache.k_pages, cache.v_pages))
+    self_kv = None if k_self is None else (k_self.astype(dtype), v_self.astype(dtype))
+    if plan.pages is None or plan.pages >= cache.max_pages:
+        # Exact: a row per request, every page in order, q and the pages in their own layouts
+        # (a transpose of q, the self keys and the result would cost 5% of a 64-candidate
+        # request, benchmarks/CPU_KERNEL.md). Slots past the user's length (a missing page
+        # read as page 0, a released page's stale tail) are never seen.
+        seen = jnp.arange(cache.max_pages * p)[None, :] < length[:, None]
+        return _attend_rows(plan, q.astype(dtype), k_pages, v_pages, jnp.maximum(table, 0),
+                            seen, self_kv)
+    logical = _select_pages(plan, _head_major(q, hkv), cache, table, valid)
+    logical = jnp.broadcast_to(logical, (b, hkv, *logical.shape[2:]))
     # One row of the kernel call per page list: (b, kv head, candidate if per query, query
     # head if per head), holding the queries that share the list ([t_in, g_in]).
     t_sel, g_sel, n = logical.shape[2:]
-    t_in, g_in, p = t // t_sel, g // g_sel, cache.page_size
+    t_in, g_in = t // t_sel, g // g_sel
     rows = b * hkv * t_sel * g_sel
 
     def to_rows(x, inner):  # [B, Hkv, t_sel * t_in, G_x, E] -> [rows, t_in, inner, E]
@@ -546,22 +552,21 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
 
     q_rows = to_rows(q.astype(dtype).reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4), g_in)
     self_rows = None
-    if k_self is not None:  # [B, T, Hkv, E] -> [rows, t_in, 1, E], one per query head list
+    if self_kv is not None:  # [B, T, Hkv, E] -> [rows, t_in, 1, E], one per query head list
         self_rows = tuple(
-            to_rows(jnp.broadcast_to(x.astype(dtype).transpose(0, 2, 1, 3)[:, :, :, None],
+            to_rows(jnp.broadcast_to(x.transpose(0, 2, 1, 3)[:, :, :, None],
                                      (b, hkv, t, g_sel, x.shape[-1])), 1)
-            for x in (k_self, v_self))
+            for x in self_kv)
     # Kernel row r reads pages of one kv head: the cache's pages [N, Hkv, P, E] seen as
-    # [N * Hkv, P, E] (no copy), page (physical page) * Hkv + kv head.
+    # [N * Hkv, 1, P, E] (no copy), page (physical page) * Hkv + kv head.
     phys = jnp.maximum(table[jnp.arange(b)[:, None, None, None, None], logical], 0)
     head = jnp.arange(hkv, dtype=jnp.int32)[None, :, None, None, None]
     row_pages = (phys * hkv + head).reshape(rows, n)
-    # Slots past the user's length (a missing page read as page 0, a released page's stale
-    # tail, a selected page that does not exist) are never seen.
+    # Slots past the user's length (as above, or a selected page that does not exist) are
+    # never seen.
     pos = logical[..., None] * p + jnp.arange(p)
     seen = (pos < length[:, None, None, None, None, None]).reshape(rows, n * p)
-    k_pages, v_pages = (x.astype(dtype).reshape(-1, p, x.shape[-1])
-                        for x in (cache.k_pages, cache.v_pages))
+    k_pages, v_pages = (x.reshape(-1, 1, p, x.shape[-1]) for x in (k_pages, v_pages))
     out, lse = _attend_rows(plan, q_rows, k_pages, v_pages, row_pages, seen, self_rows)
     # [rows, t_in, g_in, Dv] -> [B, T, Hq, Dv]; lse [rows, g_in, t_in] -> [B, Hq, T].
     out = out.reshape(b, hkv, t_sel, g_sel, t_in, g_in, -1).transpose(0, 2, 4, 1, 3, 5, 6)
@@ -572,11 +577,11 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
 def _attend_rows(plan: _Plan, q, k_pages, v_pages, table, seen, self_kv):
     """Rows of queries over their own pages, on rankattn's core attention kernels.
 
-    q [R, T, Hq, D], the query heads of one kv head; k_pages / v_pages [N, P, D / Dv], pages
-    of one kv head; table int32 [R, n]: row r's keys are pages table[r] in order (S = n * P);
-    seen bool [R, S]: which of them row r sees; self_kv None or (k_self, v_self) [R, T, 1,
-    D / Dv], each query's own key. Returns (out [R, T, Hq, Dv], lse [R, Hq, T]) float32
-    (float64 for float64 inputs).
+    q [R, T, Hq, D]; k_pages / v_pages [N, Hkv, P, D / Dv] (Hq a multiple of Hkv); table
+    int32 [R, n]: row r's keys are pages table[r] in order (S = n * P), every kv head of
+    them; seen bool [R, S]: which of them row r sees; self_kv None or (k_self, v_self)
+    [R, T, Hkv, D / Dv], each query's own key. Returns (out [R, T, Hq, Dv], lse [R, Hq, T])
+    float32 (float64 for float64 inputs).
 
     The queries attend to the row's keys as candidates of a history:
     rankattn.semantics.ShardMask gives the keys their own segment ids (0 where not seen,
@@ -608,8 +613,9 @@ def _candidates(q, seen):
 
 def _contiguous_call(plan: _Plan, q, k_pages, v_pages, table, seen) -> AttentionCall:
     """_attend_rows' attention as one rankattn.attention call over contiguous keys."""
-    def keys(pages):  # [N, P, E] -> [R, n * P, 1, E]
-        return pages[table].reshape(q.shape[0], -1, 1, pages.shape[-1])
+    def keys(pages):  # [N, Hkv, P, E] -> [R, n * P, Hkv, E]
+        x = pages[table].transpose(0, 1, 3, 2, 4)
+        return x.reshape(q.shape[0], -1, *pages.shape[1:2], pages.shape[-1])
 
     segment_ids, mask = _candidates(q, seen)
     return AttentionCall(q=q, k=keys(k_pages), v=keys(v_pages), segment_ids=segment_ids,

@@ -22,8 +22,8 @@ struct Problem {
   const int32_t *kv_index, *full_count, *count;     // [B, nQ, nK], [B, nQ], [B, nQ]
   const int32_t *q_index, *q_full_count, *q_count;  // [B, nK, nQ], [B, nK], [B, nK]
   // Paged keys (serving's cache): key t of batch row b is slot t % page_size of page
-  // page_table[b][t / page_size] of k, v [N, page_size, D] (one kv head). page_size 0: k, v
-  // are [B, S, Hkv, D].
+  // page_table[b][t / page_size] of k, v [N, Hkv, page_size, D]. page_size 0: k, v are
+  // [B, S, Hkv, D].
   const int32_t* page_table = nullptr;
   int64_t page_size = 0, num_pages = 0;
   // The own key of query i from own_k / own_v [B, Sq, Hkv, D] (serving's candidates, whose
