@@ -81,9 +81,6 @@ struct Forward {
       if (kb < 0 || kb >= pr.n_k) continue;
       const KeyPanel<E> key = keys.template for_task<D>(b, hk, kb, k, v);
       const bool masked = e >= list.full;
-      // The next block packed by this task, prefetched during this block's softmax.
-      int64_t next_kb = keys.per_task && e + 1 < list.count ? list.index[e + 1] : -1;
-      if (next_kb >= pr.n_k) next_kb = -1;
       // Row r's logits of the block, s = t cap(scale S) (folded: S, scaled in the exp below),
       // -inf where the mask hides a key; returns their max.
       auto logits = [&](int64_t r) {
@@ -149,10 +146,7 @@ struct Forward {
         store(alpha.data() + r0, m_old == finite_max ? splat(1.0f) : vexp(m_old - finite_max));
         store(shift.data() + r0, finite_max);
         store(m.data() + r0, m_new);
-        for (int64_t r = r0; r < r_end; ++r) {
-          exponentiate(r);
-          if (next_kb >= 0) keys.template prefetch<D>(b, hk, next_kb, r, m_rows, k, v);
-        }
+        for (int64_t r = r0; r < r_end; ++r) exponentiate(r);
       }
       // acc += P V. p past the block's keys is 0 (their logits are -inf), so a bfloat16 pair
       // or an AMX tile row may read it.

@@ -529,24 +529,6 @@ struct KeyPanels {
     return key;
   }
 
-  // Part `part` of `parts` of block kb's k and v rows of (b, kv head), prefetched into L2: a
-  // per_task block's rows, read while the block before it is computed, so that packing it
-  // does not wait on memory (serving's pages are scattered, which the hardware's prefetchers
-  // do not follow).
-  template <typename D>
-  void prefetch(int64_t b, int64_t hk, int64_t kb, int64_t part, int64_t parts,
-                const typename D::T* k, const typename D::T* v) const {
-    const int64_t k0 = kb * pr.block_k, nk = std::min(pr.block_k, pr.kv_len - k0);
-    const int64_t t_end = nk * (part + 1) / parts;
-    for (int64_t t = nk * part / parts; t < t_end; ++t) {
-      for (auto [x, width] : {std::pair{k, pr.dim}, {v, pr.dim_v}}) {
-        const char* row = reinterpret_cast<const char*>(x + pr.kv_offset(b, hk, k0 + t, width));
-        const int64_t bytes = width * static_cast<int64_t>(sizeof(typename D::T));
-        for (int64_t at = 0; at < bytes; at += kCacheLine) __builtin_prefetch(row + at, 0, 2);
-      }
-    }
-  }
-
   // Packs block `block` into the call's store (not per_task).
   template <typename D>
   void pack_stored(int64_t block, const typename D::T* k, const typename D::T* v) const {
