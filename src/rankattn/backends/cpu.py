@@ -35,7 +35,7 @@ import numpy as np
 
 from rankattn import native, semantics
 from rankattn.backends.base import Backend
-from rankattn.blocks import BlockPlan, BlockSizes, segments_and_plan
+from rankattn.blocks import BlockPlan, BlockSizes, prefix_block_plan, segments_and_plan
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
@@ -90,7 +90,7 @@ def fused_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
 
 def paged_forward(q, k_pages, v_pages, page_table, self_kv, segment_ids, *, shard_mask,
                   scale: float, softcap: float | None, softcap_method: str,
-                  block_sizes: BlockSizes | None = None):
+                  block_sizes: BlockSizes | None = None, seen_lengths=None):
     """Serving's exact scoring on the ``cpu`` kernel, reading the cache's pages in place.
 
     q [B, T, Hq, D]; k_pages / v_pages [N, Hkv, P, D / Dv] (q's dtype; [N, P, D / Dv]: one
@@ -98,15 +98,21 @@ def paged_forward(q, k_pages, v_pages, page_table, self_kv, segment_ids, *, shar
     order (S = M * P tokens), every kv head of them (entries outside [0, N) read a clamped
     page, so mask them). ``segment_ids`` [B, T] and ``shard_mask`` (keys [B, S]) as
     :func:`fused_attention`'s; ``self_kv``: None, or (k_self, v_self) [B, T, Hkv, D / Dv],
-    each query's own key, seen by the candidates (segment id < 0).
+    each query's own key, seen by the candidates (segment id < 0). ``seen_lengths`` int32
+    [B] or None: where every query of row b sees exactly keys [0, L_b) of the shard mask
+    (serving's exact scoring), its block plan comes from the lengths
+    (:func:`rankattn.blocks.prefix_block_plan`).
     Returns (out [B, T, Hq, Dv], lse [B, Hq, T] float32). Forward only (no VJP: the
     caller's custom VJP differentiates an equivalent contiguous call).
     """
     b, t = q.shape[:2]
     s = page_table.shape[1] * k_pages.shape[-2]
+    block_plan = None
+    if seen_lengths is not None:
+        block_plan = prefix_block_plan(seen_lengths, t, s, plan_sizes(block_sizes, t, s))
     static, mask, block_plan = _prepare(q.shape, s, segment_ids, False, scale, softcap,
-                                        softcap_method, block_sizes, None, shard_mask, None,
-                                        own=self_kv is not None)
+                                        softcap_method, block_sizes, block_plan, shard_mask,
+                                        None, own=self_kv is not None)
     k_self, v_self = self_kv or (jnp.zeros((1, 1, 1, 1), q.dtype),) * 2
     shapes = (jax.ShapeDtypeStruct((b, t, q.shape[2], v_pages.shape[-1]), q.dtype),
               jax.ShapeDtypeStruct((b, q.shape[2], t), jnp.float32))
