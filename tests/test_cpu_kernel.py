@@ -196,6 +196,13 @@ ORDER_SCRIPT = textwrap.dedent("""
             out, lse = paged(q[:, :20], *pages, k[:, :20, :1], v[:, :20, :1])
             results[f"paged out {dtype.__name__} {block_q}"] = np.asarray(out.astype(jnp.float32))
             results[f"paged lse {dtype.__name__} {block_q}"] = np.asarray(lse)
+        # One row of one kv head: a query block for two threads, split into parts.
+        one = jax.jit(lambda q, kp, vp, ks, vs: cpu.paged_forward(
+            q, kp, vp, table[:1], (ks, vs), -jnp.ones((1, 20), jnp.int32),
+            shard_mask=jax.tree.map(lambda x: x[:1], visible), scale=0.2, softcap=None,
+            softcap_method="tanh", block_sizes=BlockSizes(32, 16)))
+        out, lse = one(q[:1, :20], *pages, k[:1, :20, :1], v[:1, :20, :1])
+        results[f"paged parts {dtype.__name__}"] = np.asarray(out.astype(jnp.float32))
     stats = jax.random.normal(keys[0], (300, 2, 40))
     bounds, bad = cpu.page_bounds(jax.random.normal(keys[1], (b, 2, 6, 40)), stats, stats - 1,
                                   jax.random.randint(keys[2], (b, 300), 0, 300, jnp.int32),
@@ -210,7 +217,9 @@ def test_results_are_bit_identical_in_any_task_order_thread_count_backward_pass_
         tmp_path):
     """Every output element is written by one task, in a fixed order: tasks claimed in reverse
     or shuffled order (the test-only RANKATTN_CPU_TASK_ORDER, which bites where the pool has
-    one thread too), one thread or the pool, give the same bits. The backward's two passes
+    one thread too), one thread or the pool (which splits a forward's query blocks among its
+    threads where they are fewer, as one row of one kv head), give the same bits. The
+    backward's two passes
     (RANKATTN_CPU_BACKWARD_PASS) agree bit for bit: rows (one task per batch row and kv head,
     each dq term added at once: what one thread takes) and blocks, which keeps dS for the dq
     tasks in chunks of key blocks that fit RANKATTN_CPU_BACKWARD_MB (0: one key block per

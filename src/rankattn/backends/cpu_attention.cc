@@ -160,9 +160,20 @@ ffi::Error by_dtype(ffi::DataType dtype, Fn fn) {
   }
 }
 
+// How many tasks share each query block of the forward, each a run of its tokens: 1, unless
+// the query blocks are fewer than the threads (a request of one user and kv head is one
+// block: it ran on one core), then enough to occupy them, of at least kMinPartTokens tokens.
+constexpr int64_t kMinPartTokens = 8;
+int64_t query_parts(const Problem& pr, int64_t threads) {
+  const int64_t blocks = pr.batch * pr.kv_heads * pr.n_q;
+  if (blocks >= threads) return 1;
+  const int64_t most = std::max<int64_t>(1, std::min(pr.block_q, pr.q_len) / kMinPartTokens);
+  return std::min((threads + blocks - 1) / blocks, most);
+}
+
 // The forward of a described problem (contiguous or paged keys): the key blocks packed by their
 // own tasks (unless each is read by one task only, which packs it), then one task per query
-// block.
+// block, or per part of one (query_parts).
 ffi::Error run_forward(ffi::ThreadPool& pool, const Problem& pr, const ffi::AnyBuffer& q,
                        const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                        ffi::Result<ffi::AnyBuffer>& out,
@@ -177,14 +188,15 @@ ffi::Error run_forward(ffi::ThreadPool& pool, const Problem& pr, const ffi::AnyB
     const T* k_in = static_cast<const T*>(k.untyped_data());
     const T* v_in = static_cast<const T*>(v.untyped_data());
     using E = typename DotElement<D>::type;
-    KeyPanels<E> keys(pr, false, pr.n_q == 1);
+    const int64_t parts = query_parts(pr, call_threads(pool));
+    KeyPanels<E> keys(pr, false, pr.n_q == 1 && parts == 1);
     if (!keys.per_task) {
       parallel_for(pool, pr.batch * pr.kv_heads * pr.n_k,
                    [&](int64_t block) { keys.template pack_stored<D>(block, k_in, v_in); });
     }
     Forward<D> kernel{pr, keys, static_cast<const T*>(q.untyped_data()), k_in, v_in,
-                      static_cast<T*>(out->untyped_data()), lse->typed_data()};
-    parallel_for(pool, pr.batch * pr.kv_heads * pr.n_q, [&](int64_t t) { kernel.run(t); });
+                      static_cast<T*>(out->untyped_data()), lse->typed_data(), parts};
+    parallel_for(pool, kernel.tasks(), [&](int64_t t) { kernel.run(t); });
     return ffi::Error::Success();
   });
 }

@@ -34,11 +34,20 @@ struct Forward {
   const T *q, *k, *v;
   T* out;
   float* lse;
+  int64_t parts;  // tasks per query block, each a run of its tokens (see query_parts)
+
+  int64_t tasks() const { return pr.batch * pr.kv_heads * pr.n_q * parts; }
 
   void run(int64_t task) const {
+    const int64_t part = task % parts;
+    task /= parts;
     const int64_t b = task / (pr.kv_heads * pr.n_q), hk = task / pr.n_q % pr.kv_heads;
-    const int64_t qb = task % pr.n_q, g_len = pr.group(), q0 = qb * pr.block_q;
-    const int64_t nq = std::min(pr.block_q, pr.q_len - q0), m_rows = g_len * nq;
+    const int64_t qb = task % pr.n_q, g_len = pr.group();
+    // Tokens [q0, q0 + nq) of the query block: its part `part` of `parts`.
+    const int64_t block_len = std::min(pr.block_q, pr.q_len - qb * pr.block_q);
+    const int64_t first = block_len * part / parts, q0 = qb * pr.block_q + first;
+    const int64_t nq = block_len * (part + 1) / parts - first, m_rows = g_len * nq;
+    if (nq == 0) return;
     const int64_t ld_d = pr.ld_d(), ld_dv = pr.ld_dv(), ld_keys = pr.ld_keys();
     const int64_t key_cols = pr.key_cols(), dv_cols = pr.dv_cols();
     // Per-thread buffers, reused by every task the thread runs (see Workspace): the rows of q
