@@ -52,12 +52,18 @@ Q_HEADS, KV_HEADS, HEAD_DIM, USERS, CANDIDATES = 8, 2, 64, 4, 12
 # Exact-path workload: the Phoenix-like shape of `rankattn demo`.
 EXACT = dict(users=4, history=1022, q_heads=4, kv_heads=2, head_dim=128)
 WARM_CALLS = 2  # section 1b's back-to-back times: untimed calls of the same function first
-# Against torch SDPA: (users, history, candidates, q heads, kv heads, dtype, Quest budget); the
-# Phoenix request shape (the first: the 64-candidate request of the 70%-of-GEMM target), its
-# production heads, DLRMv3's inference shape, long histories.
+# Against torch SDPA: (users, history, candidates, q heads, kv heads, dtype, Quest budget[,
+# head dim: EXACT's when left out]); the Phoenix request shape (the first: the 64-candidate
+# request of the 70%-of-GEMM target), its production heads, DLRMv3's inference shape, the
+# corners of small requests (one user, one kv head, 32 candidates, 16 users, head dim 64 with
+# three query heads per kv head, short and long histories), long histories.
 PEER_SHAPES = ((4, 1022, 64, 4, 2, "float32", None), (4, 1022, 256, 4, 2, "float32", None),
                (4, 1022, 64, 20, 4, "float32", None), (4, 1022, 256, 20, 4, "float32", None),
                (1, 1024, 2048, 4, 2, "float32", None),
+               (1, 1022, 64, 4, 2, "float32", None), (1, 1022, 64, 5, 1, "float32", None),
+               (4, 1022, 32, 4, 2, "float32", None), (16, 1022, 64, 4, 2, "float32", None),
+               (4, 1022, 64, 6, 2, "float32", None, 64), (4, 510, 64, 4, 2, "float32", None, 64),
+               (4, 4094, 64, 4, 2, "float32", None),
                (4, 1022, 64, 4, 2, "bfloat16", None), (4, 1022, 256, 4, 2, "bfloat16", None),
                (1, 1024, 2048, 4, 2, "bfloat16", None),
                (1, 16384, 64, 4, 2, "float32", None), (1, 16384, 64, 4, 2, "float32", 2048),
@@ -88,6 +94,7 @@ SIZES = {
     # Every section and kind of row (exact, bf16, >= 1024 query rows per history, Quest).
     "smoke": Sizes((256,), (64,), (8,), 40, (CANDIDATES,),
                    ((1, 40, 8, 4, 2, "float32", None), (1, 40, 256, 4, 2, "float32", None),
+                    (1, 40, 8, 6, 2, "float32", None, 64),
                     (1, 40, 8, 4, 2, "bfloat16", None), (1, 256, 8, 4, 2, "float32", 64)), 1, 1,
                    SMOKE_GEMM_SIZE),
 }
@@ -166,17 +173,28 @@ def exact_path(candidates: tuple[int, ...], repeats: int, history: int) -> tuple
     return text, ratios
 
 
-def peer_inputs(u, s, c, hq, hkv, dtype):
+def peer_shape(shape) -> tuple:
+    """(users, history, candidates, q heads, kv heads, dtype, budget, head dim) of a section 1b
+    shape (or a record's), the head dim EXACT's where it is left out."""
+    return (*shape, EXACT["head_dim"])[:8]
+
+
+def heads_label(hq: int, hkv: int, d: int) -> str:
+    """A section 1b shape's heads, "q heads/kv heads", with its head dim where not EXACT's."""
+    return f"{hq}/{hkv}" + ("" if d == EXACT["head_dim"] else f", D={d}")
+
+
+def peer_inputs(u, s, c, hq, hkv, dtype, d=EXACT["head_dim"]):
     """(the shape, (cache, q, k_self, v_self) for serving.attend, {name: torch call as a
-    zero-argument function}, empty without torch): full histories of s tokens, head dim
-    EXACT['head_dim']. 'torch' is what a torch user writes for the same scores: SDPA of the
+    zero-argument function}, empty without torch): full histories of s tokens, head dim d.
+    'torch' is what a torch user writes for the same scores: SDPA of the
     candidate queries over the concatenated [history; candidates] K/V with a [C, S + C]
     boolean mask (history visible, each candidate's own key), K/V repeated per query head.
     'torch split' skips the mask's C x C block: SDPA over the history alone (torch's CPU
     flash kernel, which also returns the log-sum-exp), then each candidate's own key merged
     by log-sum-exp."""
     rng = np.random.default_rng(1)
-    d, jdt = EXACT["head_dim"], jnp.dtype(dtype)
+    jdt = jnp.dtype(dtype)
     k, v = (rng.standard_normal((u, s, hkv, d), np.float32) for _ in range(2))
     qc = rng.standard_normal((u, c, hq, d), np.float32)
     kc, vc = (rng.standard_normal((u, c, hkv, d), np.float32) for _ in range(2))
@@ -221,8 +239,8 @@ def torch_peer(shapes, repeats: int) -> dict:
     largest difference from torch's output."""
     results = {}
     for shape in shapes:
-        *dims, budget = shape
-        (u, s, c, hq, hkv, dtype), (cache, q, kc, vc), torch_fns = peer_inputs(*dims)
+        u, s, c, hq, hkv, dtype, budget, d = peer_shape(shape)
+        _, (cache, q, kc, vc), torch_fns = peer_inputs(u, s, c, hq, hkv, dtype, d)
         options = {} if budget is None else dict(budget=budget, selection="per_request")
         attend = jax.jit(lambda cache, q, kc, vc: serving.attend(
             q, cache, jnp.arange(u), self_kv=(kc, vc), **options))
@@ -241,18 +259,18 @@ def torch_peer(shapes, repeats: int) -> dict:
 def pair_rate(shape, result) -> float:
     """FLOP/s of rankattn's call at a torch_peer shape, counted on the visible (query, key)
     pairs (4 D flops each)."""
-    u, s, c, hq = shape[:4]
-    return 4 * u * hq * c * (s + 1) * EXACT["head_dim"] / result["ms"]["rankattn"] * 1e3
+    u, s, c, hq, *_, d = peer_shape(shape)
+    return 4 * u * hq * c * (s + 1) * d / result["ms"]["rankattn"] * 1e3
 
 
 def peer_table(runs: list[dict], rates: dict) -> str:
     """Section 1b from two runs of torch_peer (times from the first) and the GEMM rates."""
     rows = []
     for shape, first in runs[0].items():
-        (u, s, c, hq, hkv, dtype, budget), ms = shape, first["ms"]
+        (u, s, c, hq, hkv, dtype, budget, d), ms = peer_shape(shape), first["ms"]
         rate = pair_rate(shape, first) / 1e9
         gemm = matmul_rate(rates, dtype) / 1e9
-        rows.append([f"{u} x {s} x {c}", f"{hq}/{hkv}", dtype,
+        rows.append([f"{u} x {s} x {c}", heads_label(hq, hkv, d), dtype,
                      "exact" if budget is None else f"Quest {budget}, per_request",
                      ms["rankattn"], ms["torch"],
                      " / ".join(f"{run[shape]['ratio']['torch']:.2f}x" for run in runs),
@@ -282,8 +300,8 @@ def machines_table(records: list[dict]) -> str:
     """Section 1b's ratios on every machine with a record, the newest first: after a pause /
     back to back, each as run 1 / run 2."""
     def label(shape):
-        u, s, c, hq, hkv, dtype, budget = shape
-        return (f"{u} x {s} x {c}, {hq}/{hkv}, {dtype}"
+        u, s, c, hq, hkv, dtype, budget, d = peer_shape(shape)
+        return (f"{u} x {s} x {c}, {heads_label(hq, hkv, d)}, {dtype}"
                 + ("" if budget is None else f", Quest {budget}"))
 
     records = sorted(records, key=lambda r: r["date"], reverse=True)
@@ -583,10 +601,10 @@ def render(sections, histories, budgets, exact_cands, exact_hist, exact_ratio, r
     peer_rows = peer_rate_note = ""
     if peer_runs:
         def lowest(kind):  # (the lowest ratio of exact shapes, "where") over both runs
-            ratio, (u, s, c, hq, hkv, dtype, _) = min(
-                (r[kind]["torch"], shape) for run in peer_runs for shape, r in run.items()
-                if shape[-1] is None)
-            return ratio, f"{u} x {s} x {c}, {hq}/{hkv}, {dtype}"
+            ratio, (u, s, c, hq, hkv, dtype, _, d) = min(
+                (r[kind]["torch"], peer_shape(shape)) for run in peer_runs
+                for shape, r in run.items() if peer_shape(shape)[6] is None)
+            return ratio, f"{u} x {s} x {c}, {heads_label(hq, hkv, d)}, {dtype}"
 
         worst, where = lowest("ratio")
         warm, warm_where = lowest("ratio warm")
@@ -594,9 +612,12 @@ def render(sections, histories, budgets, exact_cands, exact_hist, exact_ratio, r
         u0, s0, c0, hq0 = target[:4]
         achieved = pair_rate(target, peer_runs[0][target])
         share = achieved / matmul_rate(rates)
+        def amortising(shape):  # exact, float32, at least 1024 query rows per history
+            _, _, c, hq, _, dtype, budget, _ = peer_shape(shape)
+            return budget is None and dtype == "float32" and hq * c >= 1024
+
         amortised = [pair_rate(shape, r) / matmul_rate(rates)
-                     for shape, r in peer_runs[0].items()
-                     if shape[-1] is None and shape[5] == "float32" and shape[3] * shape[2] >= 1024]
+                     for shape, r in peer_runs[0].items() if amortising(shape)]
         peer_rate_note = f"""What separates the shapes' rates is a fixed cost per request and kv head: reading
 and packing the history's keys and values once (4 MB of float32 per user and kv head
 at 1022 tokens, D = 128), whatever the number of candidates that then share it. At
@@ -675,7 +696,8 @@ cached path O(C * S): the gap shrinks as candidates outnumber the history.
 What a torch user writes for the same scores: `scaled_dot_product_attention` of the
 candidate queries over the concatenated [history; candidates] K/V with a [C, S + C]
 boolean mask (every history key, and each candidate's own key), K/V repeated per
-query head; head dim {EXACT['head_dim']}, pages of {PAGE}, full histories. "torch split"
+query head; head dim {EXACT['head_dim']} (unless the heads say D=64), pages of {PAGE}, full
+histories. "torch split"
 leaves out the mask's C x C block, most of it masked when candidates outnumber the
 history: torch's CPU flash kernel over the history alone (it returns the log-sum-exp
 too), then each candidate's own key merged by log-sum-exp. Ratio = torch time /
