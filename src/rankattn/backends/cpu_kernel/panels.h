@@ -442,10 +442,11 @@ struct KeyPanel {
 };
 
 // Every key block's panels, packed once per call by their own tasks; or, `per_task`, each block
-// packed by the one task that reads it just before it reads it, into that thread's one-block
+// packed by each task that reads it just before it reads it, into that thread's one-block
 // buffer (what a call whose key blocks have one query block each wants, e.g. serving's
 // candidates: packing all blocks first writes them out of cache and reads them back, which
-// measured a third of such a call).
+// measured a third of such a call; and so do the parts of a split query block, see
+// query_parts).
 template <typename E>
 struct KeyPanels {
   const Problem& pr;
