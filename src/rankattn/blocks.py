@@ -82,8 +82,8 @@ def prefix_block_plan(lengths, q_len: int, kv_len: int, sizes: BlockSizes) -> Bl
     """The plan of rows whose queries all see keys [0, lengths[b]) of row b and no other
     history key (serving's exact scoring: candidates over their user's cached history),
     from the lengths alone: what :func:`make_block_plan` gives for that mask, without its
-    per-key statistics and sorts (a dozen small XLA ops, most of what a 64-candidate request
-    spent outside the kernel).
+    per-key statistics and sorts (nine of the 21 small XLA ops around the kernel in a
+    64-candidate request).
 
     Key blocks below the length are full, the one it ends in partial, the rest unvisited.
     """
