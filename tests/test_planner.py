@@ -129,10 +129,8 @@ def test_block_plan_lists_each_pair_once_per_direction(data, seq, block_q, block
     assert {p for p, f in by_query.items() if f} == {tuple(x) for x in np.argwhere(full)}
 
 
-@settings(max_examples=2 * settings.default.max_examples)  # cheap: no attention compiled
-@given(q_len=st.sampled_from([1, 5, 64]), kv_len=st.sampled_from([7, 16, 48]),
-       block_q=st.sampled_from([1, 4, 64]), block_k=st.sampled_from([1, 5, 16]),
-       data=st.data())
+@given(q_len=st.sampled_from([1, 5, 64]), kv_len=st.sampled_from([7, 48]),
+       block_q=st.sampled_from([4, 64]), block_k=st.sampled_from([5, 16]), data=st.data())
 def test_prefix_plan_is_the_plan_of_its_mask(q_len, kv_len, block_q, block_k, data):
     """prefix_block_plan (serving's exact scoring: every query sees keys [0, L) of its row)
     lists the blocks make_block_plan lists for that mask, as candidates over a shard mask
