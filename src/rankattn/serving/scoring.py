@@ -537,7 +537,7 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
         # read as page 0, a released page's stale tail) are never seen.
         seen = jnp.arange(cache.max_pages * p)[None, :] < length[:, None]
         return _attend_rows(plan, q.astype(dtype), k_pages, v_pages, jnp.maximum(table, 0),
-                            seen, self_kv, seen_is_prefix=True)
+                            seen, self_kv, seen_lengths=length)
     logical = _select_pages(plan, _head_major(q, hkv), cache, table, valid)
     logical = jnp.broadcast_to(logical, (b, hkv, *logical.shape[2:]))
     # One row of the kernel call per page list: (b, kv head, candidate if per query, query
@@ -574,16 +574,15 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     return out.reshape(b, t, hq, -1), lse.reshape(b, hq, t)
 
 
-def _attend_rows(plan: _Plan, q, k_pages, v_pages, table, seen, self_kv,
-                 seen_is_prefix: bool = False):
+def _attend_rows(plan: _Plan, q, k_pages, v_pages, table, seen, self_kv, seen_lengths=None):
     """Rows of queries over their own pages, on rankattn's core attention kernels.
 
     q [R, T, Hq, D]; k_pages / v_pages [N, Hkv, P, D / Dv] (Hq a multiple of Hkv); table
     int32 [R, n]: row r's keys are pages table[r] in order (S = n * P), every kv head of
-    them; seen bool [R, S]: which of them row r sees (``seen_is_prefix``: the first keys of
-    each row, whose count then plans the kernel's blocks); self_kv None or (k_self, v_self)
-    [R, T, Hkv, D / Dv], each query's own key. Returns (out [R, T, Hq, Dv], lse [R, Hq, T])
-    float32 (float64 for float64 inputs).
+    them; seen bool [R, S]: which of them row r sees; seen_lengths None, or int32 [R] where
+    row r sees exactly its first seen_lengths[r] keys (which then plan the kernel's blocks);
+    self_kv None or (k_self, v_self) [R, T, Hkv, D / Dv], each query's own key. Returns
+    (out [R, T, Hq, Dv], lse [R, Hq, T]) float32 (float64 for float64 inputs).
 
     The queries attend to the row's keys as candidates of a history:
     rankattn.semantics.ShardMask gives the keys their own segment ids (0 where not seen,
@@ -597,8 +596,8 @@ def _attend_rows(plan: _Plan, q, k_pages, v_pages, table, seen, self_kv,
     # gather is dead code to XLA.
     backend = select_backend(plan.impl, _contiguous_call(plan, q, k_pages, v_pages, table, seen))
     if isinstance(backend, Cpu):
-        return _paged_cpu(plan, backend, seen_is_prefix, q, k_pages, v_pages, table, seen,
-                          self_kv)
+        return _paged_cpu(plan, backend, q, k_pages, v_pages, table, seen, self_kv,
+                          seen_lengths)
     return _contiguous(plan, backend, q, k_pages, v_pages, table, seen, self_kv)
 
 
@@ -637,28 +636,27 @@ def _contiguous(plan: _Plan, backend, q, k_pages, v_pages, table, seen, self_kv)
     return distributed.merge_partials(parts)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _paged_cpu(plan: _Plan, backend, seen_is_prefix, q, k_pages, v_pages, table, seen, self_kv):
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _paged_cpu(plan: _Plan, backend, q, k_pages, v_pages, table, seen, self_kv, seen_lengths):
     """_attend_rows on the cpu kernel, pages read in place. Its gradients are those of the
     equivalent contiguous call (the kernel's backward takes contiguous keys), whose results it
     returns in the same dtypes (float32 for 16-bit inputs)."""
     segment_ids, mask = _candidates(q, seen)
-    lengths = seen.sum(-1, dtype=jnp.int32) if seen_is_prefix else None
     out, lse = paged_forward(q, k_pages, v_pages, table, self_kv, segment_ids, shard_mask=mask,
                              scale=plan.scale, softcap=plan.softcap,
                              softcap_method=plan.softcap_method, block_sizes=backend.block_sizes,
-                             seen_lengths=lengths)
+                             seen_lengths=seen_lengths)
     acc = jnp.promote_types(q.dtype, jnp.float32)
     return out.astype(acc), lse.astype(acc)
 
 
-def _paged_cpu_fwd(plan, backend, seen_is_prefix, *args):
-    return _paged_cpu(plan, backend, seen_is_prefix, *args), args
+def _paged_cpu_fwd(plan, backend, *args):
+    return _paged_cpu(plan, backend, *args), args[:-1]
 
 
-def _paged_cpu_bwd(plan, backend, seen_is_prefix, args, cotangents):
+def _paged_cpu_bwd(plan, backend, args, cotangents):  # none for seen_lengths (integers)
     _, vjp = jax.vjp(partial(_contiguous, plan, backend), *args)
-    return vjp(cotangents)
+    return (*vjp(cotangents), None)
 
 
 _paged_cpu.defvjp(_paged_cpu_fwd, _paged_cpu_bwd)
