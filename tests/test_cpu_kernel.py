@@ -245,26 +245,32 @@ def test_results_are_bit_identical_in_any_task_order_thread_count_backward_pass_
         assert not differ, (field, differ)
     # The trace: one caller per region, which alone runs every task on one thread; with the
     # pool, no task twice (a worker that starts after the call has returned runs none, and
-    # may print after the process has ended).
+    # may print after the process has ended). Only a caller yields its CPU, to workers that
+    # are late, and at most once per task it runs: never on one thread, which has none.
     assert traces["one thread"] and not traces["pool, dS kept"]
     for name in ("one thread", "pool, rows"):
         for region, (tasks, lines) in traces[name].items():
-            assert [who for who, _ in lines].count("caller") == 1, (name, region, lines)
-            ran = sum(count for _, count in lines)
+            assert [who for who, _, _ in lines].count("caller") == 1, (name, region, lines)
+            ran = sum(count for _, count, _ in lines)
             assert ran == tasks if name == "one thread" else ran <= tasks, (name, region, lines)
+            for who, count, yields in lines:
+                most = 0 if who == "worker" or name == "one thread" else count
+                assert yields <= most, (name, region, lines)
 
 
-def trace_regions(stderr: str) -> dict[int, tuple[int, list[tuple[str, int]]]]:
-    """RANKATTN_CPU_TRACE's lines by region: {region: (tasks, [(caller / worker, ran)])}."""
+def trace_regions(stderr: str) -> dict[int, tuple[int, list[tuple[str, int, int]]]]:
+    """RANKATTN_CPU_TRACE's lines by region: {region: (tasks, [(caller / worker, ran,
+    yields)])}."""
     regions: dict = {}
     for line in stderr.splitlines():
         if line.startswith("rankattn cpu trace:"):
             match = re.fullmatch(r"rankattn cpu trace: region (\d+) of (\d+) tasks: (caller|"
                                  r"worker) started \d+ us after the call on cpu -?\d+, ran (\d+) "
-                                 r"in \d+ us", line)
+                                 r"in \d+ us, yielded (\d+) times", line)
             assert match, line
-            region, tasks, who, ran = match.groups()
-            regions.setdefault(int(region), (int(tasks), []))[1].append((who, int(ran)))
+            region, tasks, who, ran, yields = match.groups()
+            regions.setdefault(int(region), (int(tasks), []))[1].append(
+                (who, int(ran), int(yields)))
     return regions
 
 

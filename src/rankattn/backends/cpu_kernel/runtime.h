@@ -167,10 +167,8 @@ std::atomic<int64_t> traced_regions{0};  // numbers parallel_for's regions in th
 // on, until its share of the call is done; then it may run anywhere again.
 class AwayFrom {
  public:
-  explicit AwayFrom(int cpu) {
-    if (cpu < 0 || sched_getcpu() != cpu || sched_getaffinity(0, sizeof saved_, &saved_) != 0) {
-      return;
-    }
+  explicit AwayFrom(int cpu) : found_there_(cpu >= 0 && sched_getcpu() == cpu) {
+    if (!found_there_ || sched_getaffinity(0, sizeof saved_, &saved_) != 0) return;
     cpu_set_t others = saved_;
     CPU_CLR(cpu, &others);
     moved_ = CPU_COUNT(&others) > 0 && sched_setaffinity(0, sizeof others, &others) == 0;
@@ -180,8 +178,10 @@ class AwayFrom {
   }
   AwayFrom(const AwayFrom&) = delete;
   AwayFrom& operator=(const AwayFrom&) = delete;
+  bool found_there() const { return found_there_; }  // whether the thread was on that CPU
 
  private:
+  const bool found_there_;
   cpu_set_t saved_{};
   bool moved_ = false;
 };
@@ -195,6 +195,18 @@ thread_local void (*at_region_end)() = nullptr;
 inline int64_t call_threads(ffi::ThreadPool& pool) {
   return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), settings().max_threads));
 }
+
+// A worker woken onto its caller's CPU cannot run, and so cannot move away, until the caller's
+// time slice ends: 2.3-3.7 ms on the 2-core Zen 4 VM, where it happened in a third of short-fwd's
+// calls after a pause and in three quarters of the 64-candidate serving request's. So while a
+// worker has not begun, the caller yields its CPU before each task (the worker, if it waits
+// there, then runs and moves) once the worker is late: at once where workers were lately woken
+// onto their caller's CPU, else kWorkerLate after the call began (a woken worker began 25-60 us
+// after it there). Yielding at once in every call cost 6% of short-fwd beside a busy process.
+constexpr std::chrono::microseconds kWorkerLate{100};
+// Whether workers were lately woken onto their caller's CPU: a worker found there raises it by
+// 4, one found elsewhere lowers it by 1, within [0, 16]. (Racy updates only blur it.)
+std::atomic<int> woken_on_caller{0};
 
 template <typename Fn>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
@@ -212,7 +224,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
                                            : i);
   };
   struct State {
-    std::atomic<int64_t> next{0}, done{0};
+    std::atomic<int64_t> next{0}, done{0}, started{0};  // started: workers that began
     std::atomic<bool> failed{false};
     std::exception_ptr failure;  // the first, written by the task that set `failed`
   };
@@ -221,13 +233,29 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
   const auto start = std::chrono::steady_clock::now();
   // The state outlives this call for workers that start late; `task` does not, so a worker
   // only touches it after claiming a task, which cannot happen once all are done.
-  // `away_from`: a worker's caller's CPU (see AwayFrom); -1 for the caller.
-  auto work = [state, n, &task, region, start](int away_from) {
-    const AwayFrom moved(state->next.load(std::memory_order_relaxed) < n ? away_from : -1);
+  // `away_from`: a worker's caller's CPU (see AwayFrom); -1 for the caller. `workers`: for the
+  // caller, the workers scheduled, which it yields to while they are late (see kWorkerLate).
+  auto work = [state, n, &task, region, start](int away_from, int64_t workers) {
+    const bool tasks_left = state->next.load(std::memory_order_relaxed) < n;
+    const AwayFrom moved(tasks_left ? away_from : -1);
+    if (on_pool_worker) {
+      if (tasks_left && away_from >= 0) {
+        const int was = woken_on_caller.load(std::memory_order_relaxed);
+        woken_on_caller.store(moved.found_there() ? std::min(was + 4, 16) : std::max(was - 1, 0),
+                              std::memory_order_relaxed);
+      }
+      state->started.fetch_add(1, std::memory_order_relaxed);
+    }
     const auto began = std::chrono::steady_clock::now();
     const int cpu = settings().trace ? sched_getcpu() : -1;
-    int64_t ran = 0;
+    int64_t ran = 0, yields = 0;
     for (int64_t i; (i = state->next.fetch_add(1)) < n; ++ran) {
+      if (state->started.load(std::memory_order_relaxed) < workers &&
+          (woken_on_caller.load(std::memory_order_relaxed) > 0 ||
+           std::chrono::steady_clock::now() - start > kWorkerLate)) {
+        sched_yield();
+        ++yields;
+      }
       if (!state->failed.load(std::memory_order_relaxed)) {
         try {
           task(i);
@@ -241,28 +269,31 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
     if (settings().trace) {  // one write per line: the threads' lines do not interleave
       std::fprintf(stderr,
                    "rankattn cpu trace: region %lld of %lld tasks: %s started %.0f us after the "
-                   "call on cpu %d, ran %lld in %.0f us\n", static_cast<long long>(region),
-                   static_cast<long long>(n), on_pool_worker ? "worker" : "caller",
+                   "call on cpu %d, ran %lld in %.0f us, yielded %lld times\n",
+                   static_cast<long long>(region), static_cast<long long>(n),
+                   on_pool_worker ? "worker" : "caller",
                    std::chrono::duration<double, std::micro>(began - start).count(), cpu,
                    static_cast<long long>(ran),
                    std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() -
-                                                             began).count());
+                                                             began).count(),
+                   static_cast<long long>(yields));
     }
   };
   const int64_t workers = std::min(call_threads(pool), n) - 1;
+  int64_t scheduled = 0;
   try {
     const int caller_cpu = workers > 0 && settings().move_workers ? sched_getcpu() : -1;
-    for (int64_t w = 0; w < workers; ++w) {
+    for (; scheduled < workers; ++scheduled) {
       pool.Schedule([work, caller_cpu]() {
         on_pool_worker = true;
-        work(caller_cpu);
+        work(caller_cpu, 0);
         on_pool_worker = false;
       });
     }
   } catch (const std::bad_alloc&) {
     // A worker that could not be scheduled leaves its share to the others (the caller below).
   }
-  work(-1);
+  work(-1, scheduled);
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
   if (state->failure) std::rethrow_exception(state->failure);
 }
