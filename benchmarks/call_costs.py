@@ -38,7 +38,10 @@ thread started and on which CPU: on the 2-core KVM guest this was first measured
 20 ms pause the caller and its worker were on one CPU in most calls, the caller starting up
 to 4 ms late or the worker finding every task taken. A worker that finds itself on its
 caller's CPU with tasks left now moves to the other CPUs it may run on until its share is
-done (`AwayFrom` in `cpu_kernel/runtime.h`)."""
+done (`AwayFrom` in `cpu_kernel/runtime.h`). Such a worker cannot run, and so cannot move,
+until the caller's time slice ends (2.3-3.7 ms on a 2-core Zen 4 VM), so the caller yields
+its CPU before each task while a worker is late (`kWorkerLate`). "Stayed"
+(`RANKATTN_CPU_MOVE_WORKERS=0`) turns off both."""
 
 
 def calls(smoke: bool) -> dict:

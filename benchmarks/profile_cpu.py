@@ -10,8 +10,9 @@ of its shape sweep by its name in sweep.json (quoted: "head dim=80 fwdbwd"), or 
 bench_serving.py's exact 64-candidate request (4 users x 1022 history events x 64 candidates,
 4 / 2 heads, D=128) through `jax.jit(serving.attend)`, what the ranking server runs on every
 hit. --dtype bfloat16 for either; --block-sizes 64,128 runs a workload at other block sizes
-than the default (`Cpu(BlockSizes(64, 128))`). Prints the calls made and the median ms per
-call (the first call, which compiles, untimed). CPU_KERNEL.md's profiles came from it, and its
+than the default (`Cpu(BlockSizes(64, 128))`); --pause-ms 20 idles before each call, as bench.py
+times calls (with RANKATTN_CPU_TRACE=1: when the pool's workers start after a pause). Prints
+the calls made and the median ms per call (the first call, which compiles, untimed). CPU_KERNEL.md's profiles came from it, and its
 instruction counts of the kernel alone (one thread, so that every task runs inside the FFI
 handler; the first call included):
 
@@ -85,12 +86,16 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=None,
                         help="make exactly this many calls instead (for an instruction count, "
                              "which unlike seconds does not vary with the machine's load)")
+    parser.add_argument("--pause-ms", type=float, default=0.0,
+                        help="idle this long before each call, as bench.py does before every "
+                             "timed call (its threads asleep: what a call costs after a pause)")
     args = parser.parse_args(argv)
     call = (serving_call(args.dtype or "float32") if args.workload == SERVING
             else workload_call(args.workload, args.dtype, args.block_sizes))
     jax.block_until_ready(call())  # compiles
     times, end = [], time.perf_counter() + args.seconds
     while len(times) < args.calls if args.calls else time.perf_counter() < end:
+        time.sleep(args.pause_ms / 1e3)
         start = time.perf_counter()
         jax.block_until_ready(call())
         times.append(time.perf_counter() - start)

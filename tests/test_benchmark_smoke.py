@@ -51,7 +51,8 @@ SMOKES = {
     "ranker bench": ["-m", "examples.ranker", "bench", "--smoke", "--out", "{out}/ranker"],
     "bench_store.py": ["benchmarks/bench_store.py", "--smoke", "--out", "{out}/store"],
     "call_costs.py": ["benchmarks/call_costs.py", "--smoke", "--out", "{out}/call_costs"],
-    "profile_cpu.py": ["benchmarks/profile_cpu.py", "history=128 fwd", "--calls", "2"],
+    "profile_cpu.py": ["benchmarks/profile_cpu.py", "history=128 fwd", "--calls", "2",
+                       "--pause-ms", "1"],
 }
 # One process each, side by side; bench_distributed.py needs 8 (fake CPU) devices, which JAX
 # fixes when it starts, so its process has them. The ranker's flax / orbax imports go last.

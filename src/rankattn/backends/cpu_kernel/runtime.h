@@ -58,8 +58,8 @@ struct Settings {
   // call began, on which CPU, and how many tasks it ran in how long (stderr; CPU_KERNEL.md
   // reads it: on a 2-core VM, caller and worker shared one CPU after a pause).
   bool trace;
-  // RANKATTN_CPU_MOVE_WORKERS=0: a pool worker woken onto its caller's CPU stays there (see
-  // AwayFrom; for measuring what moving it gains).
+  // RANKATTN_CPU_MOVE_WORKERS=0: a pool worker woken onto its caller's CPU stays there, and the
+  // caller does not yield to it (see AwayFrom and kWorkerLate; for measuring what both gain).
   bool move_workers;
 
   static int64_t number(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
@@ -293,7 +293,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
   } catch (const std::bad_alloc&) {
     // A worker that could not be scheduled leaves its share to the others (the caller below).
   }
-  work(-1, scheduled);
+  work(-1, settings().move_workers ? scheduled : 0);
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
   if (state->failure) std::rethrow_exception(state->failure);
 }
