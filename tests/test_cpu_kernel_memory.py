@@ -63,9 +63,10 @@ def one_pool_thread() -> bool:
     # The calling thread's first: its key panels' buffer, before any task. The next call on
     # that thread must not believe a size whose buffer was never allocated.
     "caller:1",
-    # The calling thread's second: in its first task, while pool workers run others, which
-    # parallel_for must wait for before the error leaves the frame they use.
-    "caller:2",
+    # The calling thread's third (the second: the key blocks' packing states): in its first
+    # task that allocates, while pool workers run others, which parallel_for must wait for
+    # before the error leaves the frame they use.
+    "caller:3",
     # A pool worker's first, in a task: caught there, not the end of the process.
     "pool:1",
 ])

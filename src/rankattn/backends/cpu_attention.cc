@@ -173,9 +173,11 @@ int64_t query_parts(const Problem& pr, int64_t threads) {
   return std::min((threads + blocks - 1) / blocks, most);
 }
 
-// The forward of a described problem (contiguous or paged keys): the key blocks packed by their
-// own tasks (unless each is read by one query block only, whose tasks pack it), then one task
-// per query block, or per part of one (query_parts).
+// The forward of a described problem (contiguous or paged keys), in one parallel region: the key
+// blocks packed by their own tasks (unless each is read by one query block only, whose tasks
+// pack it), then one task per query block, or per part of one (query_parts). (Packing in a
+// region of its own cost a second wake of the pool per call: a worker's start and the caller's
+// Schedule took 30-60 us each on the 2-core VMs.)
 ffi::Error run_forward(ffi::ThreadPool& pool, const Problem& pr, const ffi::AnyBuffer& q,
                        const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                        ffi::Result<ffi::AnyBuffer>& out,
@@ -192,13 +194,16 @@ ffi::Error run_forward(ffi::ThreadPool& pool, const Problem& pr, const ffi::AnyB
     using E = typename DotElement<D>::type;
     const int64_t parts = query_parts(pr, call_threads(pool));
     KeyPanels<E> keys(pr, false, pr.n_q == 1);
-    if (!keys.per_task) {
-      parallel_for(pool, pr.batch * pr.kv_heads * pr.n_k,
-                   [&](int64_t block) { keys.template pack_stored<D>(block, k_in, v_in); });
-    }
     Forward<D> kernel{pr, keys, static_cast<const T*>(q.untyped_data()), k_in, v_in,
                       static_cast<T*>(out->untyped_data()), lse->typed_data(), parts};
-    parallel_for(pool, kernel.tasks(), [&](int64_t t) { kernel.run(t); });
+    const int64_t key_tasks = keys.per_task ? 0 : keys.stored();
+    parallel_for(pool, key_tasks + kernel.tasks(), [&](int64_t t) {
+      if (t < key_tasks) {
+        keys.template pack_stored<D>(t, k_in, v_in);
+      } else {
+        kernel.run(t - key_tasks);
+      }
+    });
     return ffi::Error::Success();
   });
 }

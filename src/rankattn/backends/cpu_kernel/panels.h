@@ -6,11 +6,13 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <type_traits>
 #include <utility>
 
@@ -446,19 +448,26 @@ struct KeyPanel {
 // buffer (what a call whose key blocks have one query block each wants, e.g. serving's
 // candidates: packing all blocks first writes them out of cache and reads them back, which
 // measured a third of such a call; and so do the parts of a split query block, see
-// query_parts).
+// query_parts). The forward's stored blocks are packed in the region of its tasks: by their
+// own tasks, which come first, or by the first task that reads one before them (`state`).
 template <typename E>
 struct KeyPanels {
   const Problem& pr;
   bool backward, per_task;
   int64_t k_t_size, v_size, k_size;  // elements of a block's K^T, V and (backward) K
   Panels<E> store;
+  // The forward's, per stored block: kUnpacked, kPacking (a task packs it: others wait) or
+  // kPacked.
+  enum : uint8_t { kUnpacked, kPacking, kPacked };
+  mutable Vector<std::atomic<uint8_t>> state;
   KeyPanels(const Problem& pr, bool backward, bool per_task)
       : pr(pr), backward(backward), per_task(per_task), k_t_size(pr.d_cols() * pr.ld_keys()),
         v_size(panel_size<E>(pr.ld_keys(), pr.ld_dv())),
         k_size(backward ? pr.ld_keys() * pr.ld_d() : 0),
-        store(key_memory, per_task ? 0 : pr.batch * pr.kv_heads * pr.n_k, elements(), 0,
-              ints()) {}
+        store(key_memory, per_task ? 0 : stored(), elements(), 0, ints()),
+        state(backward || per_task ? 0 : stored()) {}
+
+  int64_t stored() const { return pr.batch * pr.kv_heads * pr.n_k; }
 
   int64_t elements() const { return k_t_size + v_size + k_size; }
   int64_t ints() const { return 3 * pr.ld_keys() + 1; }
@@ -467,13 +476,18 @@ struct KeyPanels {
     return at(store, (b * pr.kv_heads + hk) * pr.n_k + kb, kb);
   }
 
-  // Block kb of (b, kv head) for the task that reads it: packed now when per_task.
+  // Block kb of (b, kv head) for the forward task that reads it: packed now when per_task,
+  // else once it is in the store.
   template <typename D>
   KeyPanel<E> for_task(int64_t b, int64_t hk, int64_t kb, const typename D::T* k,
                        const typename D::T* v) const {
-    if (!per_task) return get(b, hk, kb);
+    const int64_t block = (b * pr.kv_heads + hk) * pr.n_k + kb;
+    if (!per_task) {
+      pack_stored<D>(block, k, v);
+      return get(b, hk, kb);
+    }
     const Panels<E> mine(task_key_memory, 1, elements(), 0, ints());
-    return pack<D>(mine, 0, (b * pr.kv_heads + hk) * pr.n_k + kb, k, v);
+    return pack<D>(mine, 0, block, k, v);
   }
 
   // The panels in slot `slot` of `in`, holding key block kb of its row: K^T, then V, then
@@ -530,10 +544,28 @@ struct KeyPanels {
     return key;
   }
 
-  // Packs block `block` into the call's store (not per_task).
+  // Packs block `block` into the call's store (not per_task). The forward's: unless a task has,
+  // once another task packing it is done (a task whose packing failed leaves it to the next).
   template <typename D>
   void pack_stored(int64_t block, const typename D::T* k, const typename D::T* v) const {
-    pack<D>(store, block, block, k, v);
+    if (state.empty()) {
+      pack<D>(store, block, block, k, v);
+      return;
+    }
+    std::atomic<uint8_t>& s = state[block];
+    for (uint8_t seen; (seen = s.load(std::memory_order_acquire)) != kPacked;) {
+      if (seen == kUnpacked && s.compare_exchange_strong(seen, kPacking)) {
+        try {
+          pack<D>(store, block, block, k, v);
+        } catch (...) {
+          s.store(kUnpacked, std::memory_order_release);
+          throw;
+        }
+        s.store(kPacked, std::memory_order_release);
+        return;
+      }
+      std::this_thread::yield();
+    }
   }
 };
 
