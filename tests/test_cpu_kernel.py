@@ -291,6 +291,29 @@ def test_prepared_plan_is_used_not_rebuilt(monkeypatch):
     assert out.shape == (2, 200, 2, 8)
 
 
+@pytest.mark.parametrize("kv_len, block_k", [(40, 40), (100, 64), (128, 64), (129, 128),
+                                            (192, 128), (256, 128), (257, 256), (320, 256),
+                                            (1088, 256), (32896, 256)])
+def test_default_key_blocks_split_the_keys(kv_len, block_k):
+    """Keys in one default block of 256 were computed densely whatever the mask (issue 40:
+    history 128 + 64 candidates); the default halves it, down to 64, while it holds every
+    key. Sizes a user gives are kept, only shortened to the sequence."""
+    assert cpu.plan_sizes(None, 300, kv_len) == blocks.BlockSizes(64, block_k)
+    assert cpu.plan_sizes(blocks.BlockSizes(32, 256), 300, kv_len) == blocks.BlockSizes(
+        32, min(256, kv_len))
+
+
+def test_history_queries_skip_the_candidates_keys_at_128_plus_64():
+    """The regression: at 2 x (128 history + 64 candidates) the history's query blocks visited
+    the one key block holding every key; with the default blocks every query block visits only
+    the history's keys (a candidate's own key joins its softmax apart from the blocks)."""
+    seg = jnp.asarray(np.tile(np.r_[np.ones(128), -np.ones(64)], (2, 1)), jnp.int32)
+    sizes = Cpu().plan_sizes(192)[0]
+    plan = rankattn.plan(segment_ids=seg, impl=["cpu"]).block_plan(sizes)
+    keys_seen = np.asarray(plan.count) * sizes.block_k
+    assert keys_seen.tolist() == [[128, 128, 128]] * 2
+
+
 @needs_cpu_kernel
 def test_auto_prefers_the_fused_kernel_on_cpu():
     assert rankattn.available_impls()[0] == "cpu"

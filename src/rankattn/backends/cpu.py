@@ -44,11 +44,25 @@ SYMBOLS = ("RankattnCpuForward", "RankattnCpuPagedForward", "RankattnCpuBackward
            "RankattnCpuPageBounds")
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DEFAULT_BLOCK_SIZES = BlockSizes(64, 256)
+# A plan skips whole key blocks only, so keys that fit one default block were computed densely
+# whatever the mask: 2 x (128 history + 64 candidates) spent a third of its forward on the
+# candidates' keys, which no query reads from the blocks. The default key block halves, down
+# to this, while it holds every key: 0.93 -> 0.67 ms forward and 3.5 -> 2.7 ms fwd+bwd there
+# (benchmarks/CPU_KERNEL.md). Past one block, halving measured 3% slower at 320 keys.
+SMALLEST_DEFAULT_KEY_BLOCK = 64
 
 
 def plan_sizes(sizes: BlockSizes | None, q_len: int, kv_len: int) -> BlockSizes:
-    """Blocks no longer than the sequences. Nothing is padded: the last block may be ragged."""
-    sizes = sizes or DEFAULT_BLOCK_SIZES
+    """Blocks no longer than the sequences. Nothing is padded: the last block may be ragged.
+
+    ``None`` means the defaults for this shape: DEFAULT_BLOCK_SIZES, the key block halved
+    (not below SMALLEST_DEFAULT_KEY_BLOCK) while it holds all ``kv_len`` keys.
+    """
+    if sizes is None:
+        block_k = DEFAULT_BLOCK_SIZES.block_k
+        while block_k > SMALLEST_DEFAULT_KEY_BLOCK and block_k >= kv_len:
+            block_k //= 2
+        sizes = BlockSizes(DEFAULT_BLOCK_SIZES.block_q, block_k)
     return BlockSizes(min(sizes.block_q, q_len), min(sizes.block_k, kv_len))
 
 
@@ -200,9 +214,9 @@ def library() -> native.Library:
 class Cpu(Backend):
     """The fused C++ kernel for CPUs (x86 with AVX-512 or AVX2, ARM, anything g++ targets).
 
-    ``block_sizes``: None (default) gives DEFAULT_BLOCK_SIZES, shortened to the
-    sequence; ``Cpu(BlockSizes(16, 8))`` fixes them (any positive sizes: the
-    last block of a row may be ragged).
+    ``block_sizes``: None (default) gives DEFAULT_BLOCK_SIZES, with shorter key blocks
+    for short sequences (see plan_sizes); ``Cpu(BlockSizes(16, 8))`` fixes them (any
+    positive sizes: the last block of a row may be ragged).
     """
 
     name = "cpu"
