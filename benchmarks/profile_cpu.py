@@ -9,7 +9,7 @@ WORKLOAD: a workload of bench.py (nano-fwd, nano-fwdbwd, short-fwd, short-fwdbwd
 of its shape sweep by its name in sweep.json (quoted: "head dim=80 fwdbwd"), or serving-64:
 bench_serving.py's exact 64-candidate request (4 users x 1022 history events x 64 candidates,
 4 / 2 heads, D=128) through `jax.jit(serving.attend)`, what the ranking server runs on every
-hit. --dtype bfloat16 for either; --block-sizes 64,128 runs a workload at other block sizes
+hit (--users 1: one user's request). --dtype bfloat16 for either; --block-sizes 64,128 runs a workload at other block sizes
 than the default (`Cpu(BlockSizes(64, 128))`); --pause-ms 20 idles before each call, as bench.py
 times calls (with RANKATTN_CPU_TRACE=1: when the pool's workers start after a pause). Prints
 the calls made and the median ms per call (the first call, which compiles, untimed). CPU_KERNEL.md's profiles came from it, and its
@@ -42,9 +42,8 @@ from rankattn.backends.cpu import Cpu  # noqa: E402
 SERVING = "serving-64"
 
 
-def serving_call(dtype: str):
-    """A zero-argument call of serving.attend at the 64-candidate request."""
-    users = 4
+def serving_call(dtype: str, users: int = 4):
+    """A zero-argument call of serving.attend at the 64-candidate request of ``users`` users."""
     _, (cache, q, k_self, v_self), _ = bench_serving.peer_inputs(users, 1022, 64, 4, 2, dtype)
     attend = jax.jit(lambda cache, q, k, v: serving.attend(q, cache, jnp.arange(users),
                                                            self_kv=(k, v)))
@@ -89,8 +88,12 @@ def main(argv=None) -> None:
     parser.add_argument("--pause-ms", type=float, default=0.0,
                         help="idle this long before each call, as bench.py does before every "
                              "timed call (its threads asleep: what a call costs after a pause)")
+    parser.add_argument("--users", type=int, default=4,
+                        help=f"{SERVING}: the request's users (default 4)")
     args = parser.parse_args(argv)
-    call = (serving_call(args.dtype or "float32") if args.workload == SERVING
+    if args.users < 1:
+        parser.error(f"--users {args.users}: give 1 or more users")
+    call = (serving_call(args.dtype or "float32", args.users) if args.workload == SERVING
             else workload_call(args.workload, args.dtype, args.block_sizes))
     jax.block_until_ready(call())  # compiles
     times, end = [], time.perf_counter() + args.seconds
