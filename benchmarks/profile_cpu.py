@@ -9,12 +9,13 @@ WORKLOAD: a workload of bench.py (nano-fwd, nano-fwdbwd, short-fwd, short-fwdbwd
 of its shape sweep by its name in sweep.json (quoted: "head dim=80 fwdbwd"), or serving-64:
 bench_serving.py's exact 64-candidate request (4 users x 1022 history events x 64 candidates,
 4 / 2 heads, D=128) through `jax.jit(serving.attend)`, what the ranking server runs on every
-hit (--users 1: one user's request). --dtype bfloat16 for either; --block-sizes 64,128 runs a workload at other block sizes
-than the default (`Cpu(BlockSizes(64, 128))`); --pause-ms 20 idles before each call, as bench.py
-times calls (with RANKATTN_CPU_TRACE=1: when the pool's workers start after a pause). Prints
-the calls made and the median ms per call (the first call, which compiles, untimed). CPU_KERNEL.md's profiles came from it, and its
-instruction counts of the kernel alone (one thread, so that every task runs inside the FFI
-handler; the first call included):
+hit (--users 1: one user's request). --dtype bfloat16 for either; --block-sizes 64,128 runs a
+workload at other block sizes than the default (`Cpu(BlockSizes(64, 128))`); --pause-ms 20 idles
+before each call, as bench.py times calls (with RANKATTN_CPU_TRACE=1: when the pool's workers
+start after a pause). Prints the calls made and the median ms per call (the first call, which
+compiles, untimed). CPU_KERNEL.md's profiles came from it, and its instruction counts of the
+kernel alone (one thread, so that every task runs inside the FFI handler; the first call
+included):
 
     RANKATTN_CPU_THREADS=1 valgrind --tool=callgrind --toggle-collect=RankattnCpuForward \
         --toggle-collect=RankattnCpuPagedForward .venv/bin/python benchmarks/profile_cpu.py \

@@ -8,7 +8,8 @@ so a model builds it once per batch and passes it to every attention layer
 
 Blocked backends differ in the block sizes they read (``xla`` uses about 128 x 512, the
 query block chosen per length to pad least, or one query block for short queries; ``cpu``
-64 x 256, or key blocks of 128 or 64 where one of 256 would hold every key; ``pallas_triton`` 16-64 x 16-32 tiles per GPU, dtype and head dim), so a plan keeps one
+64 x 256, or key blocks of 128 or 64 where one of 256 would hold every key; ``pallas_triton``
+16-64 x 16-32 tiles per GPU, dtype and head dim), so a plan keeps one
 :class:`rankattn.blocks.BlockPlan` per block-size pair, each with the lists per
 query block (forward, dq) and per key block (dk / dv). A backend asks the plan
 for its pair; a plan made for other backends still gives exact results, the

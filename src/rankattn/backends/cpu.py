@@ -48,7 +48,8 @@ DEFAULT_BLOCK_SIZES = BlockSizes(64, 256)
 # whatever the mask: 2 x (128 history + 64 candidates) spent a third of its forward on the
 # candidates' keys, which no query reads from the blocks. The default key block halves, down
 # to this, while it holds every key: 0.93 -> 0.67 ms forward and 3.5 -> 2.7 ms fwd+bwd there
-# (benchmarks/CPU_KERNEL.md). Past one block, halving measured 3% slower at 320 keys.
+# (benchmarks/CPU_KERNEL.md). Halving further measured 3% slower at 320 keys, whose
+# history the blocks of 256 already split from its candidates.
 SMALLEST_DEFAULT_KEY_BLOCK = 64
 
 
