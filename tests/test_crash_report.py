@@ -44,7 +44,15 @@ def test_a_worker_that_dies_is_reported_at_the_end_of_the_run(tmp_path):
     assert report.index("in _bootstrap") < crashed < report.index("line 6 in test_dies")
     assert report.index("Fatal Python error: Segmentation fault") > crashed
     assert "_pytest" not in report and "execnet" not in report
-    if crash_report._cores_written_here():
+    if crash_report.C_COMPILER:
+        # The native frames, outermost first: the interpreter, ctypes' string_at, then the
+        # crash point in libc, the signal last.
+        native = report.split("native frames (named by addr2line)")[1].splitlines()[1:]
+        assert native[-1] == "signal 11 (SIGSEGV), address 0x0", native
+        assert "libc.so" in native[-2] and "string_at" in "".join(native[-4:-1]), native
+        assert "python" in native[0] or "libc.so" in native[0], native
+        assert not (tmp_path / "core").exists()  # no gdb: removed unread
+    elif crash_report._cores_written_here():
         assert "Program terminated with signal SIGSEGV" in report
         assert "string_at" in report.split("gdb's backtrace")[1]
         assert not (tmp_path / "core").exists()  # read and removed
