@@ -7,6 +7,7 @@ the float64 oracle in tests/oracle.py.
 from __future__ import annotations
 
 import os
+import sys
 
 # Warnings are errors in the suite's kernel builds (and so in CI's), never in users' (native.py).
 os.environ.setdefault("RANKATTN_CXX_WERROR", "1")
@@ -39,6 +40,7 @@ if os.environ.get("RANKATTN_MOSAIC_TESTS") != "1":
 if os.environ.get("RANKATTN_X64_TESTS") != "1":
     collect_ignore_glob = [*globals().get("collect_ignore_glob", []), "x64/*"]
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -121,6 +123,55 @@ SLOW_FIRST = ("test_distributed.py", "test_ranker.py", "test_float64.py", "test_
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name not in SLOW_FIRST)
+
+
+# Each XLA:CPU executable keeps memory mappings for its compiled code while JAX's caches hold
+# it (70-330 for the gradients of one attention call), and an xdist worker's caches held every
+# program of its 600 tests: test_backends.py alone left 22,000 on one worker. Near the kernel's
+# limit (vm.max_map_count, 65530 by default) a compile fails ("LLVM compilation error: Cannot
+# allocate memory") and XLA then segfaults: CI's recurring worker crash inside
+# backend_compile_and_load, reproduced with the limit lowered to 6000. So every
+# COMPILES_PER_CHECK compiles, a test's teardown counts the mappings (a read of
+# /proc/self/maps: 40 ms at 20,000), and past a quarter of the limit drops the cached programs:
+# at most 16,000 + 50 x 330 mappings, a half of the limit (tests/test_memory_maps.py).
+COMPILES_PER_CHECK = 50
+compiles_since_check = 0
+
+
+def count_compile(event: str, duration_secs: float, **_) -> None:
+    global compiles_since_check
+    if event == "/jax/core/compile/backend_compile_duration":
+        compiles_since_check += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(count_compile)
+
+
+def memory_maps() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return f.read().count(b"\n")
+
+
+def memory_map_limit() -> int:
+    with open("/proc/sys/vm/max_map_count") as f:
+        return int(f.read())
+
+
+def release_compiled_programs(above: int) -> bool:
+    """Drops JAX's cached programs if this process has more than `above` memory mappings."""
+    if memory_maps() <= above:
+        return False
+    jax.clear_caches()
+    return True
+
+
+@pytest.fixture(autouse=True)
+def bounded_compiled_programs():
+    global compiles_since_check
+    yield
+    if sys.platform == "linux" and compiles_since_check >= COMPILES_PER_CHECK:
+        compiles_since_check = 0
+        release_compiled_programs(memory_map_limit() // 4)
 
 
 # A test process that dies prints what it was doing at the end of the run (crash_report.py).
