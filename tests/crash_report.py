@@ -97,10 +97,10 @@ def _crashing_thread_last(dump: str) -> str:
 
 
 def build_native_frames(folder: str) -> None:
-    """Builds tests/native/crash_frames.c into `folder` (nothing where no C compiler works:
-    the report then falls back to gdb)."""
+    """Builds tests/native/crash_frames.c into `folder`, warnings as errors (nothing where no
+    C compiler works: the report then falls back to gdb; test_crash_report.py fails)."""
     if C_COMPILER:
-        subprocess.run([C_COMPILER, "-shared", "-fPIC", "-O1", "-o",
+        subprocess.run([C_COMPILER, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o",
                         os.path.join(folder, NATIVE_FRAMES_LIBRARY), str(NATIVE_FRAMES_SOURCE),
                         "-ldl"], capture_output=True, timeout=120)
 
