@@ -315,6 +315,9 @@ def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
                          ratio_q3=float(np.percentile(ratios, 75)), rounds=rounds,
                          mm=w.flops / float(np.median(t)) / rate, others=others, steal=steal,
                          temp_mib=temps[name] / 2 ** 20 if name in temps else None))
+    # Its programs are not run again, and a cached XLA:CPU program keeps memory mappings: a
+    # process past vm.max_map_count segfaults in its next compile (README, the tests' note).
+    jax.clear_caches()
     return rows
 
 
