@@ -77,6 +77,9 @@ static uintptr_t interrupted_pc(void* context) {
 }
 
 static void on_fatal_signal(int signal, siginfo_t* info, void* context) {
+  // The previous handler first: should the unwinder fault on a broken stack, that second signal
+  // (not blocked: SA_NODEFER) reaches faulthandler, which still prints the Python frames.
+  sigaction(signal, &previous[signal], NULL);
   put("Native frames (tests/native/crash_frames.c), the crash point first: signal ");
   put_number((uintptr_t)signal, 10);
   put(", address ");
@@ -96,7 +99,6 @@ static void on_fatal_signal(int signal, siginfo_t* info, void* context) {
   put("\n");
   // On to the previous handler: a fault recurs when the instruction runs again; a signal that
   // was sent (abort, kill) is sent again.
-  sigaction(signal, &previous[signal], NULL);
   if (info->si_code <= 0) raise(signal);
 }
 
@@ -109,7 +111,8 @@ int crash_frames_install(int fd) {
     struct sigaction action;
     memset(&action, 0, sizeof action);
     action.sa_sigaction = on_fatal_signal;
-    action.sa_flags = SA_SIGINFO | SA_ONSTACK;  // faulthandler's alternate stack, if any
+    // On faulthandler's alternate stack, if any; see on_fatal_signal for SA_NODEFER.
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
     sigemptyset(&action.sa_mask);
     if (sigaction(kSignals[i], &action, &previous[kSignals[i]]) != 0) return -1;
   }
