@@ -49,8 +49,9 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
         by every layer (then segment_ids, bounds and causal are not given).
         Results are bit-identical to passing the mask itself.
       impl: 'auto' (the first of rankattn.available_impls() that can run the
-        call: 'pallas_triton' on a GPU, then 'cpu' (the fused C++ kernel, on CPU
-        where it builds), then 'xla', then 'reference'), a backend
+        call, in the order 'pallas_tpu' on a TPU, 'mosaic_gpu' on a Hopper GPU,
+        'pallas_triton' on a GPU, 'cpu' (the fused C++ kernel, on CPU where it
+        builds), 'xla', 'reference'), a backend
         name, a Backend instance such as
         rankattn.backends.Xla(rankattn.backends.BlockSizes(64, 64)) or
         rankattn.backends.PallasTriton(interpret=True), or a list of those,
@@ -62,7 +63,8 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
         head axes, S (and the segment ids) over the context axes, with the
         chosen backend as each device's kernel inside a shard_map. Results are
         those of one device, sharded the same way (lse over batch, heads,
-        context). Context sharding needs impl 'cpu', 'xla' or 'reference' (or 'auto').
+        context). Context sharding needs impl 'pallas_tpu', 'cpu', 'xla' or
+        'reference' (or 'auto'): the GPU kernels take no per-shard mask.
         With a plan, batch / head sharding splits its lists over the batch;
         context sharding uses only its segment ids. See rankattn.distributed.
 
@@ -74,7 +76,9 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
     Mask arrays may be traced (under jit the plan is rebuilt from the new
     values on device). Softmax, scale and accumulators run in float32
     (float64 for float64 inputs); bf16 / f16 operands feed the matmuls as
-    they are on GPU / TPU (tensor cores), and are up-cast on CPU. Gradients flow to q, k, v, including through a
+    they are on GPU / TPU (tensor cores); on CPU bf16 does too (the cpu
+    kernel's AMX or AVX-512 BF16 dots where the CPU has them, the xla
+    backend's bf16 dots) and f16 is up-cast to float32. Gradients flow to q, k, v, including through a
     cotangent on lse (write z-loss as z / 2 * lse**2 in your loss).
 
     Raises:

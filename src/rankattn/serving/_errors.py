@@ -177,7 +177,8 @@ register(
     ErrorKind(
         "RA223", "a lease or a store method was misused",
         "A Lease is released once and written at most once, by the store that made it, with "
-        "k / v [L, B, T, Hkv, D] covering every row's missing tokens; acquire, write, release "
+        "k / v [L, R, T, Hkv, D] holding the lease rows `rows` (default every row, R = B) and "
+        "covering every row with tokens missing; acquire, write, release "
         "and clear are not called inside store.reading() on the same thread (the update "
         "would wait for that reader).",
         "Release each lease once (use it as a context manager), write once with the shapes "
