@@ -79,6 +79,31 @@ def test_one_user_twice_in_a_call(store):
         store.acquire([2, 2], [0, 1], [5, 5])
 
 
+def test_ids_and_versions_past_int64_are_refused_not_wrapped_onto_another_entry(store):
+    """Regression: numpy made 2**63 a uint64 that became -2**63, so version 2**63's history
+    was served to version -2**63 as a hit (and 2**64 raised a bare OverflowError)."""
+    stats = store.stats()
+    for rows in ([[1], [2**63], [3]], [[2**63], [0], [3]], [[1], [2**64], [3]],
+                 [[1], np.array([2**63], np.uint64), [3]]):
+        with raises("RA220", "outside the signed 64-bit range", "2**63"):
+            store.acquire(*rows)
+    assert store.stats() == stats
+    edge = -2**63
+    with acquired(store, [(1, edge, 3), (2**63 - 1, 0, 3)]) as lease:
+        assert lease.source == ["miss", "miss"]
+    with store.acquire([1], [2**63 - 1], [3]) as other_version:
+        assert other_version.source == ["miss"]
+
+
+def test_write_rows_outside_the_lease_are_ra223_naming_rows(store):
+    with store.acquire([1, 2], [0, 0], [3, 3]) as lease:
+        k = np.zeros((2, 1, 3, 1, 4), np.float32)
+        for rows in ([5], [-1], [0.0], [[0]]):
+            with raises("RA223", "rows must be", "[0, 2)"):
+                store.write(lease, k, k, rows=rows)
+        assert not lease.written
+
+
 def test_a_release_without_a_write_drops_what_it_placed(store):
     lease = store.acquire([4], [0], [7])
     assert lease.missing.tolist() == [7]

@@ -74,6 +74,7 @@ from rankattn.serving.eviction import EVICTION_POLICIES
 
 HISTORIES = ("bidirectional", "causal")
 SOURCES = ("device", "host", "prefix", "miss")
+INT64_MIN, INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 
 @dataclasses.dataclass(eq=False)
@@ -494,7 +495,8 @@ class HistoryStore:
         if lease.written:
             raise fail("RA223", "write was called twice for one lease; each lease's missing "
                                 "tokens are written once.")
-        rows = np.arange(len(lease.slots)) if rows is None else np.asarray(rows)
+        rows = np.arange(len(lease.slots)) if rows is None else self._check_write_rows(
+            rows, len(lease.slots))
         position = {}  # id(entry) -> its row of k / v
         for i, b in enumerate(rows.tolist()):
             position.setdefault(id(lease._entries[b]), i)
@@ -701,6 +703,18 @@ class HistoryStore:
 
     # --- Internals. -----------------------------------------------------------------------
 
+    @staticmethod
+    def _check_write_rows(rows, lease_rows: int) -> np.ndarray:
+        a = np.asarray(rows)
+        if a.ndim == 1 and a.size == 0:  # [] is float64 to numpy
+            return a.astype(np.int64)
+        if (a.ndim != 1 or not np.issubdtype(a.dtype, np.integer)
+                or ((a < 0) | (a >= lease_rows)).any()):
+            raise fail("RA223", f"write: rows must be a 1-D sequence of ints in [0, "
+                                f"{lease_rows}), the lease's rows that k / v hold in order; "
+                                f"got {_describe(rows)}.")
+        return a
+
     def _check_rows(self, user_ids, versions, lengths):
         arrays = []
         for name, x in (("user_ids", user_ids), ("versions", versions), ("lengths", lengths)):
@@ -710,6 +724,15 @@ class HistoryStore:
                                                       isinstance(i, int) for i in a.tolist())):
                 raise fail("RA220", f"acquire: {name} must be a non-empty 1-D sequence of ints, "
                                     f"one per row; got {_describe(x)}.")
+            # Entries are keyed on int64: a wider int would wrap onto another user or version
+            # (2**63 as -2**63) and be served its history.
+            if a.dtype == np.uint64 or a.dtype == object:
+                wide = [i for i in a.tolist() if not INT64_MIN <= i <= INT64_MAX]
+                if wide:
+                    raise fail("RA220", f"acquire: {name} holds {wide[:4]}, outside the signed "
+                                        "64-bit range the store keys on; map them into "
+                                        "[-2**63, 2**63) without collisions (a signed 64-bit "
+                                        "hash, or the unsigned one minus 2**63).")
             arrays.append(a.astype(np.int64))
         users, versions, lengths = arrays
         if not len(users) == len(versions) == len(lengths):
