@@ -463,6 +463,28 @@ def test_deadlines_refuse_at_once_and_drop_late_work(server_a, model, sessions):
     assert_answer(model, request, *server_a.rank(request)[0::2], cache="miss")
 
 
+def test_a_body_that_stalls_gets_408_by_its_deadline(server_a, model, sessions):
+    """Regression: the body was read without a deadline (uvicorn sets none), so a client that
+    sent its headers and part of its body held the request unanswered forever. It now gets
+    408 body_timeout by the request's deadline, and the connection closes."""
+    request = body(sessions, 36, events=10, user=7 * 10**6 + 3)
+    payload = json.dumps(request).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", server_a.port, timeout=20)
+    conn.putrequest("POST", "/v1/rank")
+    for name, value in (("Content-Type", "application/json"),
+                        ("Content-Length", str(len(payload))), ("X-Request-Deadline-Ms", "300")):
+        conn.putheader(name, value)
+    conn.endheaders(payload[:len(payload) // 2])  # the rest never comes
+    start = time.monotonic()
+    response = conn.getresponse()
+    waited = time.monotonic() - start
+    answer = json.loads(response.read())
+    assert response.status == 408 and answer["error"]["kind"] == "body_timeout", answer
+    assert response.getheader("connection") == "close" and waited < 10, waited
+    conn.close()
+    assert_answer(model, request, *server_a.rank(request)[0::2], cache="miss")
+
+
 def test_a_request_whose_client_leaves_is_dropped(server_a, sessions):
     """A miss whose client closes the connection once the front stage has taken it is dropped
     before its history pass. The history stage is held (/_test/hold-history) until the server

@@ -53,7 +53,7 @@ from examples.ranker.server.engine import Engine
 from examples.ranker.server.metrics import CONTENT_TYPE
 from examples.ranker.server.schema import (DEADLINE_HEADER, USER_HEADER, Answer, BadRequest,
                                            Limits, Request, check_user_header, deadline,
-                                           error, expired, parse, too_large_body)
+                                           error, expired, late_body, parse, too_large_body)
 
 log = logging.getLogger("examples.ranker.server")
 DRAIN_MARGIN = 2  # seconds uvicorn waits past the longest deadline for answers to go out
@@ -202,8 +202,18 @@ class App:
         kserve.Infer): checked, its deadline set, queued, answered."""
         start = time.perf_counter()
         try:
-            request = protocol.parse(await read_body(scope, receive, self.limits),
-                                     self.limits)
+            # The body must arrive in time too: uvicorn waits for it without a limit. (A bad
+            # deadline header is refused once the body is read, as a body's errors are.)
+            try:
+                due = deadline(start, header(scope, DEADLINE_HEADER), None, self.limits)
+            except BadRequest:
+                due = start + self.limits.deadline_ms / 1e3
+            try:
+                body = await asyncio.wait_for(read_body(scope, receive, self.limits),
+                                              max(0.0, due - time.perf_counter()))
+            except asyncio.TimeoutError:
+                raise late_body((due - start) * 1e3) from None
+            request = protocol.parse(body, self.limits)
             request.deadline = deadline(start, header(scope, DEADLINE_HEADER), request,
                                         self.limits)
             check_user_header(header(scope, USER_HEADER), request)

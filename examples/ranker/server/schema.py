@@ -177,13 +177,14 @@ def expired(request: Request) -> Answer:
         "replica."}}, kind="deadline")
 
 
-def deadline(start: float, header: bytes | None, request: Request, limits: Limits) -> float:
+def deadline(start: float, header: bytes | None, request: Request | None,
+             limits: Limits) -> float:
     """The ``time.perf_counter()`` a request that arrived at ``start`` is due by: the nearest
-    of its ``X-Request-Deadline-Ms`` header, its ``deadline_ms`` field and the server's
-    ``limits.deadline_ms``; raises :class:`BadRequest` for a header that is not a positive
-    number of milliseconds."""
+    of its ``X-Request-Deadline-Ms`` header, its ``deadline_ms`` field (None: before its body
+    is read) and the server's ``limits.deadline_ms``; raises :class:`BadRequest` for a header
+    that is not a positive number of milliseconds."""
     budgets = [limits.deadline_ms]
-    if request.deadline_ms is not None:
+    if request is not None and request.deadline_ms is not None:
         budgets.append(request.deadline_ms)
     if header is not None:
         try:
@@ -274,6 +275,14 @@ def checked(data: dict, limits: Limits) -> Request:
     version = serve.history_digest(context, items, authors, actions, hint)
     return Request(user, context, items, authors, actions, cand_item, cand_author, request_id,
                    version, deadline_ms=deadline_ms)
+
+
+def late_body(budget_ms: float) -> BadRequest:
+    """The 408 of a body that did not arrive within the request's deadline."""
+    return BadRequest("body_timeout", "body", f"the body did not arrive within the request's "
+                      f"deadline ({budget_ms:g} ms from its first byte).",
+                      "Send the whole body at once, or a longer X-Request-Deadline-Ms (up to "
+                      "the server's --deadline-ms).", status=408)
 
 
 def too_large_body(limits: Limits) -> BadRequest:
