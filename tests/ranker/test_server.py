@@ -539,11 +539,14 @@ def inference_request(request: dict, nested: bool = False, actions: str = "INT64
     return dict(inputs=inputs, **extra)
 
 
-def infer(server, request) -> tuple[int, dict]:
-    """POST /v2/models/ranker/infer of a dict (or raw bytes): (status, JSON answer)."""
+def infer(server, request, binary: bytes = b"") -> tuple[int, dict]:
+    """POST /v2/models/ranker/infer of a dict (or raw bytes), with ``binary`` (the inputs'
+    binary data) after it: (status, JSON answer)."""
     raw = request if isinstance(request, bytes) else json.dumps(request).encode()
-    status, _, answer = server.request("POST", "/v2/models/ranker/infer", raw,
-                                       {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if binary:
+        headers["Inference-Header-Content-Length"] = str(len(raw))
+    status, _, answer = server.request("POST", "/v2/models/ranker/infer", raw + binary, headers)
     return status, json.loads(answer)
 
 
@@ -658,6 +661,30 @@ def test_open_inference_bad_requests_get_400_and_service_continues(server_a, mod
     assert status == 200
     np.testing.assert_allclose(outputs(answer)["logits"], full_forward(model, request),
                                atol=1e-5, rtol=0)
+
+
+def test_open_inference_binary_sizes_and_timeouts_that_are_not_plain_ints(server_a, sessions):
+    """Regressions: a binary_data_size of 8.0 passed the size check, and the next binary input
+    then raised TypeError; a timeout of 10**400 microseconds overflowed a float: both answered
+    500 internal. The first is 400 now; the second is the server's own deadline."""
+    request = body(sessions, 12, events=4, candidates=2)
+    good = inference_request(request)
+
+    def binary_user_and_context(user_size) -> tuple[dict, bytes]:
+        sizes = {"user": user_size, "context": 8}
+        inputs = [dict({k: v for k, v in i.items() if k != "data"},
+                       parameters={"binary_data_size": sizes[i["name"]]})
+                  if i["name"] in sizes else i for i in good["inputs"]]
+        return dict(good, inputs=inputs), np.int64(request["user"]).tobytes() + np.int64(
+            request["context"]).tobytes()
+
+    status, answer = infer(server_a, *binary_user_and_context(8.0))
+    assert status == 400 and answer["error"].startswith("bad_value: input user has "
+                                                        "binary_data_size 8.0"), answer
+    status, answer = infer(server_a, *binary_user_and_context(8))
+    assert status == 200, answer
+    status, answer = infer(server_a, dict(good, parameters={"timeout": 10**400}))
+    assert status == 200, answer
 
 
 def test_tritonclient_ranks_through_open_inference(server_a, sessions):

@@ -237,7 +237,8 @@ def _input(spec, binary: bytes, offset: int) -> tuple[str, object, int]:
                        f"input {name}'s parameters", ("binary_data_size",))
     if "binary_data_size" in parameters:
         dtype, length = BINARY[datatype], parameters["binary_data_size"]
-        if "data" in spec or length != size * dtype.itemsize or offset + length > len(binary):
+        if ("data" in spec or not isinstance(length, int) or isinstance(length, bool)
+                or length != size * dtype.itemsize or offset + length > len(binary)):
             raise BadRequest("bad_value", name, f"input {name} has binary_data_size "
                              f"{_show(length)}{' and data' if 'data' in spec else ''}; the "
                              f"body has {len(binary) - offset} binary bytes left.", f"Send "
@@ -294,9 +295,10 @@ def _requested(outputs) -> list[str]:
 
 
 def _timeout(timeout) -> int:
-    """Triton's ``timeout`` parameter (microseconds), checked."""
+    """Triton's ``timeout`` parameter (microseconds), checked; past 2**53 it is 2**53 (the
+    server's own deadline is shorter, and a larger int would overflow a float)."""
     if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 0:
-        return timeout
+        return min(timeout, 2**53)
     raise BadRequest("bad_value", "timeout", f"parameters.timeout is {_show(timeout)}.",
                      "Send the microseconds the server may take as a positive integer, or "
                      "leave it out (the server's --deadline-ms).")
