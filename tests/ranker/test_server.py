@@ -948,25 +948,26 @@ class FakeReloadEngine:
         from examples.ranker.server.metrics import Metrics
 
         self.state, self.model_step, self.metrics = "serving", STEP, Metrics(self, 4)
+        self.model_checkpoint = (STEP, 0, 0)
 
     def health(self):
         return self.state, "why"
 
     def swap(self, model):
-        self.model_step = model.step
+        self.model_step, self.model_checkpoint = model.step, model.checkpoint
 
 
 class FakeCheckpoints:
-    """A run directory whose newest step the test sets; ``restore`` waits for ``loaded``
-    and raises when ``broken``."""
+    """A run directory whose newest step (and its folder's ``stamp``, which a rewritten run
+    changes) the test sets; ``restore`` waits for ``loaded`` and raises when ``broken``."""
 
     out = "/runs/fake"
 
     def __init__(self):
-        self.step, self.broken, self.loaded = None, False, threading.Event()
+        self.step, self.stamp, self.broken, self.loaded = None, 0, False, threading.Event()
 
-    def latest_step(self):
-        return self.step
+    def latest(self):
+        return None if self.step is None else (self.step, 0, self.stamp)
 
     def restore(self):
         from examples.ranker.server.engine import Model
@@ -974,14 +975,16 @@ class FakeCheckpoints:
         self.loaded.wait(10)
         if self.broken:
             raise OSError("a checkpoint that does not read")
-        return Model(self.step, None, None)
+        return Model(self.step, None, None, checkpoint=self.latest())
 
 
 def test_admin_reload_answers_loopback_clients_one_reload_at_a_time():
     """POST /admin/reload through the ASGI app (no server): a client off the loopback
     addresses gets 403 forbidden; a warming engine 503; no checkpoint 404 no_checkpoint; the
     served step 200 current; a newer step 202, and 409 reload_in_progress until it is
-    swapped in; a load that fails is counted and the served step stays."""
+    swapped in; the served step in a rewritten run directory 202 (regression: it was 200
+    current, and the old weights stayed); a load that fails is counted and the served step
+    stays."""
     import asyncio
 
     from examples.ranker.server.app import App
@@ -1028,6 +1031,11 @@ def test_admin_reload_answers_loopback_clients_one_reload_at_a_time():
     loaded()
     assert engine.model_step == STEP + 1
     assert reload() == (200, {"model_step": STEP + 1, "status": "current"})
+    checkpoints.stamp = 1  # another run rewrote the directory, up to the same step
+    assert reload() == (202, {"model_step": STEP + 1, "loading": STEP + 1, "status": "loading"})
+    loaded()
+    assert engine.model_checkpoint == (STEP + 1, 0, 1)
+    assert reload() == (200, {"model_step": STEP + 1, "status": "current"})
     checkpoints.step, checkpoints.broken = STEP + 2, True
     assert reload()[0] == 202
     loaded()
@@ -1035,7 +1043,7 @@ def test_admin_reload_answers_loopback_clients_one_reload_at_a_time():
     reloads = {sample.labels["outcome"]: sample.value
                for sample in engine.metrics.reloads.collect()[0].samples
                if sample.name == "ranker_reloads_total"}
-    assert reloads == {"swapped": 1, "failed": 1}
+    assert reloads == {"swapped": 2, "failed": 1}
 
 
 def test_a_swap_refuses_a_model_of_other_shapes(model):

@@ -172,7 +172,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
 def load(preset, checkpoints: Checkpoints, random_weights: bool, parser) -> Model:
     """The newest of ``checkpoints``, or a fresh model (step 0) with ``random_weights``
     when there is none."""
-    if checkpoints.latest_step() is not None:
+    if checkpoints.latest() is not None:
         return checkpoints.restore()
     if not random_weights:
         parser.error(f"{checkpoints.out} has no checkpoint: train one first (python -m "

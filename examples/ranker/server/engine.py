@@ -112,12 +112,14 @@ class Model:
     """A served checkpoint: its ``step``, graph and parameters, and ``serial``, the models
     this engine served before it (0: the first; :meth:`Engine.swap` sets it). The store
     versions fold in both: a step number reused by another training run (a rewritten run
-    directory) cannot serve K/V of the model it replaced either."""
+    directory) cannot serve K/V of the model it replaced either. ``checkpoint``: the
+    reloader's identity of the checkpoint it came from (None: fresh weights)."""
 
     step: int
     graphdef: object
     params: object
     serial: int = 0
+    checkpoint: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +352,11 @@ class Engine:
     def model_step(self) -> int:
         """The checkpoint step served (the next batch's)."""
         return self.model.step
+
+    @property
+    def model_checkpoint(self) -> tuple | None:
+        """The served checkpoint's identity (Model.checkpoint)."""
+        return self.model.checkpoint
 
     def store_keys(self, keys, model: Model, batch_number: int) -> tuple[tuple, list, tuple]:
         """(users, versions, lengths) to acquire for request ``keys`` (user, version,
