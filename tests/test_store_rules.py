@@ -113,6 +113,17 @@ def test_a_release_without_a_write_drops_what_it_placed(store):
         assert again.source == ["miss"]
 
 
+def test_unwritten_names_the_rows_an_acquire_would_wait_for(store):
+    with acquired(store, [(1, 0, 3)]):
+        writer = store.acquire([2, 3], [0, 0], [4, 4])  # placed, not yet written
+        rows = ([1, 2, 3], [0, 0, 0], [3, 4, 5])  # user 3's length does not match
+        assert store.unwritten(*rows).tolist() == [False, True, False]
+        assert store.unwritten([2], [1], [4]).tolist() == [False]  # nor another version
+        write_rows(store, writer, CONFIG)
+        assert not store.unwritten(*rows).any()
+        store.release(writer)
+
+
 def test_an_acquire_waits_for_the_write_it_matches(store):
     writer = store.acquire([5], [0], [6])
     got = {}

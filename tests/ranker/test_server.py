@@ -863,7 +863,10 @@ def test_serverbench_measures_capacity_and_the_bound_and_reports(server_b, serve
 def test_an_acquire_that_waits_for_a_leaked_pin_answers_503(server_b, model, sessions):
     """A lease that never writes its entry (/_test/leak, as a lost lease or a failed copy
     leaves one) makes an acquire of that key wait: after --acquire-timeout-ms (1 s) the request
-    gets 503 store_timeout, and the server goes on answering and stays ready."""
+    gets 503 store_timeout, and the server goes on answering and stays ready. Another user's
+    hit in the same batch is answered (regression: the whole batch got store_timeout): sent
+    while the front stage waits on the leaked key, it and the leaked key's next request make
+    its next batch."""
     leaked = body(sessions, 32, events=10, user=8 * 10**6)
     status, _, raw = server_b.request("POST", "/_test/leak", json.dumps(leaked).encode())
     assert status == 200 and json.loads(raw) == {"source": "miss"}
@@ -873,6 +876,20 @@ def test_an_acquire_that_waits_for_a_leaked_pin_answers_503(server_b, model, ses
     other = body(sessions, 33, events=10, user=8 * 10**6 + 1)
     assert_answer(model, other, *server_b.rank(other)[0::2], cache="miss")
     assert probe(server_b, "/readyz")[0] == 200
+    before = server_b.metrics()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        first = pool.submit(server_b.rank, leaked)
+        wait_for_count(server_b, "ranker_batch_requests_count",
+                       count(before, "ranker_batch_requests_count") + 1)
+        again, hit = pool.submit(server_b.rank, leaked), pool.submit(server_b.rank, other)
+        for future in (first, again):
+            status, _, answer = future.result()
+            assert status == 503 and answer["error"]["kind"] == "store_timeout", answer
+        assert_answer(model, other, *hit.result()[0::2], cache="device")
+    after = server_b.metrics()
+    batches = [count(after, f"ranker_batch_requests_{n}")
+               - count(before, f"ranker_batch_requests_{n}") for n in ("count", "sum")]
+    assert batches == [2, 3], batches  # [leaked], then [leaked, other]
 
 
 def test_a_hot_swap_under_load_answers_with_one_models_forward(server_b, run_dir_b, model,

@@ -516,7 +516,8 @@ class Engine:
 
     def _place(self, groups: list[list[Request]], batch_number: int, model: Model) -> None:
         """Acquire the rows (one per group of equal keys) under ``model``'s store versions,
-        answer the hits, hand the misses on; split on RA222."""
+        answer the hits, hand the misses on; split on RA222 (after its timeout, the groups
+        whose entries were never written are refused and the rest placed)."""
         users, versions, lengths = self.store_keys([g[0].key for g in groups], model,
                                                    batch_number)
         start = time.perf_counter()
@@ -529,14 +530,22 @@ class Engine:
             if time.perf_counter() - start >= self.options.acquire_timeout:
                 # RA222 comes at once when what could make room is pinned, and after the
                 # timeout when an entry the rows match was never written (a fault: the
-                # front stage only takes keys that no job is writing).
-                log.error("acquire timed out; its batch is answered 503 store_timeout: %s",
-                          err)
-                _answer_all([r for g in groups for r in g], unavailable(
-                    "store_timeout", f"the history store did not place this request's batch "
-                    f"within {1e3 * self.options.acquire_timeout:.0f} ms (--acquire-timeout-"
-                    "ms): it waited for a history that was never written.", "Retry; if it "
-                    "persists the server's log has the cause (a fault: please report it)."))
+                # front stage only takes keys that no job is writing). Only the groups
+                # waiting on such an entry are refused; the rest of the batch is placed.
+                stuck = self.store.unwritten(users, versions, lengths)
+                if not stuck.any():  # written since: nothing to tell apart
+                    stuck[:] = True
+                log.error("acquire timed out; %d of its batch's %d users are answered 503 "
+                          "store_timeout: %s", stuck.sum(), len(groups), err)
+                _answer_all([r for g, s in zip(groups, stuck) if s for r in g], unavailable(
+                    "store_timeout", f"the history store did not place this request within "
+                    f"{1e3 * self.options.acquire_timeout:.0f} ms (--acquire-timeout-ms): it "
+                    "waited for a history that was never written.", "Retry; if it persists "
+                    "the server's log has the cause (a fault: please report it)."))
+                rest = [g for g, s in zip(groups, stuck) if not s]
+                if rest:
+                    _guard([r for g in rest for r in g], self._place, rest, batch_number,
+                           model)
                 return
             if len(groups) > 1:
                 half = len(groups) // 2

@@ -267,9 +267,7 @@ class HistoryStore:
     def _acquire(self, keys, users, versions, lengths, timeout, deadline) -> Lease:
         with self._lock:
             while True:
-                pending = [self._index[u] for u, v, n in keys
-                           if u in self._index and not self._index[u].ready
-                           and self._matches(self._index[u], v, n)]
+                pending = [self._index[u] for u, v, n in keys if self._awaits_write(u, v, n)]
                 if not pending:
                     break
                 left = None if deadline is None else deadline - time.monotonic()
@@ -305,6 +303,12 @@ class HistoryStore:
                           "this call's rows unpinned; no lease was returned. Acquire the rows "
                           "again: they come back as misses.") from error
         return lease
+
+    def _awaits_write(self, user: int, version: int, length: int) -> bool:
+        """Whether the row's entry is one that acquire waits for: placed by another lease,
+        and not yet written or restored."""
+        entry = self._index.get(user)
+        return entry is not None and not entry.ready and self._matches(entry, version, length)
 
     def _matches(self, entry: _Entry, version: int, length: int) -> bool:
         """Whether ``entry`` (a user's visible entry) is what a row of (version, length)
@@ -625,6 +629,15 @@ class HistoryStore:
             self._dropped(updates, "clear")
 
     # --- Inspection. ----------------------------------------------------------------------
+
+    def unwritten(self, user_ids, versions, lengths) -> np.ndarray:
+        """bool [B]: whether each row's entry is still to be written or restored by another
+        lease, which an acquire of the row would wait for (rows as :meth:`acquire` takes
+        them). A caller whose acquire timed out (RA222) learns which rows it waited on."""
+        users, versions, lengths = self._check_rows(user_ids, versions, lengths)
+        with self._lock:
+            return np.array([self._awaits_write(u, v, n) for u, v, n in
+                             zip(users.tolist(), versions.tolist(), lengths.tolist())], bool)
 
     def stats(self) -> dict:
         """Counters since the store was built: rows by source (hits, host_hits, prefix_hits,
