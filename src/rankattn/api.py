@@ -8,7 +8,8 @@ import numpy as np
 from rankattn import distributed, semantics
 from rankattn.backends import BACKENDS, Backend
 from rankattn.errors import fail
-from rankattn.validate import AttentionCall, check_attention_args, check_static_bool, concrete
+from rankattn.validate import (AttentionCall, check_attention_args, check_static_bool, concrete,
+                               int32_array)
 
 
 def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=None, softcap=None,
@@ -138,7 +139,9 @@ def segment_ids_from_cu_seqlens(cu_seqlens, roles=None, *, length: int | None = 
         if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
             raise fail("RA123", f"{name} must be a 1-D int array; got shape {tuple(x.shape)} and "
                                 f"dtype {x.dtype}.")
-    cu_seqlens, roles = jnp.asarray(cu_seqlens), jnp.asarray(roles)
+    sessions = "cu_seqlens are token offsets of the packed sessions, roles one sign per token"
+    cu_seqlens = int32_array("cu_seqlens", cu_seqlens, "RA123", sessions)
+    roles = int32_array("roles", roles, "RA123", sessions)
     if length is not None and length != roles.shape[0]:
         raise fail("RA123", f"length={length} but roles has {roles.shape[0]} tokens; pass one "
                             "role per packed token, or leave length out.")

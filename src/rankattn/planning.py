@@ -26,7 +26,7 @@ import numpy as np
 
 from rankattn.blocks import BlockPlan, BlockSizes, make_block_plan, pad_axis1
 from rankattn.errors import fail
-from rankattn.validate import check_mask_args
+from rankattn.validate import INT32_MAX, check_mask_args
 
 
 @jax.tree_util.register_dataclass
@@ -102,6 +102,12 @@ def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: b
     if bounds is not None:
         if seq_len is None:
             raise fail("RA117", "plan(bounds=...) needs seq_len=S, the sequence length.")
+        if (not isinstance(seq_len, (int, np.integer)) or isinstance(seq_len, bool)
+                or not 0 < seq_len <= INT32_MAX):
+            raise fail("RA117", f"plan(bounds=...) got seq_len={seq_len!r}; it must be the "
+                                f"sequence length S, a Python int in [1, {INT32_MAX}] (positions "
+                                "are int32).")
+        seq_len = int(seq_len)
         rows = np.shape(bounds)[0] if np.ndim(bounds) == 2 else 1
         batch, length = rows, seq_len
     else:

@@ -159,17 +159,19 @@ def check_logit_options(scale, softcap, softcap_method, head_dim: int):
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     scale = _check_static_float("scale", scale, "RA113")
-    if not math.isfinite(scale) or scale == 0:
-        raise fail("RA113", f"scale must be finite and non-zero; got {scale}. Pass scale=None for "
-                            f"1/sqrt({head_dim}).")
+    if not FLOAT32_NORMAL <= abs(scale) <= FLOAT32_MAX:  # the kernels scale in float32
+        raise fail("RA113", f"scale must be finite and non-zero as a float32 (a normal number, "
+                            f"{FLOAT32_NORMAL:.3g} <= |scale| <= {FLOAT32_MAX:.3g}); got {scale}. "
+                            f"Pass scale=None for 1/sqrt({head_dim}).")
     if not isinstance(softcap_method, str) or softcap_method not in semantics.SOFTCAP_METHODS:
         raise fail("RA112", f"softcap_method={softcap_method!r}; use one of "
                             f"{', '.join(map(repr, semantics.SOFTCAP_METHODS))}.")
     if softcap is not None:
         softcap = _check_static_float("softcap", softcap, "RA111")
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise fail("RA111", f"softcap={softcap}; it must be a positive finite float such as "
-                                "30.0, or None for no cap.")
+        if not FLOAT32_NORMAL <= softcap <= FLOAT32_MAX:  # as scale: a float32, not 0 or inf
+            raise fail("RA111", f"softcap={softcap}; it must be a positive finite float32 (a "
+                                f"normal number, {FLOAT32_NORMAL:.3g} to {FLOAT32_MAX:.3g}) such "
+                                "as 30.0, or None for no cap.")
     return scale, softcap
 
 
@@ -191,12 +193,28 @@ def _check_static_float(name: str, value, code: str) -> float:
                          f"{value!r}.")
     try:
         return float(value)
+    except OverflowError as e:  # an int past float64's range
+        raise fail(code, f"{name}={value!r} is out of range; pass a float32-sized value.") from e
     except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
         raise fail(code, f"{name} must be a Python float; got {type(value).__name__} {value!r}. "
                          "It selects the compiled program, so it cannot be a traced array.") from e
 
 
-INT32_MAX = np.iinfo(np.int32).max
+INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+FLOAT32_NORMAL, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
+def int32_array(name: str, x, code: str, what: str) -> jax.Array:
+    """Integer array ``x`` as int32. Concrete values outside int32 raise ``code``, the message
+    saying ``what`` the values are: jnp would wrap them (without x64) onto small values that
+    look valid (2**32 + 2 as 2)."""
+    values = concrete(x)
+    if values is not None and values.size:
+        low, high = int(values.min()), int(values.max())
+        if low < INT32_MIN or high > INT32_MAX:
+            raise fail(code, f"{name} holds values from {low} to {high}, past int32 "
+                             f"[{INT32_MIN}, {INT32_MAX}]; {what}.")
+    return jnp.asarray(x, jnp.int32)
 
 
 def _check_segment_ids(segment_ids, batch: int, seq_len: int):
@@ -229,14 +247,14 @@ def _check_bounds(bounds, batch: int, seq_len: int):
     if not jnp.issubdtype(bounds.dtype, jnp.integer):
         raise fail("RA108", f"bounds has dtype {bounds.dtype}; it must be integer "
                             "(hist_lo, hist_hi, cand_lo, cand_hi).")
-    if tuple(bounds.shape) == (4,):
-        bounds = jnp.broadcast_to(jnp.asarray(bounds), (batch, 4))
-    elif tuple(bounds.shape) != (batch, 4):
+    if tuple(bounds.shape) not in ((4,), (batch, 4)):
         raise fail("RA108", f"bounds has shape {tuple(bounds.shape)}; it must be (4,) for the whole "
                             f"batch or ({batch}, 4), one (hist_lo, hist_hi, cand_lo, cand_hi) per row.")
-    values = concrete(bounds)
+    values = concrete(bounds)  # before any int32 cast, which could wrap them into range
+    if tuple(bounds.shape) == (4,):
+        bounds = jnp.broadcast_to(jnp.asarray(bounds, jnp.int32), (batch, 4))
     if values is not None:
-        for row, (hl, hh, cl, ch) in enumerate(values.tolist()):
+        for row, (hl, hh, cl, ch) in enumerate(np.broadcast_to(values, (batch, 4)).tolist()):
             if not (0 <= hl <= hh <= seq_len and 0 <= cl <= ch <= seq_len):
                 raise fail("RA109", f"bounds row {row} = ({hl}, {hh}, {cl}, {ch}): each range "
                                     f"needs 0 <= lo <= hi <= S = {seq_len}. Use e.g. "

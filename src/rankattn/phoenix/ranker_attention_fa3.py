@@ -14,7 +14,7 @@ import numpy as np
 from rankattn.api import attention as rankattn_attention
 from rankattn.errors import fail
 from rankattn.phoenix._shared import cap_options, with_z_loss
-from rankattn.validate import concrete
+from rankattn.validate import concrete, int32_array
 
 __all__ = ["TuningConfig", "attention", "_attention_forward_inference", "_normalize_bound"]
 
@@ -65,7 +65,9 @@ def _normalize_bound(bound, batch_size, seq_len):
                             f"broadcasts it to ({batch_size}, 4). Pass a 4-tuple, or give a "
                             "[B, 4] array straight to _attention_forward_inference / attention.")
     _check_integer(bound)
-    return jnp.broadcast_to(jnp.asarray(bound, jnp.int32), (batch_size, 4))
+    return jnp.broadcast_to(int32_array(
+        "bound", bound, "RA109", "bounds are positions (hist_lo, hist_hi, cand_lo, cand_hi) in "
+        "[0, S]"), (batch_size, 4))
 
 
 def attention(q, k, v, config=None, save_residuals=False, bound=None, sm_scale=1.0, cap=-1.0,

@@ -88,7 +88,10 @@ def mha_inference_gqa(q, k, v, temp, segment_ids, sm_scale=1.0, cap=-1.0, cap_me
 def _attend(q, k, v, temp, segment_ids, sm_scale, cap, cap_method, causal, z_loss_weight, impl):
     """out of Phoenix's v2 mask function, ``temp`` multiplying the capped logits per query."""
     _check_temp(temp, q.shape[:2])
-    ids = jnp.asarray(segment_ids)
+    # Concrete ids are compared as they are: cast to int32 first, 2**32 + 1 (a candidate)
+    # would wrap to 1 (history).
+    known = concrete(segment_ids)
+    ids = jnp.asarray(segment_ids) if known is None else known
     ids = jnp.where(ids == 1, 1, jnp.where(ids == 0, 0, -1)).astype(jnp.int32)
     values = concrete(temp)  # all ones, known now: no multiplier (every backend runs that)
     multiplier = None if values is not None and (values == 1).all() else temp

@@ -47,7 +47,7 @@ import numpy as np
 
 from rankattn.backends.base import compute_dtype
 from rankattn.errors import fail
-from rankattn.validate import concrete
+from rankattn.validate import INT32_MAX, concrete, int32_array
 
 
 class AppendStatus(NamedTuple):
@@ -165,6 +165,18 @@ def empty_cache(*, num_users: int, num_pages: int, page_size: int, kv_heads: int
     if bad:
         raise fail("RA212", "empty_cache needs positive Python ints; got "
                             + ", ".join(f"{n}={v!r}" for n, v in bad.items()) + ".")
+    # Page ids, slots and lengths are int32; XLA aborts the process on a shape whose size
+    # overflows, so sizes past any memory are refused here.
+    wide = {"num_pages * page_size": num_pages * page_size,
+            "max_pages * page_size": max_pages * page_size, "num_users": num_users}
+    wide = {n: v for n, v in wide.items() if v > INT32_MAX}
+    elements = (num_layers or 1) * num_pages * kv_heads * page_size * max(head_dim, v_head_dim)
+    if wide or elements > 2**48:
+        raise fail("RA212", f"empty_cache sizes {sizes} are too large: "
+                            + (", ".join(f"{n} = {v}" for n, v in wide.items())
+                               + f" must be at most {INT32_MAX} (int32 indices)" if wide else
+                               f"the pages would hold {elements} elements")
+                            + ". Pass the pages and tokens the cache is to hold.")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise fail("RA213", f"empty_cache dtype={jnp.dtype(dtype)}; pass a float dtype such as "
                             "jnp.float32 or jnp.bfloat16.")
@@ -305,7 +317,8 @@ def append(cache: PagedKVCache, users, k_new, v_new, counts, *, layer=None,
     if tuple(counts.shape) != (b,) or not jnp.issubdtype(counts.dtype, jnp.integer):
         raise fail("RA211", f"counts must be an int array of shape ({b},), one count per user; got "
                             f"{_describe(counts)}.")
-    counts = jnp.asarray(counts, jnp.int32)
+    counts = int32_array("counts", counts, "RA211", "append counts are tokens per user, in "
+                         "[0, T]")
     _check_append_values(view, users, counts, k_new, v_new)
     cache, status = _append(cache, users, k_new, v_new, counts, layer)
     return (cache, status) if return_status else cache

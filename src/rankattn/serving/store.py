@@ -260,6 +260,13 @@ class HistoryStore:
         self._not_reading("acquire")
         users, versions, lengths = self._check_rows(user_ids, versions, lengths)
         keys = list(dict.fromkeys(zip(users.tolist(), versions.tolist(), lengths.tolist())))
+        if timeout is not None and not (isinstance(timeout, (int, float, np.integer, np.floating))
+                                        and not isinstance(timeout, bool) and timeout >= 0):
+            raise fail("RA223", f"acquire: timeout={timeout!r}; pass the seconds to wait for "
+                                "an unwritten entry (a number >= 0), or None to wait as long as "
+                                "it takes.")
+        if timeout is not None and timeout >= 1e9:  # past any wait: as None (and time_t's range)
+            timeout = None
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._every_turn_taken():
             return self._acquire(keys, users, versions, lengths, timeout, deadline)
