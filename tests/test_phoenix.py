@@ -296,6 +296,16 @@ def test_v2_temp_shape_and_dtype_errors():
             assert_explained(err.value)
 
 
+def test_v2_causal_must_be_a_bool():
+    """Regression: causal="False" (a truthy string) ran causal; it is RA116 as in
+    rankattn.attention."""
+    q, k, v, _ = random_qkv(4, B, S, HQ, HKV, D)
+    with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
+        v2.mha(q, k, v, np.ones((B, S), np.float32), V2_SEG, causal="False")
+    assert "causal" in str(err.value)
+    assert_explained(err.value)
+
+
 def test_v2_mha_inference_gqa_regression():
     """Regression (missing name): Phoenix's GQA inference forward takes K/V unrepeated and
     computes v2's mask without causal: every non-padding query sees history, and a candidate

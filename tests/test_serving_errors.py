@@ -282,6 +282,21 @@ def test_array_or_complex_options_are_rankattn_errors(cache, kwargs, code):
         serving.attend(q4(), cache, USERS, **kwargs)
 
 
+def test_impl_containers_are_checked_before_jit(cache):
+    """Regression: impl={} or a nested list reached jax.jit as a static argument ('Non-hashable
+    static arguments are not supported'); a numpy array of names raised 'truth value is
+    ambiguous'. Nested lists are names tried in order, as rankattn.attention takes them."""
+    for impl in ({}, np.array(["xla", "cpu"])):
+        with raises("RA114", "impl="):
+            serving.attend(q4(), cache, USERS, impl=impl)
+    with raises("RA114", "impl="):
+        rankattn.attention(q4(t=4), q4(t=4, hq=HKV), q4(t=4, hq=HKV),
+                           impl=np.array(["xla", "cpu"]))
+    nested = serving.attend(q4(), cache, USERS, impl=["xla", ["reference"]])
+    np.testing.assert_array_equal(np.asarray(nested),
+                                  np.asarray(serving.attend(q4(), cache, USERS, impl="xla")))
+
+
 # --- attend(..., sharding=): checked before anything runs (RA216 needs real shards and is
 # tested in tests/distributed/test_mesh_serving.py). ---------------------------------------------
 

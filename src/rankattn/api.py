@@ -173,7 +173,7 @@ def resolve_impls(impl, argument: str = "impl") -> list[Backend]:
         return [b for item in impl for b in resolve_impls(item, argument)]
     if isinstance(impl, Backend):
         return [impl]
-    if impl is None or impl == "auto":
+    if impl is None or (isinstance(impl, str) and impl == "auto"):
         return [b for b in BACKENDS.values() if not b.platform_reasons()]
     if isinstance(impl, str) and impl in BACKENDS:
         why = BACKENDS[impl].platform_reasons()

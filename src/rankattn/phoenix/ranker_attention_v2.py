@@ -8,7 +8,7 @@ import numpy as np
 
 from rankattn.errors import fail
 from rankattn.phoenix._shared import attend, cap_options, with_z_loss
-from rankattn.validate import concrete
+from rankattn.validate import check_static_bool, concrete
 
 __all__ = ["mha", "mha_inference_gqa"]
 
@@ -87,6 +87,7 @@ def mha_inference_gqa(q, k, v, temp, segment_ids, sm_scale=1.0, cap=-1.0, cap_me
 
 def _attend(q, k, v, temp, segment_ids, sm_scale, cap, cap_method, causal, z_loss_weight, impl):
     """out of Phoenix's v2 mask function, ``temp`` multiplying the capped logits per query."""
+    causal = check_static_bool("causal", causal)  # a truthy "False" must not run causal
     _check_temp(temp, q.shape[:2])
     # Concrete ids are compared as they are: cast to int32 first, 2**32 + 1 (a candidate)
     # would wrap to 1 (history).

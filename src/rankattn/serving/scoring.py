@@ -370,8 +370,14 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, selection, sink_page
 
 
 def _with_impl(plan: _Plan, impl) -> _Plan:
-    """The plan with ``impl`` (a list as a tuple: the plan is a static, hashable argument)."""
-    return dataclasses.replace(plan, impl=tuple(impl) if isinstance(impl, list) else impl)
+    """The plan with ``impl`` (lists as tuples: the plan is a static, hashable argument),
+    checked first: an unhashable one would fail as JAX's static argument, not as RA114."""
+    resolve_impls(impl)
+
+    def hashable(x):
+        return tuple(map(hashable, x)) if isinstance(x, (list, tuple)) else x
+
+    return dataclasses.replace(plan, impl=hashable(impl))
 
 
 def _check_self_kv(self_kv, ndim: int, b: int, t: int, hkv: int, d: int, dv: int):
