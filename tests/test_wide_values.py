@@ -1,6 +1,6 @@
-"""Values wider than the kernels' int32 and float32: refused with a rankattn error, never wrapped
-into range, turned into NaN or into a dead process (regressions found by probing the public
-functions with such values)."""
+"""Values wider than the kernels' int32 and float32, and options of the wrong kind: refused
+with a rankattn error, never wrapped into range, turned into NaN, a deep exception or a dead
+process (regressions found by probing the public functions with such values)."""
 
 from __future__ import annotations
 
@@ -90,3 +90,25 @@ def test_a_store_acquire_timeout_must_be_a_number():
         for timeout in (float("nan"), -1, "x", True):
             with raises("RA223", "timeout"):
                 store.acquire([0], [0], [2], timeout=timeout)
+
+
+def test_options_of_the_wrong_kind_are_rankattn_errors(qkv):
+    """Regressions: Xla('x') or Cpu(64) failed later with AttributeError 'block_q'; plan='x'
+    with AttributeError 'shape'; HistoryStore(policy=['lru']) with 'unhashable type';
+    dtype='nope' with numpy's 'data type not understood'."""
+    from rankattn.backends import Cpu, Xla
+    from rankattn.backends.pallas_triton import PallasTriton
+
+    for make in (lambda: Xla("x"), lambda: Cpu(64),
+                 lambda: PallasTriton((16, 16), interpret=True)):
+        with raises("RA116", "block_sizes="):
+            make()
+    with raises("RA117", "plan="):
+        rankattn.attention(*qkv, plan="x")
+    config = dict(num_layers=1, kv_heads=1, head_dim=2, page_size=2, device_pages=4,
+                  max_users=2, max_pages_per_user=2)
+    for options in (dict(policy=["lru"]), dict(history=["causal"])):
+        with raises("RA219"):
+            serving.HistoryStore(**config, **options)
+    with raises("RA213", "'nope'"):
+        serving.HistoryStore(**config, dtype="nope")

@@ -36,6 +36,15 @@ class BlockSizes:
                 raise fail("RA116", f"BlockSizes.{name} must be a positive int; got {value!r}.")
 
 
+def check_block_sizes(block_sizes) -> BlockSizes | None:
+    """A backend's ``block_sizes`` argument: None (chosen per shape) or a BlockSizes."""
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise fail("RA116", f"block_sizes={block_sizes!r}; pass None (chosen per shape) or "
+                            "rankattn.backends.BlockSizes(block_q, block_k), e.g. "
+                            "BlockSizes(64, 128).")
+    return block_sizes
+
+
 class BlockPlan(NamedTuple):
     """Visit lists of one block-size pair, for B rows of nQ query blocks and nK key blocks.
 

@@ -113,6 +113,11 @@ def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap
         raise fail("RA106", f"{' and '.join(mask_given)} describe self-attention, but q has length "
                             f"{sq} and k has length {skv}. Pass q, k, v of one sequence.")
     if plan is not None:
+        from rankattn.planning import Plan  # planning imports this module
+
+        if not isinstance(plan, Plan):
+            raise fail("RA117", f"plan={type(plan).__name__} {plan!r:.60}; pass what "
+                                "rankattn.plan(...) returns, or leave plan out.")
         if len(mask_given) > 1:
             others = ", ".join(n for n in mask_given if n != "plan")
             raise fail("RA117", f"plan was given together with {others}; the "

@@ -35,7 +35,8 @@ import numpy as np
 
 from rankattn import native, semantics
 from rankattn.backends.base import Backend
-from rankattn.blocks import BlockPlan, BlockSizes, prefix_block_plan, segments_and_plan
+from rankattn.blocks import (BlockPlan, BlockSizes, check_block_sizes, prefix_block_plan,
+                             segments_and_plan)
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
@@ -224,7 +225,7 @@ class Cpu(Backend):
     takes_shard_mask = True
 
     def __init__(self, block_sizes: BlockSizes | None = None):
-        self.block_sizes = block_sizes
+        self.block_sizes = check_block_sizes(block_sizes)
 
     def platform_reasons(self) -> list[str]:
         if jax.default_backend() != "cpu":

@@ -87,7 +87,8 @@ import numpy as np
 from rankattn import semantics
 from rankattn.backends import flash_math
 from rankattn.backends.base import Backend
-from rankattn.blocks import BlockPlan, BlockSizes, pad_axis1, round_up, segments_and_plan
+from rankattn.blocks import (BlockPlan, BlockSizes, check_block_sizes, pad_axis1, round_up,
+                             segments_and_plan)
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall, concrete
 
@@ -1045,6 +1046,7 @@ class PallasTpu(Backend):
 
     def __init__(self, block_sizes: BlockSizes | None = None, *, target=None, interpret=False,
                  dma_block: int | None = None, max_visits: int | None = None):
+        block_sizes = check_block_sizes(block_sizes)
         if block_sizes is not None:
             bq, bk = block_sizes.block_q, block_sizes.block_k
             if bq % SUBLANES or bk % SUBLANES or (max(bq, bk) % min(bq, bk)):

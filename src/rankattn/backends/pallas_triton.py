@@ -49,7 +49,8 @@ from rankattn.backends.base import Backend
 from rankattn.backends.gpu_config import (MIN_BLOCK, PORTABLE_TARGET, SHARED_MEMORY_PER_BLOCK,
                                           GpuTarget, KernelConfig, default_config,
                                           next_power_of_2, padded_head_dim)
-from rankattn.blocks import BlockPlan, BlockSizes, pad_axis1, segments_and_plan, round_up
+from rankattn.blocks import (BlockPlan, BlockSizes, check_block_sizes, pad_axis1,
+                             segments_and_plan, round_up)
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
@@ -619,6 +620,7 @@ class PallasTriton(Backend):
                  num_stages: int | None = None, split_dkv: bool | None = None,
                  key_major: bool | None = None, target=None, precision: str = "highest",
                  tuned: str | os.PathLike | bool | None = None, interpret: bool = False):
+        block_sizes = check_block_sizes(block_sizes)
         for field in ("block_q", "block_k"):
             value = None if block_sizes is None else getattr(block_sizes, field)
             if value is not None and (value < MIN_BLOCK or value & (value - 1)):

@@ -48,8 +48,8 @@ import jax.numpy as jnp
 
 from rankattn import semantics
 from rankattn.backends.base import Backend, compute_dtype
-from rankattn.blocks import (BlockPlan, BlockSizes, pad_axis1, pad_positions, round_up,
-                             segments_and_plan)
+from rankattn.blocks import (BlockPlan, BlockSizes, check_block_sizes, pad_axis1, pad_positions,
+                             round_up, segments_and_plan)
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
@@ -503,7 +503,7 @@ class Xla(Backend):
                                 "block_sizes is positional, its options are keyword-only, as "
                                 "every backend's: Xla(block_sizes, mixed_precision=..., "
                                 "step_logits_bytes=...).")
-        self.block_sizes = block_sizes
+        self.block_sizes = check_block_sizes(block_sizes)
         self.mixed_precision = mixed_precision
         self.step_logits_bytes = step_logits_bytes
 

@@ -177,9 +177,13 @@ def empty_cache(*, num_users: int, num_pages: int, page_size: int, kv_heads: int
                                + f" must be at most {INT32_MAX} (int32 indices)" if wide else
                                f"the pages would hold {elements} elements")
                             + ". Pass the pages and tokens the cache is to hold.")
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise fail("RA213", f"empty_cache dtype={jnp.dtype(dtype)}; pass a float dtype such as "
-                            "jnp.float32 or jnp.bfloat16.")
+    try:
+        parsed = jnp.dtype(dtype)
+    except TypeError:  # not a dtype at all ('nope')
+        parsed = None
+    if parsed is None or not jnp.issubdtype(parsed, jnp.floating):
+        raise fail("RA213", f"empty_cache dtype={parsed if parsed is not None else repr(dtype)}; "
+                            "pass a float dtype such as jnp.float32 or jnp.bfloat16.")
     stat = compute_dtype(dtype)
     lead = () if num_layers is None else (num_layers,)
     return PagedKVCache(

@@ -168,12 +168,12 @@ class HistoryStore:
         if bad:
             raise fail("RA219", "HistoryStore needs positive Python ints (host_pages may be 0); "
                                 "got " + ", ".join(f"{n}={v!r}" for n, v in bad.items()) + ".")
-        if history not in HISTORIES:
+        if not isinstance(history, str) or history not in HISTORIES:
             raise fail("RA219", f"HistoryStore history={history!r}; pass 'bidirectional' (a "
                                 "cached entry serves only the exact history it was computed "
                                 "from, as in Phoenix) or 'causal' (a cached prefix stays valid, "
                                 "as in HSTU).")
-        if policy not in EVICTION_POLICIES:
+        if not isinstance(policy, str) or policy not in EVICTION_POLICIES:
             raise fail("RA219", f"HistoryStore policy={policy!r}; pass one of "
                                 f"{sorted(EVICTION_POLICIES)} (rankattn.serving."
                                 "EVICTION_POLICIES): 'lru' evicts the least recently used "
