@@ -36,7 +36,7 @@ import numpy as np
 
 from rankattn import distributed, semantics
 from rankattn.api import resolve_impls, select_backend
-from rankattn.backends.base import compute_dtype
+from rankattn.backends.base import Backend, compute_dtype
 from rankattn.backends.cpu import Cpu, paged_forward
 from rankattn.backends.cpu import page_bounds as kernel_page_bounds
 from rankattn.errors import fail
@@ -370,9 +370,11 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, selection, sink_page
 
 
 def _with_impl(plan: _Plan, impl) -> _Plan:
-    """The plan with ``impl`` (lists as tuples: the plan is a static, hashable argument),
-    checked first: an unhashable one would fail as JAX's static argument, not as RA114."""
-    resolve_impls(impl)
+    """The plan with ``impl`` (lists as tuples: the plan is a static, hashable argument). A
+    container is checked here (an unhashable one would fail as JAX's static argument, not as
+    RA114); a name or a backend is checked where the call is traced."""
+    if impl is not None and not isinstance(impl, (str, Backend)):
+        resolve_impls(impl)
 
     def hashable(x):
         return tuple(map(hashable, x)) if isinstance(x, (list, tuple)) else x
