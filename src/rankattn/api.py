@@ -79,8 +79,8 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
     (float64 for float64 inputs); bf16 / f16 operands feed the matmuls as
     they are on GPU / TPU (tensor cores); on CPU bf16 does too (the cpu
     kernel's AMX or AVX-512 BF16 dots where the CPU has them, the xla
-    backend's bf16 dots) and f16 is up-cast to float32. Gradients flow to q, k, v, including through a
-    cotangent on lse (write z-loss as z / 2 * lse**2 in your loss).
+    backend's bf16 dots) and f16 is up-cast to float32. Gradients flow to
+    q, k, v, including through a cotangent on lse (write z-loss as z / 2 * lse**2 in your loss).
 
     Raises:
       rankattn.RankattnError (a ValueError or TypeError) naming the argument,

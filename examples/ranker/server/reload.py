@@ -4,9 +4,9 @@ model and switched in, on ``POST /admin/reload`` (loopback clients only) or SIGH
 :meth:`Reloader.request` answers at once: 202 with the step it starts loading, 200 when that
 step is already served, 404 when the run directory has no checkpoint, 409 while a reload is
 in progress, 503 when the engine is not serving. A checkpoint is the one served when its
-step and its directory are (a rewritten run directory may reuse the served step). The load runs in a thread of its own
-(restore, then :meth:`Engine.swap`: checked, warmed, switched between batches), so the
-server answers and stays ready throughout; a load that fails is logged and counted
+step and its directory are (a rewritten run directory may reuse the served step). The load
+runs in a thread of its own (restore, then :meth:`Engine.swap`: checked, warmed, switched
+between batches), so the server answers and stays ready throughout; a load that fails is logged and counted
 (``ranker_reloads_total{outcome="failed"}``) and the served model stays.
 """
 
