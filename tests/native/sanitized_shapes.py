@@ -106,20 +106,22 @@ def context_shard():
 
 
 def paged():
-    """Serving: paged keys read in place, ragged and empty histories, a self key, and a page
-    table whose entries point outside the pages (clamped; the mask hides those slots)."""
+    """Serving: paged keys read in place (packed, and key-major where dv is whole vectors:
+    K's 33 and V's 32 elements a row read through pointers), ragged and empty histories, a
+    self key, and a page table whose entries point outside the pages (clamped; the mask hides
+    those slots)."""
     from rankattn import serving
     from rankattn.backends.cpu import paged_forward
-    q, k, v, _ = inputs(3, 10, 10, 4, 2, 33, 33, jnp.float32)
-    cache = jax.jit(lambda k, v: serving.cache_from_history(k, v, jnp.array([10, 4, 0]),
-                                                            page_size=3))(k, v)
-    self_kv = (k[:, :2], v[:, :2])
-    for budget in (None, 6):
+    for dv, budget in ((32, None), (33, None), (33, 6)):  # the page table below: dv 33
+        q, k, v, _ = inputs(3, 10, 10, 4, 2, 33, dv, jnp.float32)
+        cache = jax.jit(lambda k, v: serving.cache_from_history(k, v, jnp.array([10, 4, 0]),
+                                                                page_size=3))(k, v)
+        self_kv = (k[:, :2], v[:, :2])
         got, want = (jax.jit(lambda q, cache, self_kv: serving.attend(
             q, cache, jnp.array([0, 1, 2]), self_kv=self_kv, budget=budget,
             selection="per_request", impl=impl))(q[:, :2], cache, self_kv)
             for impl in (Cpu(BlockSizes(2, 5)), "reference"))
-        assert float(jnp.abs(got - want).max()) < 1e-4, budget
+        assert float(jnp.abs(got - want).max()) < 1e-4, (dv, budget)
     table = jnp.array([[0, 10**6, -5, 3]], jnp.int32)
     seen = jnp.ones((1, 12), jnp.int32)
     mask = semantics.ShardMask(seen, jnp.array([[12]], jnp.int32), jnp.arange(12)[None])

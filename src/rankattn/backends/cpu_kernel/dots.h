@@ -144,14 +144,52 @@ struct DotOps<bf16_t> {  // bfloat16: a broadcast pair of A times 16 pairs of B,
 };
 #endif
 
-// ---- The one dot: C[M, N] (+)= A[M, K] B[K, N], A rows, B a panel. Its columns are computed
-// in strips of kColTile, the last one a single vector wide where N ends within one (head dim
-// 80: 16 of its 96 padded columns are not computed, a sixth of the P V, dS^T Q and P^T dO dots);
-// so B and C hold N rounded up to kColTile columns.
+// ---- The one dot: C[M, N] (+)= A[M, K] B[K, N], A rows, B a panel (in float32, either may
+// also be read in place through row pointers, A in columns too). Its columns are computed in
+// strips of kColTile, the last one a single vector wide where N ends within one (head dim
+// 80: 16 of its 96 padded columns are not computed, a sixth of the P V, dS^T Q and P^T dO
+// dots); so B and C hold N rounded up to kColTile columns.
 
-template <int R, bool kAccumulate, typename E, int V>  // R rows x V vectors of C
-inline void tile(int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb, float* c,
-                 int64_t ldc) {
+// A operands, `from(i)`: rows i... Rows, A[i][k] at a[i * ld + k]; float32 rows anywhere,
+// A[i][k] at rows[i][k] (serving's keys in their pages, forward.h); columns, A[i][k] at
+// a[k * ld + i] (the forward's P^T of key-major blocks).
+template <typename E>
+struct RowsA {
+  const E* a;
+  int64_t ld;
+  const E* at(int64_t i, int64_t k) const { return a + i * ld + k; }
+  RowsA from(int64_t i) const { return {a + i * ld, ld}; }
+};
+struct PointedRowsA {
+  const float* const* rows;
+  const float* at(int64_t i, int64_t k) const { return rows[i] + k; }
+  PointedRowsA from(int64_t i) const { return {rows + i}; }
+};
+struct ColumnsA {
+  const float* a;
+  int64_t ld;
+  const float* at(int64_t i, int64_t k) const { return a + k * ld + i; }
+  ColumnsA from(int64_t i) const { return {a + i, ld}; }
+};
+
+// B operands, `from(j)`: columns j... A panel, B[k][n] at panel_index(k, n, ld); or float32
+// rows anywhere, B[k][n] at rows[k][n] (serving's V in its pages).
+template <typename E>
+struct PanelB {
+  const E* b;
+  int64_t ld;
+  const E* at(int64_t k, int64_t n) const { return b + panel_index<E>(k, n, ld); }
+  PanelB from(int64_t j) const { return {b + panel_index<E>(0, j, ld), ld}; }
+};
+struct PointedRowsB {
+  const float* const* rows;
+  int64_t col;
+  const float* at(int64_t k, int64_t n) const { return rows[k] + col + n; }
+  PointedRowsB from(int64_t j) const { return {rows, col + j}; }
+};
+
+template <int R, bool kAccumulate, typename E, int V, typename A, typename B>  // R x V vectors
+inline void tile(int64_t k_len, const A& a, const B& b, float* c, int64_t ldc) {
   using Ops = DotOps<E>;
   vf acc[R][V];
 #pragma GCC unroll 16
@@ -164,10 +202,10 @@ inline void tile(int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb
   for (int64_t k = 0; k < k_len; k += kPair<E>) {
     typename Ops::B bv[V];
 #pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) bv[v] = Ops::load_b(b + panel_index<E>(k, v * kLanes, ldb));
+    for (int v = 0; v < V; ++v) bv[v] = Ops::load_b(b.at(k, v * kLanes));
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const auto x = Ops::broadcast(a + r * lda + k);
+      const auto x = Ops::broadcast(a.at(r, k));
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) acc[r][v] = Ops::madd(acc[r][v], x, bv[v]);
     }
@@ -179,26 +217,25 @@ inline void tile(int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb
   }
 }
 
-template <bool kAccumulate, typename E, int V, int R = kRowTile>
-inline void tail_rows(int rows, int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb,
-                      float* c, int64_t ldc) {
+template <bool kAccumulate, typename E, int V, typename A, typename B, int R = kRowTile>
+inline void tail_rows(int rows, int64_t k_len, const A& a, const B& b, float* c, int64_t ldc) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, kAccumulate, E, V>(k_len, a, lda, b, ldb, c, ldc);
-    tail_rows<kAccumulate, E, V, R - 1>(rows, k_len, a, lda, b, ldb, c, ldc);
+    if (rows == R) return tile<R, kAccumulate, E, V>(k_len, a, b, c, ldc);
+    tail_rows<kAccumulate, E, V, A, B, R - 1>(rows, k_len, a, b, c, ldc);
   }
 }
 
 // Rows [0, m) of C's strip of V vectors at column j.
-template <bool kAccumulate, typename E, int V>
-inline void strip(int64_t m, int64_t j, int64_t k_len, const E* a, int64_t lda, const E* b,
-                  int64_t ldb, float* c, int64_t ldc) {
-  const E* bj = b + panel_index<E>(0, j, ldb);  // a B panel stays in L1 across the rows
+template <bool kAccumulate, typename E, int V, typename A, typename B>
+inline void strip(int64_t m, int64_t j, int64_t k_len, const A& a, const B& b, float* c,
+                  int64_t ldc) {
+  const B bj = b.from(j);  // a B strip stays in L1 across the rows
   int64_t i = 0;
   for (; i + kRowTile <= m; i += kRowTile) {
-    tile<kRowTile, kAccumulate, E, V>(k_len, a + i * lda, lda, bj, ldb, c + i * ldc + j, ldc);
+    tile<kRowTile, kAccumulate, E, V>(k_len, a.from(i), bj, c + i * ldc + j, ldc);
   }
   if (i < m) {
-    tail_rows<kAccumulate, E, V>(static_cast<int>(m - i), k_len, a + i * lda, lda, bj, ldb,
+    tail_rows<kAccumulate, E, V>(static_cast<int>(m - i), k_len, a.from(i), bj,
                                  c + i * ldc + j, ldc);
   }
 }
@@ -274,6 +311,18 @@ void amx_gemm(int64_t m, int64_t n, int64_t k_len, const bf16_t* a, int64_t lda,
 }
 #endif
 
+// E: the dots' element type (float32 for the operands read through pointers or in columns).
+template <bool kAccumulate, typename E = float, typename A, typename B>
+void gemm(int64_t m, int64_t n, int64_t k_len, const A& a, const B& b, float* c, int64_t ldc) {
+  for (int64_t j = 0; j < n; j += kColTile) {
+    if (n - j <= kLanes) {
+      strip<kAccumulate, E, 1>(m, j, k_len, a, b, c, ldc);
+    } else {
+      strip<kAccumulate, E, 2>(m, j, k_len, a, b, c, ldc);
+    }
+  }
+}
+
 template <bool kAccumulate, typename E>
 void gemm(int64_t m, int64_t n, int64_t k_len, const E* a, int64_t lda, const E* b, int64_t ldb,
           float* c, int64_t ldc) {
@@ -282,13 +331,7 @@ void gemm(int64_t m, int64_t n, int64_t k_len, const E* a, int64_t lda, const E*
     if (amx_usable()) return amx_gemm<kAccumulate>(m, n, k_len, a, lda, b, ldb, c, ldc);
   }
 #endif
-  for (int64_t j = 0; j < n; j += kColTile) {
-    if (n - j <= kLanes) {
-      strip<kAccumulate, E, 1>(m, j, k_len, a, lda, b, ldb, c, ldc);
-    } else {
-      strip<kAccumulate, E, 2>(m, j, k_len, a, lda, b, ldb, c, ldc);
-    }
-  }
+  gemm<kAccumulate, E>(m, n, k_len, RowsA<E>{a, lda}, PanelB<E>{b, ldb}, c, ldc);
 }
 
 }  // namespace

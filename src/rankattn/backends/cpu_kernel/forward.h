@@ -8,7 +8,10 @@
 //   acc = exp(m - m') acc + P V        (a dot: P rows, the V panel)
 // then a candidate's own key joins the softmax as one more logit, and
 //   out = acc / l,  lse = m + log l    (NaN for a row that saw a non-finite input).
-// Serving's paged forward is this over a Problem whose keys are pages (problem.h).
+// Serving's paged forward is this over a Problem whose keys are pages (problem.h). Where each
+// key is seen by all of a task's rows or by none (serving's candidates), a float32 task reads
+// the pages in place instead of packing K^T and V, key-major (see key_major):
+//   S^T = K Q^T,  P^T = exp(s^T - m'),  acc += P V   (K and V rows read through pointers).
 //
 // Part of cpu_attention.cc (see vectors.h).
 #pragma once
@@ -24,6 +27,25 @@
 #include "vectors.h"
 
 namespace {
+
+// The running max of rows r0.. (a vector of them) after a block whose max logit is `top`
+// (scaled): m' = max(m, top), its finite shift and alpha = exp(m - shift) are vectors over the
+// rows: row by row, that chain of scalar steps and a libm exp measured a fifth of the
+// softmax's time. (exp(0) is 1: a row whose max stays keeps alpha exactly 1.)
+inline void raise_max(int64_t r0, vf top, float* m, float* shift, float* alpha) {
+  const vf m_old = load(m + r0), m_new = m_old < top ? top : m_old;
+  const vf finite_max = (m_new - m_new) == splat(0.0f) ? m_new : splat(0.0f);
+  store(alpha + r0, m_old == finite_max ? splat(1.0f) : vexp(m_old - finite_max));
+  store(shift + r0, finite_max);
+  store(m + r0, m_new);
+}
+
+// acc's row times alpha (n whole vectors), unless alpha is 1.
+inline void rescale(float* row, int64_t n, float alpha) {
+  if (alpha == 1.0f) return;
+  const vf a = splat(alpha);
+  for (int64_t d = 0; d < n; d += kLanes) store(row + d, load(row + d) * a);
+}
 
 template <typename D>
 struct Forward {
@@ -79,12 +101,21 @@ struct Forward {
     }
     const int32_t* seg_q = pr.seg_q + b * pr.q_len + q0;
     const int32_t* pos_q = pr.pos_q + b * pr.q_len + q0;
+    const Visits list = visits(pr, pr.kv_index, pr.full_count, pr.count, b * pr.n_q + qb, pr.n_k);
+    if constexpr (std::is_same_v<D, F32>) {
+      if (keys.per_task && pr.page_size > 0 && pr.dim_v % kLanes == 0 && !pr.causal &&
+          std::all_of(seg_q, seg_q + nq, [&](int32_t x) { return x == seg_q[0]; })) {
+        key_major(list, b, hk, q0, nq, q_rows.data(), acc.data(), m.data(), l.data(),
+                  poisoned.data());
+        return finish(b, hk, q0, nq, q_rows.data(), acc.data(), m.data(), l.data(),
+                      poisoned.data());
+      }
+    }
 
     const bool fold = pr.folds_scale();
     const vf fold_scale = splat(fold ? pr.scale : 1.0f);
     // exp(x) = 2^(x log2(e)): the logits' factor in vexp2's argument, with the scale if folded.
     const vf to_base2 = splat((fold ? pr.scale : 1.0f) * kLog2e);
-    const Visits list = visits(pr, pr.kv_index, pr.full_count, pr.count, b * pr.n_q + qb, pr.n_k);
     for (int64_t e = 0; e < list.count; ++e) {
       const int32_t kb = list.index[e];
       if (kb < 0 || kb >= pr.n_k) continue;
@@ -132,36 +163,130 @@ struct Forward {
           sum += pj;
         }
         store(l.data() + r * kLanes, load(l.data() + r * kLanes) * alpha[r] + sum);
-        if (alpha[r] != 1.0f) {
-          float* ar = acc.data() + r * ld_dv;
-          const vf a = splat(alpha[r]);
-          for (int64_t d = 0; d < dv_cols; d += kLanes) store(ar + d, load(ar + d) * a);
-        }
+        rescale(acc.data() + r * ld_dv, dv_cols, alpha[r]);
       };
 
       // S = Q K^T.
       gemm<false>(m_rows, key_cols, pr.dim, q_rows.data(), ld_d, key.k_t_panel, ld_keys,
                   s.data(), ld_keys);
-      // The softmax, kLanes rows at a time, whose logits stay in L1 between its passes. Their
-      // m' = max(m, max_j s), its finite shift and alpha = exp(m - shift) are vectors over the
-      // rows: row by row, that chain of scalar steps and a libm exp measured a fifth of the
-      // softmax's time. (exp(0) is 1: a row whose max stays keeps alpha exactly 1.)
+      // The softmax, kLanes rows at a time, whose logits stay in L1 between its passes.
       for (int64_t r0 = 0; r0 < m_rows; r0 += kLanes) {
         const int64_t r_end = std::min(m_rows, r0 + kLanes);
         for (int64_t r = r0; r < r_end; ++r) shift[r] = logits(r);
-        const vf m_old = load(m.data() + r0), top = load(shift.data() + r0) * fold_scale;
-        const vf m_new = m_old < top ? top : m_old;
-        const vf finite_max = (m_new - m_new) == splat(0.0f) ? m_new : splat(0.0f);
-        store(alpha.data() + r0, m_old == finite_max ? splat(1.0f) : vexp(m_old - finite_max));
-        store(shift.data() + r0, finite_max);
-        store(m.data() + r0, m_new);
+        raise_max(r0, load(shift.data() + r0) * fold_scale, m.data(), shift.data(), alpha.data());
         for (int64_t r = r0; r < r_end; ++r) exponentiate(r);
       }
       // acc += P V. p past the block's keys is 0 (their logits are -inf), so a bfloat16 pair
       // or an AMX tile row may read it.
       gemm<true>(m_rows, pr.dim_v, key.nk, p, ld_keys, key.v_panel, ld_dv, acc.data(), ld_dv);
     }
+    finish(b, hk, q0, nq, q_rows.data(), acc.data(), m.data(), l.data(), poisoned.data());
+  }
 
+  // Serving's candidates over keys that each row of the task sees or none does (one segment
+  // id, not causal; float32), the pages read in place: packing K^T and V from them was the
+  // call's one cost besides its dots and softmax (1 user x 64 candidates, CPU_KERNEL.md).
+  // Key-major, per key block: S^T = K Q^T with K's rows read through pointers; the softmax a
+  // vector of rows at a time down S^T's columns; acc += P V with P^T read as A's columns and
+  // V's rows through pointers, a zero row for a key no row sees (its p is 0, but 0 times a
+  // non-finite value in an unused slot would be NaN). Non-finite values are not packed away:
+  // a seen key's non-finite logit (before the cap, which would hide an inf) counts as 0 and
+  // poisons its row, as a packed key's non-finite entries do; a seen non-finite value of V
+  // shows in acc, which poisons the row at the end. V's rows are read a vector at a time:
+  // dim_v is a whole number of vectors. Leaves l as `finish` reads it (one lane per row).
+  void key_major(const Visits& list, int64_t b, int64_t hk, int64_t q0, int64_t nq,
+                 const float* q_rows, float* acc, float* m, float* l, int32_t* poisoned) const {
+    const int64_t g_len = pr.group(), m_rows = g_len * nq, ld_rows = pr.ld_rows();
+    const int64_t row_vectors = round_up(m_rows, kLanes), ld_dv = pr.ld_dv();
+    thread_local Vector<float> q_t, s_t, multiplier, sums, shift, alpha, zero_row;
+    thread_local Vector<const float*> k_rows, v_rows;
+    thread_local Vector<int32_t> seen, bad;
+    q_t.assign(pr.dim * ld_rows, 0.0f);  // Q^T, zero past the rows (the dot reads vectors)
+    transpose(q_rows, pr.ld_d(), m_rows, pr.dim, q_t.data(), ld_rows);
+    s_t.resize(pr.block_k * ld_rows);
+    multiplier.assign(row_vectors, 1.0f);
+    for (int64_t r = 0; r < m_rows; ++r) {
+      multiplier[r] = pr.multiplier_of(b, hk * g_len + r / nq, q0 + r % nq);
+    }
+    sums.assign(row_vectors, 0.0f);
+    shift.resize(row_vectors);
+    alpha.resize(row_vectors);
+    zero_row.assign(pr.dim_v, 0.0f);
+    bad.assign(row_vectors, 0);
+    const bool fold = pr.folds_scale();
+    const vf fold_scale = splat(fold ? pr.scale : 1.0f);
+    const vf to_base2 = splat((fold ? pr.scale : 1.0f) * kLog2e);
+    const vi sq = splat_i(pr.seg_q[b * pr.q_len + q0]), pq = splat_i(pr.pos_q[b * pr.q_len + q0]);
+    for (int64_t e = 0; e < list.count; ++e) {
+      const int32_t kb = list.index[e];
+      if (kb < 0 || kb >= pr.n_k) continue;
+      const int64_t k0 = kb * pr.block_k, nk = std::min(pr.block_k, pr.kv_len - k0);
+      k_rows.resize(nk);
+      v_rows.resize(nk);
+      seen.resize(nk);
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t key = b * pr.kv_len + k0 + j;
+        seen[j] = pr.sees_history(sq, pq, splat_i(pr.seg_k[key]), splat_i(pr.pos_k[key]))[0];
+        k_rows[j] = k + pr.kv_offset(b, hk, k0 + j, pr.dim);
+        v_rows[j] = seen[j] ? v + pr.kv_offset(b, hk, k0 + j, pr.dim_v) : zero_row.data();
+      }
+      // S^T = K Q^T; a seen key's non-finite logits 0 and flagged, then t cap(scale S^T).
+      gemm<false>(nk, m_rows, pr.dim, PointedRowsA{k_rows.data()},
+                  PanelB<float>{q_t.data(), ld_rows}, s_t.data(), ld_rows);
+      for (int64_t j = 0; j < nk; ++j) {
+        if (!seen[j]) continue;
+        float* sr = s_t.data() + j * ld_rows;
+        for (int64_t r = 0; r < row_vectors; r += kLanes) {
+          const vf x = load(sr + r);
+          vi bits;
+          std::memcpy(&bits, &x, sizeof bits);
+          const vi inf_or_nan = (bits & 0x7f800000) == 0x7f800000;
+          store(bad.data() + r, load_i(bad.data() + r) | inf_or_nan);
+          store(sr + r, inf_or_nan ? splat(0.0f) : x);
+        }
+        if (!fold) {
+          pr.logits(sr, row_vectors, nullptr, [&](int64_t r) { return load(multiplier.data() + r); });
+        }
+      }
+      // The softmax down the columns: p = exp(s - m'), 0 for a key no row sees.
+      for (int64_t r0 = 0; r0 < m_rows; r0 += kLanes) {
+        vf top = splat(-kInf);
+        for (int64_t j = 0; j < nk; ++j) {
+          const vf x = load(s_t.data() + j * ld_rows + r0);
+          if (seen[j]) top = x > top ? x : top;
+        }
+        raise_max(r0, top * fold_scale, m, shift.data(), alpha.data());
+        const vf shift2 = load(shift.data() + r0) * kLog2e;
+        vf sum = splat(0.0f);
+        for (int64_t j = 0; j < nk; ++j) {
+          float* x = s_t.data() + j * ld_rows + r0;
+          const vf p = seen[j] ? vexp2<kExp2Degree<float>>(load(x) * to_base2 - shift2)
+                               : splat(0.0f);
+          store(x, p);
+          sum += p;
+        }
+        store(sums.data() + r0, load(sums.data() + r0) * load(alpha.data() + r0) + sum);
+        for (int64_t r = r0; r < std::min(m_rows, r0 + kLanes); ++r) {
+          rescale(acc + r * ld_dv, pr.dv_cols(), alpha[r]);
+        }
+      }
+      // acc += P V.
+      gemm<true>(m_rows, pr.dim_v, nk, ColumnsA{s_t.data(), ld_rows},
+                 PointedRowsB{v_rows.data(), 0}, acc, ld_dv);
+    }
+    for (int64_t r = 0; r < m_rows; ++r) {
+      const float* ar = acc + r * ld_dv;
+      poisoned[r] |= bad[r] != 0 ||
+                     !std::all_of(ar, ar + pr.dim_v, [](float x) { return std::isfinite(x); });
+      l[r * kLanes] = sums[r];
+    }
+  }
+
+  // The candidates' own keys join the softmax, then out = acc / l and lse = m + log l.
+  void finish(int64_t b, int64_t hk, int64_t q0, int64_t nq, const E* q_rows, float* acc,
+              float* m, const float* l, int32_t* poisoned) const {
+    const int64_t g_len = pr.group(), ld_d = pr.ld_d(), ld_dv = pr.ld_dv();
+    const int32_t* seg_q = pr.seg_q + b * pr.q_len + q0;
     thread_local Vector<float> own_k, own_v;  // zero past dim, as the rows of q
     own_k.assign(pr.d_cols(), 0.0f);
     own_v.assign(pr.dim_v, 0.0f);
@@ -180,10 +305,10 @@ struct Forward {
       }
       for (int64_t g = 0; g < g_len; ++g) {
         const int64_t r = g * nq + t, h = hk * g_len + g;
-        float* ar = acc.data() + r * ld_dv;
-        float l_r = sum_lanes(load(l.data() + r * kLanes));
+        float* ar = acc + r * ld_dv;
+        float l_r = sum_lanes(load(l + r * kLanes));
         if (own) {  // the own key's logit joins the softmax
-          const float dot = dot_lanes(q_rows.data() + r * ld_d, own_k.data(), pr.d_cols());
+          const float dot = dot_lanes(q_rows + r * ld_d, own_k.data(), pr.d_cols());
           const float s_own = pr.logit(dot, pr.multiplier_of(b, h, q0 + t));
           const float m_new = std::max(m[r], s_own);
           const float alpha = std::exp(m[r] - m_new), p_own = std::exp(s_own - m_new);

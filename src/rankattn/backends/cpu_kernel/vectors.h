@@ -50,6 +50,7 @@ inline vi load_i(const int32_t* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+inline void store(int32_t* p, vi v) { std::memcpy(p, &v, sizeof v); }
 inline bool any_lane(vi x) {
   for (int c = 0; c < kLanes; ++c) {
     if (x[c]) return true;

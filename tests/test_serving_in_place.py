@@ -1,0 +1,176 @@
+"""The cpu kernel's exact serving path reads the cache's pages in place, key-major (forward.h's
+key_major: K's and V's rows through pointers, no packed copy, non-finite values not cleared
+first). Checked against the float64 oracle on shapes that break its tiling, and on the
+non-finite cases that a packed copy used to clear: stale values in unused slots, a seen
+non-finite key hidden by the cap, a seen non-finite value whose weight underflows to 0.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oracle
+from conftest import needs_cpu_kernel
+from tolerances import assert_matches
+
+from rankattn import serving
+from rankattn.backends import BlockSizes, Cpu
+
+pytestmark = needs_cpu_kernel
+
+
+def _oracle_rows(q, k, v, users, lengths, self_kv, **options):
+    """The float64 oracle of each request row: its user's history, then its candidates, each
+    seeing the history and (with self_kv) its own key."""
+    rows = []
+    for i, u in enumerate(users):
+        n, t = int(lengths[u]), q.shape[1]
+        kk, vv = k[u, :n], v[u, :n]
+        mask = np.zeros((1, t, n + t), bool)
+        mask[0, :, :n] = True
+        if self_kv is not None:
+            kk = np.concatenate([kk, self_kv[0][i]])
+            vv = np.concatenate([vv, self_kv[1][i]])
+            mask[0, :, n:] = np.eye(t, dtype=bool)
+        else:
+            mask = mask[:, :, :n]
+        if not mask.any():  # nothing seen: the row is 0
+            rows.append(None)
+            continue
+        w = np.zeros(q[i:i + 1].shape[:3] + (v.shape[-1],))  # magnitudes come with a backward
+        rows.append(oracle.attention(q[i:i + 1], kk[None], vv[None], mask, w=w, magnitudes=True,
+                                     **options))
+    return rows
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), group=st.sampled_from([1, 3]),
+       hkv=st.sampled_from([1, 2]), d=st.sampled_from([8, 24, 40]),
+       dv=st.sampled_from([16, 32]), t=st.integers(1, 9), page=st.sampled_from([1, 4, 16]),
+       block_k=st.sampled_from([16, 32, 64]), with_self=st.booleans(),
+       cap=st.sampled_from([None, ("tanh", 2.0), ("soft_sign", 3.0)]),
+       scale=st.sampled_from([None, -0.4]))
+def test_pages_read_in_place_match_the_oracle(seed, group, hkv, d, dv, t, page, block_k,
+                                              with_self, cap, scale):
+    """Rows past the register tiles (G * T not a multiple of 8), head dims past its strips,
+    histories ending inside a page and inside a key block, several key blocks, an empty
+    history, the scale folded into the exp or not (a negative scale, a cap)."""
+    rng = np.random.default_rng(seed)
+    users, s = 3, 70
+    lengths = np.array([s, int(rng.integers(0, s)), 0])
+    k = rng.normal(size=(users, s, hkv, d)).astype(np.float32)
+    v = rng.normal(size=(users, s, hkv, dv)).astype(np.float32)
+    cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
+                                       page_size=page)
+    who = np.array([1, 0, 2, 1])
+    q = rng.normal(0, 1.5, (len(who), t, group * hkv, d)).astype(np.float32)
+    self_kv = None
+    if with_self:
+        self_kv = (rng.normal(size=(len(who), t, hkv, d)).astype(np.float32),
+                   rng.normal(size=(len(who), t, hkv, dv)).astype(np.float32))
+    options = {} if scale is None else dict(scale=scale)
+    if cap is not None:
+        options.update(softcap=cap[1], softcap_method=cap[0])
+    got = np.asarray(serving.attend(jnp.asarray(q), cache, jnp.asarray(who), self_kv=self_kv,
+                                    impl=Cpu(BlockSizes(16, block_k)), **options))
+    oracle_options = dict(scale=scale)
+    if cap is not None:
+        oracle_options.update(softcap_value=cap[1], softcap_method=cap[0])
+    for i, want in enumerate(_oracle_rows(q, k, v, who, lengths, self_kv, **oracle_options)):
+        if want is None:
+            np.testing.assert_array_equal(got[i], 0)
+            continue
+        n_terms = int(lengths[who[i]]) + (1 if with_self else 0)
+        assert_matches(f"row {i} out", got[i], want["out"][0], jnp.float32,
+                       want["terms"]["out"][0], want["amplified"]["out"][0], n_terms)
+
+
+P, HKV, HQ, D = 4, 2, 4, 32   # D and Dv a whole number of vectors: the path in place
+
+
+def _request(seed, users, t):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(0, 1, (users, t, HQ, D)).astype(np.float32),
+            rng.normal(0, 1, (users, t, HKV, D)).astype(np.float32),
+            rng.normal(0, 1, (users, t, HKV, D)).astype(np.float32))
+
+
+def _attend(cache, q, ks, vs, **options):
+    return np.asarray(serving.attend(jnp.asarray(q), cache, jnp.arange(q.shape[0]),
+                                     self_kv=(ks, vs), impl=Cpu(BlockSizes(16, 16)), **options))
+
+
+def _run(k, v, lengths, q, ks, vs, **options):
+    cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
+                                       page_size=P)
+    return _attend(cache, q, ks, vs, **options)
+
+
+@pytest.mark.parametrize("where", ["k_pages", "v_pages"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_a_stale_value_in_an_unused_slot_is_never_read(where, value):
+    """The slots past each user's length, in its last page and key block, hold non-finite
+    values (as a reused page can): the rows must equal those of clean slots bit for bit.
+    (Read in place, V's rows of unseen keys are a zero row: a 0 weight times NaN is NaN.)"""
+    rng = np.random.default_rng(0)
+    k = rng.normal(size=(2, 3 * P, HKV, D)).astype(np.float32)
+    v = rng.normal(size=(2, 3 * P, HKV, D)).astype(np.float32)
+    lengths = np.array([2 * P + 1, P - 1])
+    cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
+                                       page_size=P)
+    q, ks, vs = _request(1, 2, 3)
+    clean = _attend(cache, q, ks, vs)
+    pages, table = np.array(getattr(cache, where)), np.asarray(cache.page_table)
+    pages[table[0, 2], :, 1:] = value       # user 0's last page past its one token
+    pages[table[1, 0], :, P - 1:] = value   # user 1's one page past its P - 1 tokens
+    got = _attend(cache._replace(**{where: jnp.asarray(pages)}), q, ks, vs)
+    assert np.isfinite(clean).all()
+    np.testing.assert_array_equal(got, clean)
+
+
+@pytest.mark.parametrize("softcap", [None, 1.0])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_a_seen_non_finite_key_poisons_its_kv_heads_rows_only(softcap, value):
+    """A seen key with one non-finite entry: its logits are non-finite, and the cap would turn
+    +inf into a finite softcap (and -inf gives a weight of 0), so the kernel flags the logit
+    before the cap. The rows of that user's kv head are NaN; the other kv head's rows and the
+    other user's are unchanged, bit for bit."""
+    rng = np.random.default_rng(2)
+    k = rng.normal(size=(2, 3 * P, HKV, D)).astype(np.float32)
+    v = rng.normal(size=(2, 3 * P, HKV, D)).astype(np.float32)
+    lengths = np.array([3 * P, 2 * P])
+    q, ks, vs = _request(3, 2, 5)
+    options = {} if softcap is None else dict(softcap=softcap)
+    clean = _run(k, v, lengths, q, ks, vs, **options)
+    bad = k.copy()
+    bad[0, P + 2, 1, 7] = value
+    got = _run(bad, v, lengths, q, ks, vs, **options)
+    g = HQ // HKV
+    assert np.isnan(got[0, :, g:]).all()
+    np.testing.assert_array_equal(got[0, :, :g], clean[0, :, :g])
+    np.testing.assert_array_equal(got[1], clean[1])
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_seen_non_finite_value_poisons_its_row_even_at_weight_0(value):
+    """A seen key's value is non-finite, and the key's logit is 200 below the row's max (its
+    weight underflows to exactly 0): the row saw a non-finite input, so it is NaN (not the
+    clean row, and not inf); the other kv head's rows are unchanged."""
+    rng = np.random.default_rng(4)
+    k = rng.normal(size=(1, 2 * P, HKV, D)).astype(np.float32)
+    v = rng.normal(size=(1, 2 * P, HKV, D)).astype(np.float32)
+    q, ks, vs = _request(5, 1, 2)
+    q[..., :] = 1.0
+    k[0, 3] = -200.0 / D * np.sqrt(D)    # logit -200 (scale 1 / sqrt(D)) for every query
+    for weight_zero in (True, False):
+        bad_v = v.copy()
+        key = 3 if weight_zero else 4
+        bad_v[0, key, 0, 5] = value
+        clean = _run(k, v, np.array([2 * P]), q, ks, vs)
+        got = _run(k, bad_v, np.array([2 * P]), q, ks, vs)
+        assert np.isnan(got[0, :, :HQ // HKV]).all(), weight_zero
+        np.testing.assert_array_equal(got[0, :, HQ // HKV:], clean[0, :, HQ // HKV:])
