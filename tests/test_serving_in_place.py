@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import oracle
 from conftest import needs_cpu_kernel
-from tolerances import assert_matches
+from tolerances import FEW_KEYS_TOL, assert_close_f32, assert_matches
 
 from rankattn import serving
 from rankattn.backends import BlockSizes, Cpu
@@ -47,7 +47,7 @@ def _oracle_rows(q, k, v, users, lengths, self_kv, **options):
     return rows
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), group=st.sampled_from([1, 3]),
        hkv=st.sampled_from([1, 2]), d=st.sampled_from([8, 24, 40]),
        dv=st.sampled_from([16, 32]), t=st.integers(1, 9), page=st.sampled_from([1, 4, 16]),
@@ -174,3 +174,39 @@ def test_a_seen_non_finite_value_poisons_its_row_even_at_weight_0(value):
         got = _run(k, bad_v, np.array([2 * P]), q, ks, vs)
         assert np.isnan(got[0, :, :HQ // HKV]).all(), weight_zero
         np.testing.assert_array_equal(got[0, :, HQ // HKV:], clean[0, :, HQ // HKV:])
+
+
+def test_a_logit_that_overflows_from_finite_inputs_is_capped_not_poisoned():
+    """Regression: q and k finite but their dot past float32 (1e19 * 2e19 * 32): the logit is
+    inf, which the tanh cap takes to its limit, as the packed path and the float64 oracle
+    do. The key-major path once took any non-finite logit for a non-finite key and returned
+    a NaN row; it now checks the key itself."""
+    rng = np.random.default_rng(6)
+    k = rng.normal(size=(1, 2 * P, HKV, D)).astype(np.float32)
+    v = rng.normal(size=(1, 2 * P, HKV, D)).astype(np.float32)
+    k[0, 5] = 2e19
+    q, ks, vs = _request(7, 1, 2)
+    q[0, 0] = 1e19
+    got = _run(k, v, np.array([2 * P]), q, ks, vs, softcap=1.0)
+    kk, vv = np.concatenate([k[0], ks[0]]), np.concatenate([v[0], vs[0]])
+    mask = np.zeros((1, 2, 2 * P + 2), bool)
+    mask[0, :, :2 * P] = True
+    mask[0, :, 2 * P:] = np.eye(2, dtype=bool)
+    want = oracle.attention(q, kk[None], vv[None], mask, softcap_value=1.0)["out"]
+    assert np.isfinite(got).all()
+    assert_close_f32(got, want, "overflowed logit", tol=FEW_KEYS_TOL)
+
+
+def test_a_page_budget_reads_its_selected_pages_in_place():
+    """Quest's page selection runs the same kernel over each row's selected pages: against the
+    same selection gathered into contiguous keys (impl='xla')."""
+    rng = np.random.default_rng(8)
+    k = rng.normal(size=(2, 40 * P, HKV, D)).astype(np.float32)
+    v = rng.normal(size=(2, 40 * P, HKV, D)).astype(np.float32)
+    cache = serving.cache_from_history(jnp.asarray(k), jnp.asarray(v),
+                                       jnp.asarray([40 * P, 23 * P + 3]), page_size=P)
+    q, ks, vs = _request(9, 2, 5)
+    got, want = (np.asarray(serving.attend(jnp.asarray(q), cache, jnp.arange(2), self_kv=(ks, vs),
+                                           budget=12 * P, impl=impl))
+                 for impl in (Cpu(BlockSizes(16, 16)), "xla"))
+    assert_close_f32(got, want, "budgeted rows", tol=FEW_KEYS_TOL)

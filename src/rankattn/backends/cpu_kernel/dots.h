@@ -148,7 +148,8 @@ struct DotOps<bf16_t> {  // bfloat16: a broadcast pair of A times 16 pairs of B,
 // also be read in place through row pointers, A in columns too). Its columns are computed in
 // strips of kColTile, the last one a single vector wide where N ends within one (head dim
 // 80: 16 of its 96 padded columns are not computed, a sixth of the P V, dS^T Q and P^T dO
-// dots); so B and C hold N rounded up to kColTile columns.
+// dots); so B and C hold N rounded up to kColTile columns, or in B's rows through pointers N
+// a whole number of vectors.
 
 // A operands, `from(i)`: rows i... Rows, A[i][k] at a[i * ld + k]; float32 rows anywhere,
 // A[i][k] at rows[i][k] (serving's keys in their pages, forward.h); columns, A[i][k] at

@@ -9,8 +9,9 @@
 // then a candidate's own key joins the softmax as one more logit, and
 //   out = acc / l,  lse = m + log l    (NaN for a row that saw a non-finite input).
 // Serving's paged forward is this over a Problem whose keys are pages (problem.h). Where each
-// key is seen by all of a task's rows or by none (serving's candidates), a float32 task reads
-// the pages in place instead of packing K^T and V, key-major (see key_major):
+// key is seen by all of a task's rows or by none (serving's candidates) and each task packs
+// its own key blocks (one query block per row and kv head), a float32 task whose dv is whole
+// vectors reads the pages in place instead of packing K^T and V, key-major (see key_major):
 //   S^T = K Q^T,  P^T = exp(s^T - m'),  acc += P V   (K and V rows read through pointers).
 //
 // Part of cpu_attention.cc (see vectors.h).
@@ -190,17 +191,22 @@ struct Forward {
   // vector of rows at a time down S^T's columns; acc += P V with P^T read as A's columns and
   // V's rows through pointers, a zero row for a key no row sees (its p is 0, but 0 times a
   // non-finite value in an unused slot would be NaN). Non-finite values are not packed away:
-  // a seen key's non-finite logit (before the cap, which would hide an inf) counts as 0 and
-  // poisons its row, as a packed key's non-finite entries do; a seen non-finite value of V
-  // shows in acc, which poisons the row at the end. V's rows are read a vector at a time:
-  // dim_v is a whole number of vectors. Leaves l as `finish` reads it (one lane per row).
+  // a seen key with a non-finite entry has non-finite logits (finite q times inf or NaN, and 0
+  // times inf, are not finite), so a key is checked itself only where one is (before the cap,
+  // which would hide an inf); if it holds one, every row (all see it) is poisoned and its
+  // logits count as 0, as a packed key's non-finite entries do, else its logit overflowed and
+  // stays as the packed path computes it. A seen non-finite value of V shows in acc, which
+  // poisons the row at the end. V's rows are read a vector at a time: dim_v is a whole number
+  // of vectors. Only blocks that the visit list names are read, each key masked by its own
+  // segment id (the row-major path trusts the list's full blocks instead). Leaves l as
+  // `finish` reads it (one lane per row).
   void key_major(const Visits& list, int64_t b, int64_t hk, int64_t q0, int64_t nq,
                  const float* q_rows, float* acc, float* m, float* l, int32_t* poisoned) const {
     const int64_t g_len = pr.group(), m_rows = g_len * nq, ld_rows = pr.ld_rows();
     const int64_t row_vectors = round_up(m_rows, kLanes), ld_dv = pr.ld_dv();
     thread_local Vector<float> q_t, s_t, multiplier, sums, shift, alpha, zero_row;
     thread_local Vector<const float*> k_rows, v_rows;
-    thread_local Vector<int32_t> seen, bad;
+    thread_local Vector<int32_t> seen;
     q_t.assign(pr.dim * ld_rows, 0.0f);  // Q^T, zero past the rows (the dot reads vectors)
     transpose(q_rows, pr.ld_d(), m_rows, pr.dim, q_t.data(), ld_rows);
     s_t.resize(pr.block_k * ld_rows);
@@ -212,7 +218,7 @@ struct Forward {
     shift.resize(row_vectors);
     alpha.resize(row_vectors);
     zero_row.assign(pr.dim_v, 0.0f);
-    bad.assign(row_vectors, 0);
+    bool keys_bad = false;  // a seen key with a non-finite entry
     const bool fold = pr.folds_scale();
     const vf fold_scale = splat(fold ? pr.scale : 1.0f);
     const vf to_base2 = splat((fold ? pr.scale : 1.0f) * kLog2e);
@@ -230,19 +236,22 @@ struct Forward {
         k_rows[j] = k + pr.kv_offset(b, hk, k0 + j, pr.dim);
         v_rows[j] = seen[j] ? v + pr.kv_offset(b, hk, k0 + j, pr.dim_v) : zero_row.data();
       }
-      // S^T = K Q^T; a seen key's non-finite logits 0 and flagged, then t cap(scale S^T).
+      // S^T = K Q^T; a seen non-finite key's logits 0 (see above), then t cap(scale S^T).
       gemm<false>(nk, m_rows, pr.dim, PointedRowsA{k_rows.data()},
                   PanelB<float>{q_t.data(), ld_rows}, s_t.data(), ld_rows);
       for (int64_t j = 0; j < nk; ++j) {
         if (!seen[j]) continue;
         float* sr = s_t.data() + j * ld_rows;
+        vi inf_or_nan = splat_i(0);
         for (int64_t r = 0; r < row_vectors; r += kLanes) {
-          const vf x = load(sr + r);
           vi bits;
-          std::memcpy(&bits, &x, sizeof bits);
-          const vi inf_or_nan = (bits & 0x7f800000) == 0x7f800000;
-          store(bad.data() + r, load_i(bad.data() + r) | inf_or_nan);
-          store(sr + r, inf_or_nan ? splat(0.0f) : x);
+          std::memcpy(&bits, sr + r, sizeof bits);
+          inf_or_nan |= (bits & 0x7f800000) == 0x7f800000;
+        }
+        if (any_lane(inf_or_nan) && !std::all_of(k_rows[j], k_rows[j] + pr.dim,
+                                                 [](float x) { return std::isfinite(x); })) {
+          keys_bad = true;
+          std::fill(sr, sr + row_vectors, 0.0f);
         }
         if (!fold) {
           pr.logits(sr, row_vectors, nullptr, [&](int64_t r) { return load(multiplier.data() + r); });
@@ -276,7 +285,7 @@ struct Forward {
     }
     for (int64_t r = 0; r < m_rows; ++r) {
       const float* ar = acc + r * ld_dv;
-      poisoned[r] |= bad[r] != 0 ||
+      poisoned[r] |= keys_bad ||
                      !std::all_of(ar, ar + pr.dim_v, [](float x) { return std::isfinite(x); });
       l[r * kLanes] = sums[r];
     }
