@@ -8,8 +8,8 @@ import numpy as np
 from rankattn import distributed, semantics
 from rankattn.backends import BACKENDS, Backend
 from rankattn.errors import fail
-from rankattn.validate import (AttentionCall, check_attention_args, check_static_bool, concrete,
-                               int32_array)
+from rankattn.validate import (AttentionCall, as_array, check_attention_args, check_static_bool,
+                               concrete, int32_array)
 
 
 def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=None, softcap=None,
@@ -134,8 +134,7 @@ def segment_ids_from_cu_seqlens(cu_seqlens, roles=None, *, length: int | None = 
                                 f"got length={length!r}.")
         roles = np.ones(length, np.int32)
     for name, x in (("cu_seqlens", cu_seqlens), ("roles", roles)):
-        if not hasattr(x, "shape"):
-            x = np.asarray(x)
+        x = as_array(name, x, "RA123", "pass a 1-D int array.")
         if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
             raise fail("RA123", f"{name} must be a 1-D int array; got shape {tuple(x.shape)} and "
                                 f"dtype {x.dtype}.")

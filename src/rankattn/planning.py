@@ -99,6 +99,11 @@ def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: b
                             "segment_ids=jnp.ones((B, S), jnp.int32).")
     if segment_ids is not None and np.ndim(segment_ids) != 2:
         raise fail("RA107", f"segment_ids has shape {np.shape(segment_ids)}; plan() needs [B, S].")
+    if segment_ids is not None and 0 in np.shape(segment_ids):
+        raise fail("RA105", f"plan(segment_ids=...) got shape {np.shape(segment_ids)}; a plan "
+                            "needs at least one row of at least one token (B >= 1, S >= 1), as "
+                            "rankattn.attention does. Skip the call for an empty batch, or pad "
+                            "to length 1 and mask the pad with segment id 0.")
     if bounds is not None:
         if seq_len is None:
             raise fail("RA117", "plan(bounds=...) needs seq_len=S, the sequence length.")

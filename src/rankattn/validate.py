@@ -143,8 +143,8 @@ def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap
 
 def _check_logit_multiplier(x, batch: int, q_len: int, q_heads: int):
     """The multiplier as float32 [B, Sq, Hq] with no gradient, from [B, Sq] or [B, Sq, Hq]."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        x = np.asarray(x)
+    x = as_array("logit_multiplier", x, "RA127", "pass one factor per query, [B, Sq] or "
+                                                 "[B, Sq, Hq].")
     real = jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.floating)
     if not real:
         raise fail("RA127", f"logit_multiplier has dtype {x.dtype}; it must be a real array "
@@ -209,6 +209,26 @@ INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 FLOAT32_NORMAL, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
+# What a Phoenix-style bounds argument is, for the errors that name it.
+BOUNDS_FORM = "pass (hist_lo, hist_hi, cand_lo, cand_hi) or an int array [B, 4]."
+
+
+def as_array(name: str, x, code: str, expected: str):
+    """``x`` as an array: itself if it is one (tracers included), else numpy, or jnp where a
+    sequence holds traced values. A ragged nesting raises ``code`` (numpy's "inhomogeneous
+    shape" ValueError otherwise), the message saying what was ``expected``."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return x
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return jnp.asarray(x)
+    except (TypeError, ValueError):
+        seen = repr(x)
+        seen = seen if len(seen) <= 80 else seen[:77] + "..."
+        raise fail(code, f"{name} {seen} is not a rectangular array; {expected}") from None
+
+
 def int32_array(name: str, x, code: str, what: str) -> jax.Array:
     """Integer array ``x`` as int32. Concrete values outside int32 raise ``code``, the message
     saying ``what`` the values are: jnp would wrap them (without x64) onto small values that
@@ -247,8 +267,7 @@ def _check_segment_ids(segment_ids, batch: int, seq_len: int):
 
 
 def _check_bounds(bounds, batch: int, seq_len: int):
-    if not hasattr(bounds, "shape"):
-        bounds = np.asarray(bounds)
+    bounds = as_array("bounds", bounds, "RA108", BOUNDS_FORM)
     if not jnp.issubdtype(bounds.dtype, jnp.integer):
         raise fail("RA108", f"bounds has dtype {bounds.dtype}; it must be integer "
                             "(hist_lo, hist_hi, cand_lo, cand_hi).")

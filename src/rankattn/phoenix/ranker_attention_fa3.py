@@ -14,7 +14,7 @@ import numpy as np
 from rankattn.api import attention as rankattn_attention
 from rankattn.errors import fail
 from rankattn.phoenix._shared import cap_options, with_z_loss
-from rankattn.validate import concrete, int32_array
+from rankattn.validate import BOUNDS_FORM, as_array, concrete, int32_array
 
 __all__ = ["TuningConfig", "attention", "_attention_forward_inference", "_normalize_bound"]
 
@@ -58,7 +58,7 @@ def _normalize_bound(bound, batch_size, seq_len):
     """
     if bound is None:
         bound = (0, seq_len + 1, seq_len + 1, seq_len + 1)
-    bound = _as_array(bound)
+    bound = as_array("bound", bound, "RA108", BOUNDS_FORM)
     if tuple(bound.shape) != (4,):
         raise fail("RA108", f"bound has shape {tuple(bound.shape)}; _normalize_bound takes one "
                             "(hist_lo, hist_hi, cand_lo, cand_hi) of shape (4,) (or None) and "
@@ -147,21 +147,6 @@ def _attention_forward_inference(q, k, v, config, bound=None, sm_scale=1.0, cap=
     return attention(q, k, v, None, False, bound, sm_scale, cap, cap_method, impl=impl)
 
 
-def _as_array(bound):
-    """bound as an array: itself if it is one (tracers included), else numpy, or jnp when the
-    tuple holds traced values; RA108 for a ragged nesting."""
-    if hasattr(bound, "shape") and hasattr(bound, "dtype"):
-        return bound
-    try:
-        return np.asarray(bound)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return jnp.asarray(bound)
-    except (TypeError, ValueError):
-        raise fail("RA108", f"bound {bound!r} is not a rectangular integer array; pass "
-                            "(hist_lo, hist_hi, cand_lo, cand_hi) or an int array [B, 4]."
-                   ) from None
-
-
 def _check_integer(bound):
     if not jnp.issubdtype(bound.dtype, jnp.integer):
         raise fail("RA108", f"bound has dtype {bound.dtype}; it must be integer positions "
@@ -175,7 +160,7 @@ def _clamped(bound, seq_len: int):
     range). Concrete bounds stay numpy (rankattn checks their values); traced ones use jnp."""
     if bound is None:
         return None
-    bound = _as_array(bound)
+    bound = as_array("bound", bound, "RA108", BOUNDS_FORM)
     if bound.ndim not in (1, 2) or bound.shape[-1] != 4:
         raise fail("RA108", f"bound has shape {tuple(bound.shape)}; it must be (hist_lo, "
                             "hist_hi, cand_lo, cand_hi), shape (4,), or one such row per batch "
