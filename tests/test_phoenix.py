@@ -306,6 +306,41 @@ def test_v2_causal_must_be_a_bool():
     assert_explained(err.value)
 
 
+def _phoenix_qkv():
+    q, k, v, _ = random_qkv(4, B, S, HQ, HKV, D)
+    return q, k, v
+
+
+@pytest.mark.parametrize("call, code, fragments", [
+    (lambda q, k, v: fa3.attention(q[0, 0, 0], k, v), "RA101", ["q", "1-D"]),
+    (lambda q, k, v: fa3.attention(None, k, v), "RA101", ["q", "NoneType"]),
+    (lambda q, k, v: v2.mha(q.tolist(), k, v, np.ones((B, S)), V2_SEG), "RA101", ["q", "list"]),
+    (lambda q, k, v: fa3.attention(q, k, v, sm_scale=None), "RA113", ["sm_scale", "None"]),
+    (lambda q, k, v: fa3.attention(q, k, v, sm_scale="abc"), "RA113", ["sm_scale", "'abc'"]),
+    (lambda q, k, v: fa3.attention(q, k, v, cap="x"), "RA111", ["cap", "'x'"]),
+    (lambda q, k, v: fa3.attention(q, k, v, cap=10**400), "RA111", ["cap", "out of range"]),
+    (lambda q, k, v: v2.mha(q, k, v, np.ones((B, S)), V2_SEG, cap=None), "RA111", ["cap"]),
+    (lambda q, k, v: fa3.attention(q, k, v, z_loss_weight="abc"), "RA116", ["z_loss_weight"]),
+    (lambda q, k, v: jax.jit(lambda s: fa3.attention(q, k, v, sm_scale=s))(1.0), "RA113",
+     ["sm_scale", "traced"]),
+    (lambda q, k, v: jax.jit(lambda c: fa3.attention(q, k, v, cap=c))(1.0), "RA111",
+     ["cap", "traced"]),
+    (lambda q, k, v: fa3._normalize_bound((0, 2, 2, 4), -1, 4), "RA116", ["batch_size=-1"]),
+    (lambda q, k, v: fa3._normalize_bound((0, 2, 2, 4), 2.5, 4), "RA116", ["batch_size=2.5"]),
+    (lambda q, k, v: fa3._normalize_bound(None, 1, None), "RA116", ["seq_len=None"]),
+], ids=["fa3-q-1d", "fa3-q-none", "v2-q-list", "scale-none", "scale-str", "cap-str",
+        "cap-overflow", "v2-cap-none", "z-loss-str", "jit-scale", "jit-cap", "batch-negative",
+        "batch-float", "seq-none"])
+def test_phoenix_arguments_of_the_wrong_kind_are_rankattn_errors(call, code, fragments):
+    """Regression: these raised bare IndexError, AttributeError, ValueError, TypeError,
+    OverflowError or JAX's ConcretizationTypeError from deep inside the drop-ins."""
+    with pytest.raises(rankattn.RankattnError, match=code) as err:
+        call(*_phoenix_qkv())
+    for fragment in fragments:
+        assert fragment in str(err.value), (fragment, str(err.value))
+    assert_explained(err.value)
+
+
 def test_v2_mha_inference_gqa_regression():
     """Regression (missing name): Phoenix's GQA inference forward takes K/V unrepeated and
     computes v2's mask without causal: every non-padding query sees history, and a candidate

@@ -76,6 +76,16 @@ def test_inconsistent_cache(cache):
         serving.attend(q4(), broken, USERS)
 
 
+@pytest.mark.parametrize("name, dtype", [("page_table", jnp.float32), ("lengths", jnp.float32),
+                                         ("free", jnp.int32), ("overflow", jnp.int32)])
+def test_cache_indices_and_flags_of_another_dtype(cache, name, dtype):
+    """Regression: a float page table failed deep in an indexing op ("Indexer must have integer
+    or boolean type")."""
+    broken = cache._replace(**{name: getattr(cache, name).astype(dtype)})
+    with raises("RA201", f"cache.{name}", jnp.dtype(dtype).name):
+        serving.attend(q4(), broken, USERS)
+
+
 @pytest.mark.parametrize("shape", [(2,), (2, 1, 3, 4, D), ()])
 def test_unsupported_query_rank(cache, shape):
     with raises("RA202", str(tuple(shape)), "[B, T, Hq, D]", "[B, Hq*D]"):

@@ -8,8 +8,8 @@ import numpy as np
 from rankattn import distributed, semantics
 from rankattn.backends import BACKENDS, Backend
 from rankattn.errors import fail
-from rankattn.validate import (AttentionCall, as_array, check_attention_args, check_static_bool,
-                               concrete, int32_array)
+from rankattn.validate import (INT32_MAX, AttentionCall, as_array, check_attention_args,
+                               check_static_bool, concrete, int32_array)
 
 
 def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=None, softcap=None,
@@ -129,9 +129,11 @@ def segment_ids_from_cu_seqlens(cu_seqlens, roles=None, *, length: int | None = 
       (checked when concrete), or roles that are not int [T].
     """
     if roles is None:
-        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
-            raise fail("RA123", f"roles=None needs length=T, the packed length as a Python int; "
-                                f"got length={length!r}.")
+        if (not isinstance(length, int) or isinstance(length, bool)
+                or not 0 <= length <= INT32_MAX):
+            raise fail("RA123", f"roles=None needs length=T, the packed length as a Python int "
+                                f"in [0, {INT32_MAX}] (positions are int32); got "
+                                f"length={length!r}.")
         roles = np.ones(length, np.int32)
     for name, x in (("cu_seqlens", cu_seqlens), ("roles", roles)):
         x = as_array(name, x, "RA123", "pass a 1-D int array.")
@@ -142,7 +144,7 @@ def segment_ids_from_cu_seqlens(cu_seqlens, roles=None, *, length: int | None = 
     cu_seqlens = int32_array("cu_seqlens", cu_seqlens, "RA123", sessions)
     roles = int32_array("roles", roles, "RA123", sessions)
     if length is not None and length != roles.shape[0]:
-        raise fail("RA123", f"length={length} but roles has {roles.shape[0]} tokens; pass one "
+        raise fail("RA123", f"length={length!r} but roles has {roles.shape[0]} tokens; pass one "
                             "role per packed token, or leave length out.")
     if cu_seqlens.shape[0] == 0:
         raise fail("RA123", "cu_seqlens is empty; N sessions need N + 1 offsets, e.g. [0, T].")

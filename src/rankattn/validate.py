@@ -51,7 +51,7 @@ def concrete(x) -> np.ndarray | None:
         return None
 
 
-def _check_tensor(name: str, x, layout: str):
+def check_tensor(name: str, x, layout: str):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise fail("RA101", f"{name} must be an array shaped {layout}; got {type(x).__name__}.")
     if x.ndim != 4:
@@ -73,9 +73,9 @@ def check_static_bool(name: str, value) -> bool:
 
 def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap,
                          softcap_method, plan=None, logit_multiplier=None) -> AttentionCall:
-    _check_tensor("q", q, "[B, Sq, Hq, D]")
-    _check_tensor("k", k, "[B, Skv, Hkv, D]")
-    _check_tensor("v", v, "[B, Skv, Hkv, Dv]")
+    check_tensor("q", q, "[B, Sq, Hq, D]")
+    check_tensor("k", k, "[B, Skv, Hkv, D]")
+    check_tensor("v", v, "[B, Skv, Hkv, Dv]")
     causal = check_static_bool("causal", causal)
 
     dtypes = {str(x.dtype) for x in (q, k, v)}
@@ -163,7 +163,7 @@ def check_logit_options(scale, softcap, softcap_method, head_dim: int):
     """(scale, softcap) as Python floats, checked; scale None means 1 / sqrt(head_dim)."""
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    scale = _check_static_float("scale", scale, "RA113")
+    scale = static_float("scale", scale, "RA113")
     if not FLOAT32_NORMAL <= abs(scale) <= FLOAT32_MAX:  # the kernels scale in float32
         raise fail("RA113", f"scale must be finite and non-zero as a float32 (a normal number, "
                             f"{FLOAT32_NORMAL:.3g} <= |scale| <= {FLOAT32_MAX:.3g}); got {scale}. "
@@ -172,7 +172,7 @@ def check_logit_options(scale, softcap, softcap_method, head_dim: int):
         raise fail("RA112", f"softcap_method={softcap_method!r}; use one of "
                             f"{', '.join(map(repr, semantics.SOFTCAP_METHODS))}.")
     if softcap is not None:
-        softcap = _check_static_float("softcap", softcap, "RA111")
+        softcap = static_float("softcap", softcap, "RA111")
         if not FLOAT32_NORMAL <= softcap <= FLOAT32_MAX:  # as scale: a float32, not 0 or inf
             raise fail("RA111", f"softcap={softcap}; it must be a positive finite float32 (a "
                                 f"normal number, {FLOAT32_NORMAL:.3g} to {FLOAT32_MAX:.3g}) such "
@@ -192,7 +192,7 @@ def check_mask_args(segment_ids, bounds, causal, batch: int, seq_len: int):
     return segment_ids, causal
 
 
-def _check_static_float(name: str, value, code: str) -> float:
+def static_float(name: str, value, code: str) -> float:
     if np.iscomplexobj(value):  # float() would drop the imaginary part without a word
         raise fail(code, f"{name} must be a real Python float; got {type(value).__name__} "
                          f"{value!r}.")

@@ -10,15 +10,33 @@ import jax.numpy as jnp
 
 from rankattn import distributed, semantics
 from rankattn.api import attention, select_backend
-from rankattn.validate import check_attention_args
+from rankattn.errors import fail
+from rankattn.validate import check_attention_args, static_float
 
 
 def cap_options(cap, cap_method) -> dict:
     """rankattn's softcap options for Phoenix's ``cap`` / ``cap_method``: ``cap <= 0`` or
     ``"none"`` is no cap (ranker_attention_fa3.py:31-40)."""
-    if cap_method == "none" or float(cap) <= 0.0:
+    cap = static_float("cap (the softcap)", cap, "RA111")
+    if cap_method == "none" or cap <= 0.0:
         return dict(softcap=None, softcap_method="tanh")
-    return dict(softcap=float(cap), softcap_method=cap_method)
+    return dict(softcap=cap, softcap_method=cap_method)
+
+
+def scalar_options(sm_scale, cap, cap_method, z_loss_weight) -> tuple[dict, float]:
+    """(rankattn's scale and cap options, the z-loss weight) from Phoenix's arguments, each a
+    Python number (they select the compiled program, as rankattn's scale does): RA113, RA111
+    or RA116 naming the argument for a string, None, a traced array or an overflowing int."""
+    options = dict(scale=static_float("sm_scale", sm_scale, "RA113"),
+                   **cap_options(cap, cap_method))
+    try:
+        weight = float(z_loss_weight)
+    except (TypeError, ValueError, OverflowError, jax.errors.ConcretizationTypeError):
+        raise fail("RA116", f"z_loss_weight must be a Python float; got "
+                            f"{type(z_loss_weight).__name__} {z_loss_weight!r}. Whether the "
+                            "backward adds the z-loss gradient is decided when tracing, so it "
+                            "cannot be a traced array.") from None
+    return options, weight
 
 
 def attend(q, k, v, segment_ids, *, causal: bool, scale, softcap, softcap_method, impl,

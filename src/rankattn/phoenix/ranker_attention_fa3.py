@@ -13,8 +13,8 @@ import numpy as np
 
 from rankattn.api import attention as rankattn_attention
 from rankattn.errors import fail
-from rankattn.phoenix._shared import cap_options, with_z_loss
-from rankattn.validate import BOUNDS_FORM, as_array, concrete, int32_array
+from rankattn.phoenix._shared import scalar_options, with_z_loss
+from rankattn.validate import BOUNDS_FORM, as_array, check_tensor, concrete, int32_array
 
 __all__ = ["TuningConfig", "attention", "_attention_forward_inference", "_normalize_bound"]
 
@@ -56,6 +56,10 @@ def _normalize_bound(bound, batch_size, seq_len):
     [0, S]). Any other shape raises RA108, as does a non-integer array (Phoenix raises a plain
     ``ValueError`` for the shape and truncates floats).
     """
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise fail("RA116", f"_normalize_bound got {name}={value!r}; it must be a positive "
+                                "Python int (the batch size and sequence length of q).")
     if bound is None:
         bound = (0, seq_len + 1, seq_len + 1, seq_len + 1)
     bound = as_array("bound", bound, "RA108", BOUNDS_FORM)
@@ -103,13 +107,14 @@ def attention(q, k, v, config=None, save_residuals=False, bound=None, sm_scale=1
       out [B, Sq, Hq, D] in q's dtype, or ``(out, (lse,))`` with ``save_residuals``.
     """
     del config
-    options = dict(bounds=_clamped(bound, q.shape[1]), scale=float(sm_scale), impl=impl,
-                   **cap_options(cap, cap_method))
+    check_tensor("q", q, "[B, Sq, Hq, D]")  # before its length clamps the bound
+    scalars, z_loss_weight = scalar_options(sm_scale, cap, cap_method, z_loss_weight)
+    options = dict(bounds=_clamped(bound, q.shape[1]), impl=impl, **scalars)
 
     def outputs(q, k, v):
         return rankattn_attention(q, k, v, return_lse=True, **options)
 
-    out, lse = with_z_loss(outputs, float(z_loss_weight), q, k, v)
+    out, lse = with_z_loss(outputs, z_loss_weight, q, k, v)
     if save_residuals:
         return out, (lse * (1 / math.log(2)),)
     return out

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rankattn.errors import fail
-from rankattn.phoenix._shared import attend, cap_options, with_z_loss
-from rankattn.validate import check_static_bool, concrete
+from rankattn.phoenix._shared import attend, scalar_options, with_z_loss
+from rankattn.validate import check_static_bool, check_tensor, concrete
 
 __all__ = ["mha", "mha_inference_gqa"]
 
@@ -88,6 +88,7 @@ def mha_inference_gqa(q, k, v, temp, segment_ids, sm_scale=1.0, cap=-1.0, cap_me
 def _attend(q, k, v, temp, segment_ids, sm_scale, cap, cap_method, causal, z_loss_weight, impl):
     """out of Phoenix's v2 mask function, ``temp`` multiplying the capped logits per query."""
     causal = check_static_bool("causal", causal)  # a truthy "False" must not run causal
+    check_tensor("q", q, "[B, S, Hq, D]")  # before temp is checked against its shape
     _check_temp(temp, q.shape[:2])
     # Concrete ids are compared as they are: cast to int32 first, 2**32 + 1 (a candidate)
     # would wrap to 1 (history).
@@ -96,13 +97,13 @@ def _attend(q, k, v, temp, segment_ids, sm_scale, cap, cap_method, causal, z_los
     ids = jnp.where(ids == 1, 1, jnp.where(ids == 0, 0, -1)).astype(jnp.int32)
     values = concrete(temp)  # all ones, known now: no multiplier (every backend runs that)
     multiplier = None if values is not None and (values == 1).all() else temp
-    options = dict(causal=causal, scale=float(sm_scale), impl=impl, logit_multiplier=multiplier,
-                   **cap_options(cap, cap_method))
+    scalars, z_loss_weight = scalar_options(sm_scale, cap, cap_method, z_loss_weight)
+    options = dict(causal=causal, impl=impl, logit_multiplier=multiplier, **scalars)
 
     def outputs(q, k, v):
         return attend(q, k, v, ids, **options)
 
-    return with_z_loss(outputs, float(z_loss_weight), q, k, v)[0]
+    return with_z_loss(outputs, z_loss_weight, q, k, v)[0]
 
 
 def _check_temp(temp, shape):

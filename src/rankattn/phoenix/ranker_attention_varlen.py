@@ -9,7 +9,7 @@ import numpy as np
 
 from rankattn.api import segment_ids_from_cu_seqlens
 from rankattn.errors import fail
-from rankattn.phoenix._shared import attend, cap_options, with_z_loss
+from rankattn.phoenix._shared import attend, scalar_options, with_z_loss
 from rankattn.validate import concrete
 
 __all__ = ["BLACKWELL_CONFIG", "HOPPER_CONFIG", "TuningConfig", "get_device_tuning_config", "mha"]
@@ -92,10 +92,11 @@ def mha(q, k, v, temp, segment_ids, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                             "segment_ids array between queries and keys, so pass the same "
                             "cu_seqlens for both.")
     ids = segment_ids_from_cu_seqlens(cu_seqlens_q, segment_ids)[None]
-    options = dict(causal=causal, scale=float(sm_scale), impl=impl, **cap_options(cap, cap_method))
+    scalars, z_loss_weight = scalar_options(sm_scale, cap, cap_method, z_loss_weight)
+    options = dict(causal=causal, impl=impl, **scalars)
 
     def outputs(q, k, v):
         out, lse = attend(q[None], k[None], v[None], ids, **options)
         return out[0], lse[0]
 
-    return with_z_loss(outputs, float(z_loss_weight), q, k, v)[0]
+    return with_z_loss(outputs, z_loss_weight, q, k, v)[0]

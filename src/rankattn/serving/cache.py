@@ -374,6 +374,15 @@ def check_cache(cache) -> None:
         if got != shape:
             raise fail("RA201", f"cache.{name} has shape {got}, but k_pages {tuple(cache.k_pages.shape)} "
                                 f"implies {shape}. Use the cache returned by append / release.")
+    # Indices and flags of another dtype fail deep in an indexing op, or index wrongly.
+    for name, integer in (("page_table", True), ("lengths", True), ("free", False),
+                          ("overflow", False)):
+        dtype = getattr(cache, name).dtype
+        if jnp.issubdtype(dtype, jnp.integer) if integer else dtype == jnp.bool_:
+            continue
+        raise fail("RA201", f"cache.{name} has dtype {dtype}; a PagedKVCache holds it as "
+                            f"{'int32' if integer else 'bool'}. Use the cache returned by "
+                            "append / release.")
 
 
 def check_history(k_hist, v_hist, lengths, where: str):
