@@ -104,6 +104,27 @@ def test_write_rows_outside_the_lease_are_ra223_naming_rows(store):
         assert not lease.written
 
 
+def test_a_float16_store_refuses_a_value_it_would_store_as_inf():
+    """Regression: a float16 store wrote 1e5 as inf and every score over it was NaN (append
+    refused it with RA214; write did not). Now RA214 naming the row, user and value, nothing
+    written; the same lease then takes values that fit, and a padded token past the row's
+    missing ones may hold anything."""
+    store = serving.HistoryStore(**{**CONFIG, "num_layers": 1, "host_pages": 0},
+                                 dtype=np.float16)
+    with store.acquire([7, 8], [0, 0], [3, 2]) as lease:
+        k = np.ones((1, 2, 3, 1, 4), np.float32)
+        v = k.copy()
+        v[0, 1, 1, 0, 2] = 1e5
+        k[0, 1, 2] = 1e9                    # row 1 misses 2 tokens: its third is padding
+        with raises("RA214", "v row 1 (user 8)", "100000", "float16"):
+            store.write(lease, k, v)
+        assert not lease.written
+        v[0, 1, 1, 0, 2] = 6e4
+        store.write(lease, k, v)
+        with store.reading() as cache:
+            assert np.isfinite(np.asarray(cache.v_pages, np.float32)).all()
+
+
 def test_a_release_without_a_write_drops_what_it_placed(store):
     lease = store.acquire([4], [0], [7])
     assert lease.missing.tolist() == [7]

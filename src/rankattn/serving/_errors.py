@@ -101,9 +101,10 @@ register(
         RankattnTypeError),
     ErrorKind(
         "RA214", "a new value does not fit the cache's dtype",
-        "append stores keys and values in the cache's dtype; a finite value beyond its range "
-        "(|x| > 65504 for float16) would be stored as inf and poison every query that reads it. "
-        "When the arrays are concrete this error is raised and nothing changes; under jit the "
+        "append (and HistoryStore.write into a float16 store) stores keys and values in the "
+        "cache's dtype; a finite value beyond its range (|x| > 65504 for float16) would be "
+        "stored as inf and poison every query that reads it. When the arrays are concrete this "
+        "error is raised and nothing changes (a write's lease stays unwritten); under jit the "
         "user is skipped, cache.overflow is set, and append(..., return_status=True) reports "
         "it in status.out_of_range.",
         "Scale or clip the values before caching them, or build the cache with a wider dtype "

@@ -524,15 +524,7 @@ def _check_append_values(cache: PagedKVCache, users, counts, k_new, v_new) -> No
                             "(concatenate its tokens along T).")
     if ((c < 0) | (c > t)).any():
         raise fail("RA211", f"counts {c.tolist()} must lie in [0, T={t}].")
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-        lossy = concrete(_lossy(x, cache.k_pages.dtype, jnp.asarray(c)))
-        if lossy is not None and lossy.any():
-            i = int(np.argmax(lossy))
-            big = float(np.abs(np.asarray(x[..., i, :c[i], :, :], np.float64)).max())
-            raise fail("RA214", f"{name} row {i} (user {u[i]}) holds {big:.6g}, which the cache's "
-                                f"{jnp.dtype(cache.k_pages.dtype).name} stores as inf (largest "
-                                f"finite {float(jnp.finfo(cache.k_pages.dtype).max):.6g}). Scale "
-                                "or clip the values, or build the cache with dtype=jnp.float32.")
+    check_values_fit(cache.k_pages.dtype, (("k_new", k_new), ("v_new", v_new)), u, c)
     lengths, free = concrete(cache.lengths), concrete(cache.free)
     if lengths is None or free is None:
         return
@@ -557,6 +549,22 @@ def _check_append_values(cache: PagedKVCache, users, counts, k_new, v_new) -> No
 # With a stacked cache and a layer index, reads slice that layer (fused into the gathers) and
 # writes scatter into the stack at [layer, ...], so XLA updates the layer in place instead of
 # copying it out and back.
+
+
+def check_values_fit(dtype, named_values, users, counts) -> None:
+    """RA214 where row i's first counts[i] tokens of a (name, x [..., B, T, Hkv, D]) of
+    ``named_values`` hold a finite value that ``dtype`` stores as +-inf (attention over it
+    would be NaN); ``users`` names the rows (ints [B]). A device program and a read of its
+    [B] flags."""
+    for name, x in named_values:
+        lossy = concrete(_lossy(x, dtype, jnp.asarray(counts)))
+        if lossy is not None and lossy.any():
+            i = int(np.argmax(lossy))
+            big = float(np.abs(np.asarray(x[..., i, :counts[i], :, :], np.float64)).max())
+            raise fail("RA214", f"{name} row {i} (user {users[i]}) holds {big:.6g}, which the "
+                                f"cache's {jnp.dtype(dtype).name} stores as inf (largest finite "
+                                f"{float(jnp.finfo(dtype).max):.6g}). Scale or clip the values, "
+                                "or build the cache with dtype=jnp.float32.")
 
 
 def _lossy(x, dtype, counts):

@@ -69,7 +69,7 @@ import numpy as np
 
 from rankattn.errors import fail
 from rankattn.serving import store_device as device
-from rankattn.serving.cache import PagedKVCache, empty_cache
+from rankattn.serving.cache import PagedKVCache, check_values_fit, empty_cache
 from rankattn.serving.eviction import EVICTION_POLICIES
 
 HISTORIES = ("bidirectional", "causal")
@@ -499,7 +499,8 @@ class HistoryStore:
         for a released or already written lease, a missing row or arrays of the wrong shape.
         RA224 when taking the rows or the device update failed: the rows' entries are dropped
         from the store (no other acquire waits for them or reuses them) and stay the lease's
-        until it is released.
+        until it is released. RA214 (nothing written) for a float16 store given a finite value
+        past float16's range.
         """
         self._not_reading("write")
         self._check_lease(lease, "write")
@@ -529,6 +530,12 @@ class HistoryStore:
                                     f"[L, R, T, Hkv, {'D' if name == 'k' else 'Dv'}] = "
                                     f"[{num_layers}, {len(rows)}, >= {want_t}, {hkv}, "
                                     f"{last}] (R rows, T covering their missing tokens).")
+        if cache.k_pages.dtype == jnp.float16:
+            # A value past float16's 65504 would be stored as inf and score NaN. (bfloat16
+            # shares float32's exponent range: only values within 0.4% of float32's largest
+            # could overflow there, not worth a device read on every write.)
+            check_values_fit(cache.k_pages.dtype, (("k", k), ("v", v)),
+                             lease.users[rows], lease.missing[rows])
         entries = [e for _, e in sorted(lease._to_write.values(), key=lambda r: r[0])]
         with self._every_turn_taken():
             self._write(lease, entries, position, k, v)
