@@ -254,7 +254,8 @@ struct Forward {
           std::fill(sr, sr + row_vectors, 0.0f);
         }
         if (!fold) {
-          pr.logits(sr, row_vectors, nullptr, [&](int64_t r) { return load(multiplier.data() + r); });
+          pr.logits(sr, row_vectors, nullptr,
+                    [&](int64_t r) { return load(multiplier.data() + r); });
         }
       }
       // The softmax down the columns: p = exp(s - m'), 0 for a key no row sees.
