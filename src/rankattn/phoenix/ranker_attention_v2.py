@@ -8,7 +8,7 @@ import numpy as np
 
 from rankattn.errors import fail
 from rankattn.phoenix._shared import attend, scalar_options, with_z_loss
-from rankattn.validate import check_static_bool, check_tensor, concrete
+from rankattn.validate import as_array, check_static_bool, check_tensor, concrete
 
 __all__ = ["mha", "mha_inference_gqa"]
 
@@ -108,13 +108,8 @@ def _attend(q, k, v, temp, segment_ids, sm_scale, cap, cap_method, causal, z_los
 
 def _check_temp(temp, shape):
     """RA124 unless temp is a real array [B, S] (concrete or traced)."""
-    if not hasattr(temp, "shape") or not hasattr(temp, "dtype"):
-        try:
-            temp = np.asarray(temp)
-        except (TypeError, ValueError):
-            raise fail("RA124", f"temp is a {type(temp).__name__} that is not an array; it "
-                                f"must be a real array [B, S] = {tuple(shape)}, one value per "
-                                "query (Phoenix's model passes ones).") from None
+    temp = as_array("temp", temp, "RA124", f"it must be a real array [B, S] = {tuple(shape)}, "
+                                           "one value per query (Phoenix's model passes ones).")
     if tuple(temp.shape) != tuple(shape):
         raise fail("RA124", f"temp has shape {tuple(temp.shape)}; it must be [B, S] = "
                             f"{tuple(shape)}, one value per query (Phoenix's model passes "

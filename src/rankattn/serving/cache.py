@@ -47,7 +47,7 @@ import numpy as np
 
 from rankattn.backends.base import compute_dtype
 from rankattn.errors import fail
-from rankattn.validate import INT32_MAX, concrete, int32_array
+from rankattn.validate import INT32_MAX, as_array, concrete, int32_array
 
 
 class AppendStatus(NamedTuple):
@@ -398,8 +398,7 @@ def check_history(k_hist, v_hist, lengths, where: str):
                             f"{tuple(v_hist.shape)}; they must agree on every axis but the last "
                             "(layers, users, length, kv heads).")
     u, s = k_hist.shape[-4:-2]
-    if not hasattr(lengths, "shape"):
-        lengths = np.asarray(lengths)
+    lengths = as_array(f"{where}: lengths", lengths, "RA212", f"pass an int array of shape ({u},).")
     if tuple(lengths.shape) != (u,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise fail("RA212", f"{where}: lengths must be an int array of shape ({u},), one per "
                             f"history row; got {_describe(lengths)}.")
