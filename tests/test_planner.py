@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import oracle
 from helpers import segment_row
 from rankattn import semantics
-from rankattn.blocks import BlockPlan, BlockSizes, make_block_plan, prefix_block_plan
+from rankattn.blocks import BlockSizes, make_block_plan
 
 planner = jax.jit(semantics.history_block_visibility, static_argnums=(2, 3, 4, 5))
 
@@ -127,31 +127,3 @@ def test_block_plan_lists_each_pair_once_per_direction(data, seq, block_q, block
     assert by_query == {(b, j, i): f for (b, i, j), f in by_key.items()}
     assert set(by_query) == {tuple(x) for x in np.argwhere(nonempty)}
     assert {p for p, f in by_query.items() if f} == {tuple(x) for x in np.argwhere(full)}
-
-
-@given(q_len=st.sampled_from([1, 5, 64]), kv_len=st.sampled_from([7, 48]),
-       block_q=st.sampled_from([4, 64]), block_k=st.sampled_from([5, 16]), data=st.data())
-def test_prefix_plan_is_the_plan_of_its_mask(q_len, kv_len, block_q, block_k, data):
-    """prefix_block_plan (serving's exact scoring: every query sees keys [0, L) of its row)
-    lists the blocks make_block_plan lists for that mask, as candidates over a shard mask
-    whose seen keys are a prefix, with lengths at block edges, inside blocks, 0 and past
-    the keys."""
-    lengths = np.array(data.draw(st.lists(st.integers(0, kv_len + 3), min_size=3, max_size=3)),
-                       np.int32)
-    sizes = BlockSizes(min(block_q, q_len), min(block_k, kv_len))
-    seen = (np.arange(kv_len)[None] < lengths[:, None]).astype(np.int32)
-    positions = np.broadcast_to(np.arange(kv_len, dtype=np.int32), seen.shape)
-    seg_q = pad(np.full((3, q_len), -1, np.int32), sizes.block_q)
-    pos_q = pad(np.broadcast_to(kv_len + np.arange(q_len, dtype=np.int32), (3, q_len)),
-                sizes.block_q)
-    pos_q[:, q_len:] = pos_q[:, q_len - 1:q_len]  # blocks.pad_positions' edge padding
-    pos_k = np.pad(positions, [(0, 0), (0, -kv_len % sizes.block_k)], mode="edge")
-    want = jax.tree.map(np.asarray, jax.jit(make_block_plan, static_argnums=(2, 3, 4))(
-        seg_q, pad(seen, sizes.block_k), sizes, False, q_len, pos_q, pos_k))
-    got = jax.tree.map(np.asarray, prefix_block_plan(lengths, q_len, kv_len, sizes))
-    for name in BlockPlan._fields:
-        assert getattr(got, name).shape == getattr(want, name).shape, name
-    assert (visited_pairs(got.kv_index, got.full_count, got.count)
-            == visited_pairs(want.kv_index, want.full_count, want.count))
-    assert (visited_pairs(got.q_index, got.q_full_count, got.q_count)
-            == visited_pairs(want.q_index, want.q_full_count, want.q_count))

@@ -210,3 +210,60 @@ def test_a_page_budget_reads_its_selected_pages_in_place():
                                            budget=12 * P, impl=impl))
                  for impl in (Cpu(BlockSizes(16, 16)), "xla"))
     assert_close_f32(got, want, "budgeted rows", tol=FEW_KEYS_TOL)
+
+
+@pytest.mark.parametrize("with_self", [True, False])
+@pytest.mark.parametrize("sizes", [BlockSizes(4, 16), BlockSizes(8, 5)])
+def test_the_kernels_candidates_mask_is_the_mask_it_is_given(with_self, sizes):
+    """The exact path's kernel builds its mask and block plan from the lengths
+    (paged_candidates_forward): bit for bit the general entry (paged_forward) given that mask
+    as segment ids and a shard mask, at lengths 0, inside a page, at a key block's edge, at S,
+    and past [0, S] both ways (clamped), with page table entries outside the pages."""
+    from rankattn import semantics
+    from rankattn.backends.cpu import paged_candidates_forward, paged_forward
+    rng = np.random.default_rng(3)
+    rows, t, m = 6, 5, 4
+    s = m * P
+    k_pages, v_pages = (jnp.asarray(rng.normal(size=(9, HKV, P, D)).astype(np.float32))
+                        for _ in range(2))
+    table = jnp.asarray(rng.integers(-2, 11, (rows, m)), jnp.int32)
+    lengths = np.array([0, 3, 16, s, s + 9, -3], np.int32)
+    q, ks, vs = (jnp.asarray(x) for x in _request(4, rows, t))
+    self_kv = (ks, vs) if with_self else None
+    options = dict(scale=0.3, softcap=2.0, softcap_method="tanh", block_sizes=sizes)
+    got = paged_candidates_forward(q, k_pages, v_pages, table, self_kv, jnp.asarray(lengths),
+                                   **options)
+    seen = (np.arange(s)[None] < np.clip(lengths, 0, s)[:, None]).astype(np.int32)
+    mask = semantics.ShardMask(jnp.asarray(seen),
+                               jnp.broadcast_to(s + jnp.arange(t, dtype=jnp.int32), (rows, t)),
+                               jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (rows, s)))
+    want = paged_forward(q, k_pages, v_pages, table, self_kv, -jnp.ones((rows, t), jnp.int32),
+                         shard_mask=mask, **options)
+    for name, x, y in zip(("out", "lse"), got, want):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+    assert np.isfinite(np.asarray(got[0])[1:5]).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_exact_request_compiles_to_the_kernel_call_alone(dtype):
+    """An exact request's program is the kernel call and the gathers of its users' pages and
+    lengths: under the 1000 flops (XLA's cost analysis; the kernel counts none) below which
+    XLA's CPU client runs a program on the calling thread, without asynchronous dispatch's
+    thread hop (60-110 us of one user's 64-candidate request, benchmarks/CPU_KERNEL.md).
+    Sixteen users, traced: whatever grows with the users, the candidates or the history must
+    stay out of XLA."""
+    import jax
+    users, t, s = 16, 64, 256
+    k = jnp.zeros((users, s, HKV, D), dtype)
+    cache = serving.cache_from_history(k, k, jnp.full((users,), s - 3), page_size=P)
+    q = jnp.zeros((users, t, HQ, D), dtype)
+    self_k = jnp.zeros((users, t, HKV, D), dtype)
+    attend = jax.jit(lambda q, cache, users, ks, vs: serving.attend(
+        q, cache, users, self_kv=(ks, vs), impl=Cpu()))
+    compiled = attend.lower(q, cache, jnp.arange(users), self_k, self_k).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    assert "rankattn_cpu_paged_candidates_forward" in compiled.as_text()
+    assert cost["flops"] < 1000, (
+        f"{cost['flops']} flops of XLA ops around the kernel: the request no longer runs on "
+        f"the calling thread")

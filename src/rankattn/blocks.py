@@ -87,31 +87,6 @@ def make_block_plan(seg_q, seg_k, sizes: BlockSizes, causal: bool, q_len: int,
                      *lists(nonempty.transpose(swap), full.transpose(swap)))
 
 
-def prefix_block_plan(lengths, q_len: int, kv_len: int, sizes: BlockSizes) -> BlockPlan:
-    """The plan of rows whose queries all see keys [0, lengths[b]) of row b and no other
-    history key (serving's exact scoring: candidates over their user's cached history),
-    from the lengths alone: what :func:`make_block_plan` gives for that mask, without its
-    per-key statistics and sorts (nine of the 21 small XLA ops around the kernel in a
-    64-candidate request).
-
-    Key blocks below the length are full, the one it ends in partial, the rest unvisited.
-    """
-    n_q, n_k = -(-q_len // sizes.block_q), -(-kv_len // sizes.block_k)
-    length = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, kv_len)
-    full, count = length // sizes.block_k, -(-length // sizes.block_k)
-    rows = length.shape[0]
-    key_block = jnp.arange(n_k, dtype=jnp.int32)
-
-    def per_key_block(blocks):  # [B] -> [B, nK]: every query block or none
-        return jnp.where(key_block < blocks[:, None], n_q, 0).astype(jnp.int32)
-
-    return BlockPlan(jnp.broadcast_to(key_block, (rows, n_q, n_k)),
-                     jnp.broadcast_to(full[:, None], (rows, n_q)),
-                     jnp.broadcast_to(count[:, None], (rows, n_q)),
-                     jnp.broadcast_to(jnp.arange(n_q, dtype=jnp.int32), (rows, n_k, n_q)),
-                     per_key_block(full), per_key_block(count))
-
-
 def segments_and_plan(segment_ids, batch: int, q_len: int, kv_len: int, sizes: BlockSizes,
                       causal: bool, block_plan: BlockPlan | None = None,
                       shard_mask: semantics.ShardMask | None = None):

@@ -108,10 +108,10 @@ def context_shard():
 def paged():
     """Serving: paged keys read in place (packed, and key-major where dv is whole vectors:
     K's 33 and V's 32 elements a row read through pointers), ragged and empty histories, a
-    self key, and a page table whose entries point outside the pages (clamped; the mask hides
-    those slots)."""
+    self key, a page table whose entries point outside the pages (clamped; the mask hides
+    those slots), and exact scoring's mask built from lengths outside [0, S]."""
     from rankattn import serving
-    from rankattn.backends.cpu import paged_forward
+    from rankattn.backends.cpu import paged_candidates_forward, paged_forward
     for dv, budget in ((32, None), (33, None), (33, 6)):  # the page table below: dv 33
         q, k, v, _ = inputs(3, 10, 10, 4, 2, 33, dv, jnp.float32)
         cache = jax.jit(lambda k, v: serving.cache_from_history(k, v, jnp.array([10, 4, 0]),
@@ -125,11 +125,17 @@ def paged():
     table = jnp.array([[0, 10**6, -5, 3]], jnp.int32)
     seen = jnp.ones((1, 12), jnp.int32)
     mask = semantics.ShardMask(seen, jnp.array([[12]], jnp.int32), jnp.arange(12)[None])
-    pages = (x.reshape(-1, 3, 33) for x in (cache.k_pages, cache.v_pages))
+    pages = tuple(x.reshape(-1, 3, 33) for x in (cache.k_pages, cache.v_pages))
     out, lse = jax.jit(lambda q, kp, vp, ks, vs: paged_forward(
         q, kp, vp, table, (ks, vs), -jnp.ones((1, 1), jnp.int32), shard_mask=mask, scale=0.2,
         softcap=None, softcap_method="tanh"))(q[:1, :1], *pages, k[:1, :1, :1], v[:1, :1, :1])
     assert bool(jnp.isfinite(out).all() & jnp.isfinite(lse).all())
+    for length in (-7, 5, 10**6):  # exact scoring's mask from lengths outside [0, S] too
+        out, lse = jax.jit(lambda q, kp, vp, ks, vs: paged_candidates_forward(
+            q, kp, vp, table, (ks, vs), jnp.array([length], jnp.int32), scale=0.2,
+            softcap=None, softcap_method="tanh", block_sizes=BlockSizes(1, 5)))(
+            q[:1, :2], *pages, k[:1, :2, :1], v[:1, :2, :1])
+        assert bool(jnp.isfinite(out).all() & jnp.isfinite(lse).all()), length
 
 
 def malformed_plan():

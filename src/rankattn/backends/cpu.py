@@ -17,7 +17,9 @@ atomically, and results are bit-identical for either pass and any thread count.
 
 For serving (:mod:`rankattn.serving.scoring`) the same forward reads K / V from the
 cache's pages through a page table, with each candidate's own key from separate
-arrays (:func:`paged_forward`), and :func:`page_bounds` computes Quest's page bounds.
+arrays (:func:`paged_forward`; exact scoring's mask built by the kernel from the
+histories' lengths, :func:`paged_candidates_forward`), and :func:`page_bounds` computes
+Quest's page bounds.
 
 It is compiled on first use for the host CPU (:mod:`rankattn.native`); where
 that is impossible, ``impl='auto'`` falls back to ``xla`` and
@@ -35,14 +37,13 @@ import numpy as np
 
 from rankattn import native, semantics
 from rankattn.backends.base import Backend
-from rankattn.blocks import (BlockPlan, BlockSizes, check_block_sizes, prefix_block_plan,
-                             segments_and_plan)
+from rankattn.blocks import BlockPlan, BlockSizes, check_block_sizes, segments_and_plan
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
 LIBRARY = "cpu_attention"
-SYMBOLS = ("RankattnCpuForward", "RankattnCpuPagedForward", "RankattnCpuBackward",
-           "RankattnCpuPageBounds")
+SYMBOLS = ("RankattnCpuForward", "RankattnCpuPagedForward", "RankattnCpuPagedCandidatesForward",
+           "RankattnCpuBackward", "RankattnCpuPageBounds")
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DEFAULT_BLOCK_SIZES = BlockSizes(64, 256)
 # A plan skips whole key blocks only, so keys that fit one default block were computed densely
@@ -106,36 +107,55 @@ def fused_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap
 
 def paged_forward(q, k_pages, v_pages, page_table, self_kv, segment_ids, *, shard_mask,
                   scale: float, softcap: float | None, softcap_method: str,
-                  block_sizes: BlockSizes | None = None, seen_lengths=None):
-    """Serving's exact scoring on the ``cpu`` kernel, reading the cache's pages in place.
+                  block_sizes: BlockSizes | None = None):
+    """Serving's scoring on the ``cpu`` kernel, reading the cache's pages in place.
 
     q [B, T, Hq, D]; k_pages / v_pages [N, Hkv, P, D / Dv] (q's dtype; [N, P, D / Dv]: one
     kv head), Hq a multiple of Hkv; page_table int32 [B, M]: row b's keys are its M pages in
     order (S = M * P tokens), every kv head of them (entries outside [0, N) read a clamped
     page, so mask them). ``segment_ids`` [B, T] and ``shard_mask`` (keys [B, S]) as
     :func:`fused_attention`'s; ``self_kv``: None, or (k_self, v_self) [B, T, Hkv, D / Dv],
-    each query's own key, seen by the candidates (segment id < 0). ``seen_lengths`` int32
-    [B] or None: where every query of row b sees exactly keys [0, L_b) of the shard mask
-    (serving's exact scoring), its block plan comes from the lengths
-    (:func:`rankattn.blocks.prefix_block_plan`).
+    each query's own key, seen by the candidates (segment id < 0).
     Returns (out [B, T, Hq, Dv], lse [B, Hq, T] float32). Forward only (no VJP: the
     caller's custom VJP differentiates an equivalent contiguous call).
     """
-    b, t = q.shape[:2]
     s = page_table.shape[1] * k_pages.shape[-2]
-    block_plan = None
-    if seen_lengths is not None:
-        block_plan = prefix_block_plan(seen_lengths, t, s, plan_sizes(block_sizes, t, s))
     static, mask, block_plan = _prepare(q.shape, s, segment_ids, False, scale, softcap,
-                                        softcap_method, block_sizes, block_plan, shard_mask,
+                                        softcap_method, block_sizes, None, shard_mask,
                                         None, own=self_kv is not None)
-    k_self, v_self = self_kv or (jnp.zeros((1, 1, 1, 1), q.dtype),) * 2
-    shapes = (jax.ShapeDtypeStruct((b, t, q.shape[2], v_pages.shape[-1]), q.dtype),
-              jax.ShapeDtypeStruct((b, q.shape[2], t), jnp.float32))
-    call = jax.ffi.ffi_call("rankattn_cpu_paged_forward", shapes, vmap_method="sequential")
-    return call(q, k_pages, v_pages, page_table.astype(jnp.int32), k_self, v_self, *mask,
-                block_plan.kv_index, block_plan.full_count, block_plan.count,
-                **static.attributes())
+    return _paged_call("rankattn_cpu_paged_forward", q, v_pages, self_kv)(
+        q, k_pages, v_pages, page_table.astype(jnp.int32), *_self_keys(q, self_kv), *mask,
+        block_plan.kv_index, block_plan.full_count, block_plan.count, **static.attributes())
+
+
+def paged_candidates_forward(q, k_pages, v_pages, page_table, self_kv, lengths, *,
+                             scale: float, softcap: float | None, softcap_method: str,
+                             block_sizes: BlockSizes | None = None):
+    """Serving's exact scoring on the ``cpu`` kernel: :func:`paged_forward` where every query
+    of row b is a candidate that sees keys [0, lengths[b]) of its row (int32 [B], clamped to
+    [0, S]) and its own key (``self_kv``), the kernel building that mask and its block plan
+    from the lengths. The call's XLA program is then this kernel alone (and what gathers its
+    operands), which XLA runs on the calling thread (see the kernel's CandidatesMask).
+    Returns (out [B, T, Hq, Dv], lse [B, Hq, T] float32)."""
+    t = q.shape[1]
+    s = page_table.shape[1] * k_pages.shape[-2]
+    static = _Static(float(scale), softcap, softcap_method == "soft_sign", False,
+                     self_kv is not None, plan_sizes(block_sizes, t, s))
+    return _paged_call("rankattn_cpu_paged_candidates_forward", q, v_pages, self_kv)(
+        q, k_pages, v_pages, page_table.astype(jnp.int32), *_self_keys(q, self_kv),
+        jnp.asarray(lengths, jnp.int32), **static.attributes())
+
+
+def _self_keys(q, self_kv):
+    """(k_self, v_self), or placeholders that the kernel ignores without an own key."""
+    return self_kv or (jnp.zeros((1, 1, 1, 1), q.dtype),) * 2
+
+
+def _paged_call(target: str, q, v_pages, self_kv):
+    b, t, hq = q.shape[:3]
+    shapes = (jax.ShapeDtypeStruct((b, t, hq, v_pages.shape[-1]), q.dtype),
+              jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
+    return jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
 
 
 def page_bounds(q, k_max, k_min, page_table, npages):

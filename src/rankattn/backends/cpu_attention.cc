@@ -15,8 +15,9 @@
 // (semantics.py's "poisoned" rows) end with NaN out and lse.
 //
 // Serving's entry points: the forward over paged K / V (a page table per batch row, each
-// candidate's own key from separate arrays), and Quest's page bounds (one dot of the
-// queries' [q+ | q-] with the pages' key [max; min]).
+// candidate's own key from separate arrays), the same with exact scoring's mask built from the
+// histories' lengths, and Quest's page bounds (one dot of the queries' [q+ | q-] with the
+// pages' key [max; min]).
 //
 // Every dot is C[M, N] (+)= A[M, K] B[K, N]: float32 on one register-tiled
 // microkernel, bfloat16 on AMX tiles or VDPBF16PS. q, k, v (and in the backward
@@ -36,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -66,17 +68,14 @@ bool dims_are(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want
   return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
 }
 
-// The problem of a call, after checking every shape against q, k, v and the block sizes, so
-// the tasks can index without further checks. With a page table [B, M], k and v are pages
-// [N, Hkv, P, D] (or [N, P, D], one kv head) and the keys of row b are its M pages in table
-// order (S = M * P), every kv head of them.
-// The logit multiplier is [B, Sq, Hq], or empty for none.
-ffi::Error describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                    const I32* page_table, const F32Buffer& multiplier, const I32& seg_q,
-                    const I32& seg_k, const I32& pos_q, const I32& pos_k, const I32& kv_index,
-                    const I32& full_count, const I32& count, float scale, float softcap,
-                    bool soft_sign, bool causal, bool own, int64_t block_q, int64_t block_k,
-                    Problem* pr) {
+// The shapes and attributes of a call's problem, after checking every shape against q, k, v
+// and the block sizes, so the tasks can index without further checks. With a page table
+// [B, M], k and v are pages [N, Hkv, P, D] (or [N, P, D], one kv head) and the keys of row b
+// are its M pages in table order (S = M * P), every kv head of them.
+ffi::Error describe_shapes(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                           const ffi::AnyBuffer& v, const I32* page_table, float scale,
+                           float softcap, bool soft_sign, bool causal, bool own, int64_t block_q,
+                           int64_t block_k, Problem* pr) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const size_t kv_rank = page_table && kd.size() == 3 ? 3 : 4;
   if (auto e = check(qd.size() == 4 && kd.size() == kv_rank && vd.size() == kv_rank,
@@ -122,7 +121,22 @@ ffi::Error describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi:
     return e;
   pr->n_q = (pr->q_len + block_q - 1) / block_q;
   pr->n_k = (pr->kv_len + block_k - 1) / block_k;
-  ok = dims_are(seg_q.dimensions(), {pr->batch, pr->q_len}) &&
+  return ffi::Error::Success();
+}
+
+// The problem of a call with its mask and block plan arrays, checked against its shapes
+// (describe_shapes). The logit multiplier is [B, Sq, Hq], or empty for none.
+ffi::Error describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                    const I32* page_table, const F32Buffer& multiplier, const I32& seg_q,
+                    const I32& seg_k, const I32& pos_q, const I32& pos_k, const I32& kv_index,
+                    const I32& full_count, const I32& count, float scale, float softcap,
+                    bool soft_sign, bool causal, bool own, int64_t block_q, int64_t block_k,
+                    Problem* pr) {
+  if (auto e = describe_shapes(q, k, v, page_table, scale, softcap, soft_sign, causal, own,
+                               block_q, block_k, pr);
+      e.failure())
+    return e;
+  bool ok = dims_are(seg_q.dimensions(), {pr->batch, pr->q_len}) &&
        dims_are(pos_q.dimensions(), {pr->batch, pr->q_len}) &&
        dims_are(seg_k.dimensions(), {pr->batch, pr->kv_len}) &&
        dims_are(pos_k.dimensions(), {pr->batch, pr->kv_len}) &&
@@ -223,6 +237,20 @@ ffi::Error forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return run_forward(pool, pr, q, k, v, out, lse);
 }
 
+// With `own`, each query's own key from k_self / v_self [B, Sq, Hkv, D] (ignored without it).
+ffi::Error own_keys(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_self,
+                    const ffi::AnyBuffer& v_self, Problem* pr) {
+  if (!pr->own) return ffi::Error::Success();
+  bool ok = k_self.element_type() == q.element_type() &&
+            v_self.element_type() == q.element_type() &&
+            dims_are(k_self.dimensions(), {pr->batch, pr->q_len, pr->kv_heads, pr->dim}) &&
+            dims_are(v_self.dimensions(), {pr->batch, pr->q_len, pr->kv_heads, pr->dim_v});
+  if (auto e = check(ok, "k_self / v_self must be [B, Sq, Hkv, D] in q's dtype"); e.failure())
+    return e;
+  pr->own_k = k_self.untyped_data(), pr->own_v = v_self.untyped_data();
+  return ffi::Error::Success();
+}
+
 // Serving: queries over paged history keys (pages [N, Hkv, P, D] or [N, P, D], page_table
 // [B, M]), and with `own` each query's own key from k_self / v_self [B, Sq, Hkv, D] (ignored
 // without it).
@@ -240,15 +268,30 @@ ffi::Error paged_forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
                         own, block_q, block_k, &pr);
       e.failure())
     return e;
-  if (own) {
-    bool ok = k_self.element_type() == q.element_type() &&
-              v_self.element_type() == q.element_type() &&
-              dims_are(k_self.dimensions(), {pr.batch, pr.q_len, pr.kv_heads, pr.dim}) &&
-              dims_are(v_self.dimensions(), {pr.batch, pr.q_len, pr.kv_heads, pr.dim_v});
-    if (auto e = check(ok, "k_self / v_self must be [B, Sq, Hkv, D] in q's dtype"); e.failure())
-      return e;
-    pr.own_k = k_self.untyped_data(), pr.own_v = v_self.untyped_data();
-  }
+  if (auto e = own_keys(q, k_self, v_self, &pr); e.failure()) return e;
+  return run_forward(pool, pr, q, k_pages, v_pages, out, lse);
+}
+
+// Serving's exact scoring: paged_forward's queries, every one a candidate that sees keys
+// [0, lengths[b]) of its row b (lengths [B]) and, with `own`, its own key (CandidatesMask,
+// serving.h; `causal` changes nothing for candidates). No logit multiplier.
+ffi::Error paged_candidates_forward(ffi::ThreadPool pool, ffi::AnyBuffer q,
+                                    ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                                    I32 page_table, ffi::AnyBuffer k_self, ffi::AnyBuffer v_self,
+                                    I32 lengths, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale,
+                                    float softcap, bool soft_sign, bool causal, bool own,
+                                    int64_t block_q, int64_t block_k) {
+  Problem pr;
+  if (auto e = describe_shapes(q, k_pages, v_pages, &page_table, scale, softcap, soft_sign,
+                               causal, own, block_q, block_k, &pr);
+      e.failure())
+    return e;
+  bool ok = dims_are(lengths.dimensions(), {pr.batch}) &&
+            pr.kv_len + pr.q_len <= std::numeric_limits<int32_t>::max();
+  if (auto e = check(ok, "lengths must be [B], and S + Sq within int32"); e.failure()) return e;
+  if (auto e = own_keys(q, k_self, v_self, &pr); e.failure()) return e;
+  const CandidatesMask mask(pr, lengths.typed_data());
   return run_forward(pool, pr, q, k_pages, v_pages, out, lse);
 }
 
@@ -393,18 +436,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                         .Ret<ffi::AnyBuffer>()                       // out
                         .Ret<ffi::Buffer<ffi::F32>>()));             // lse
 
+// The paged entries' operands before their mask: q, the pages, the page table, the own keys.
+template <typename Binding>
+auto with_paged_operands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // k pages
+      .template Arg<ffi::AnyBuffer>()  // v pages
+      .template Arg<I32>()             // page_table
+      .template Arg<ffi::AnyBuffer>()  // k_self
+      .template Arg<ffi::AnyBuffer>();  // v_self
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RankattnCpuPagedForward, Guarded<paged_forward>{},
-    with_attributes(with_mask_and_plan(ffi::Ffi::Bind()
-                                           .Ctx<ffi::ThreadPool>()
-                                           .Arg<ffi::AnyBuffer>()   // q
-                                           .Arg<ffi::AnyBuffer>()   // k pages
-                                           .Arg<ffi::AnyBuffer>()   // v pages
-                                           .Arg<I32>()              // page_table
-                                           .Arg<ffi::AnyBuffer>()   // k_self
-                                           .Arg<ffi::AnyBuffer>())  // v_self
-                        .Ret<ffi::AnyBuffer>()                       // out
-                        .Ret<ffi::Buffer<ffi::F32>>()));             // lse
+    with_attributes(with_mask_and_plan(with_paged_operands(ffi::Ffi::Bind()
+                                                               .Ctx<ffi::ThreadPool>()))
+                        .Ret<ffi::AnyBuffer>()              // out
+                        .Ret<ffi::Buffer<ffi::F32>>()));    // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    RankattnCpuPagedCandidatesForward, Guarded<paged_candidates_forward>{},
+    with_attributes(with_paged_operands(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())
+                        .Arg<I32>()                         // lengths [B]
+                        .Ret<ffi::AnyBuffer>()              // out
+                        .Ret<ffi::Buffer<ffi::F32>>()));    // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RankattnCpuBackward, Guarded<backward>{},

@@ -37,7 +37,7 @@ import numpy as np
 from rankattn import distributed, semantics
 from rankattn.api import resolve_impls, select_backend
 from rankattn.backends.base import Backend, compute_dtype
-from rankattn.backends.cpu import Cpu, paged_forward
+from rankattn.backends.cpu import Cpu, paged_candidates_forward, paged_forward
 from rankattn.backends.cpu import page_bounds as kernel_page_bounds
 from rankattn.errors import fail
 from rankattn.serving import sharded
@@ -543,9 +543,12 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
         # (transposing q, the self keys and the result measured 3-7% of a 64-candidate
         # request, benchmarks/CPU_KERNEL.md). Slots past the user's length (a missing page
         # read as page 0, a released page's stale tail) are never seen.
+        # The table goes as it is (a missing page's -1 included): the cpu kernel clamps its
+        # entries itself, and a program of the kernel call alone runs on the calling thread
+        # (paged_candidates_forward).
         seen = jnp.arange(cache.max_pages * p)[None, :] < length[:, None]
-        return _attend_rows(plan, q.astype(dtype), k_pages, v_pages, jnp.maximum(table, 0),
-                            seen, self_kv, seen_lengths=length)
+        return _attend_rows(plan, q.astype(dtype), k_pages, v_pages, table, seen, self_kv,
+                            seen_lengths=length)
     logical = _select_pages(plan, _head_major(q, hkv), cache, table, valid)
     logical = jnp.broadcast_to(logical, (b, hkv, *logical.shape[2:]))
     # One row of the kernel call per page list: (b, kv head, candidate if per query, query
@@ -587,8 +590,9 @@ def _attend_rows(plan: _Plan, q, k_pages, v_pages, table, seen, self_kv, seen_le
 
     q [R, T, Hq, D]; k_pages / v_pages [N, Hkv, P, D / Dv] (Hq a multiple of Hkv); table
     int32 [R, n]: row r's keys are pages table[r] in order (S = n * P), every kv head of
-    them; seen bool [R, S]: which of them row r sees; seen_lengths None, or int32 [R] where
-    row r sees exactly its first seen_lengths[r] keys (which then plan the kernel's blocks);
+    them (entries outside [0, N) read a clamped page, so mask them); seen bool [R, S]: which
+    of them row r sees; seen_lengths None, or int32 [R] where row r sees exactly its first
+    seen_lengths[r] keys (the cpu kernel then builds the mask from them);
     self_kv None or (k_self, v_self) [R, T, Hkv, D / Dv], each query's own key. Returns
     (out [R, T, Hq, Dv], lse [R, Hq, T]) float32 (float64 for float64 inputs).
 
@@ -624,7 +628,7 @@ def _candidates(q, seen):
 def _contiguous_call(plan: _Plan, q, k_pages, v_pages, table, seen) -> AttentionCall:
     """_attend_rows' attention as one rankattn.attention call over contiguous keys."""
     def keys(pages):  # [N, Hkv, P, E] -> [R, n * P, Hkv, E]
-        x = pages[table].transpose(0, 1, 3, 2, 4)
+        x = pages[jnp.maximum(table, 0)].transpose(0, 1, 3, 2, 4)
         return x.reshape(q.shape[0], -1, *pages.shape[1:2], pages.shape[-1])
 
     segment_ids, mask = _candidates(q, seen)
@@ -649,11 +653,15 @@ def _paged_cpu(plan: _Plan, backend, q, k_pages, v_pages, table, seen, self_kv, 
     """_attend_rows on the cpu kernel, pages read in place. Its gradients are those of the
     equivalent contiguous call (the kernel's backward takes contiguous keys), whose results it
     returns in the same dtypes (float32 for 16-bit inputs)."""
-    segment_ids, mask = _candidates(q, seen)
-    out, lse = paged_forward(q, k_pages, v_pages, table, self_kv, segment_ids, shard_mask=mask,
-                             scale=plan.scale, softcap=plan.softcap,
-                             softcap_method=plan.softcap_method, block_sizes=backend.block_sizes,
-                             seen_lengths=seen_lengths)
+    options = dict(scale=plan.scale, softcap=plan.softcap, softcap_method=plan.softcap_method,
+                   block_sizes=backend.block_sizes)
+    if seen_lengths is None:
+        segment_ids, mask = _candidates(q, seen)
+        out, lse = paged_forward(q, k_pages, v_pages, table, self_kv, segment_ids,
+                                 shard_mask=mask, **options)
+    else:
+        out, lse = paged_candidates_forward(q, k_pages, v_pages, table, self_kv, seen_lengths,
+                                            **options)
     acc = jnp.promote_types(q.dtype, jnp.float32)
     return out.astype(acc), lse.astype(acc)
 

@@ -1,6 +1,7 @@
-// Serving's own kernel: Quest's page bounds. (Serving's exact scoring, the paged forward, is
-// the forward of forward.h over a Problem whose keys are the cache's pages, problem.h, with
-// each candidate's own key from separate arrays.)
+// Serving's own parts of the kernel: the mask of its exact scoring, built from the histories'
+// lengths, and Quest's page bounds. (Serving's scoring itself is the forward of forward.h over a
+// Problem whose keys are the cache's pages, problem.h, with each candidate's own key from
+// separate arrays.)
 //
 // For each query row r and page j of batch row b,
 //   U[r][j] = max(q_r, 0) . M_j + min(q_r, 0) . m_j,
@@ -17,10 +18,52 @@
 
 #include "dots.h"
 #include "panels.h"
+#include "problem.h"
 #include "runtime.h"
 #include "vectors.h"
 
 namespace {
+
+// Serving's exact scoring as a mask, from the lengths alone: every query of batch row b is a
+// candidate (segment -1) that sees keys [0, L_b) of its row (segment 1, the rest 0), L_b =
+// lengths[b] clamped to [0, S], and its own key; the queries come after the keys (positions S
+// + t and j). Its block plan: key blocks below L_b full, the one L_b ends in partial, the rest
+// unvisited. It is what scoring.py's _candidates and blocks.prefix_block_plan give the general
+// entry, built here so that a request's XLA program is the kernel call alone: XLA runs a
+// program of under 1000 flops (the kernel counts none) on the calling thread, without the
+// thread hop of asynchronous dispatch (60-110 us of one user's 64-candidate request,
+// benchmarks/CPU_KERNEL.md).
+struct CandidatesMask {
+  Vector<int32_t> seg_q, seg_k, pos_q, pos_k, kv_index, full_count, count;
+
+  // Builds the mask of pr's shapes and points pr at it (pr must not outlive it).
+  CandidatesMask(Problem& pr, const int32_t* lengths)
+      : seg_q(pr.batch * pr.q_len, -1), seg_k(pr.batch * pr.kv_len),
+        pos_q(pr.batch * pr.q_len), pos_k(pr.batch * pr.kv_len),
+        kv_index(pr.batch * pr.n_q * pr.n_k), full_count(pr.batch * pr.n_q),
+        count(pr.batch * pr.n_q) {
+    for (int64_t b = 0; b < pr.batch; ++b) {
+      const int64_t length = std::clamp<int64_t>(lengths[b], 0, pr.kv_len);
+      for (int64_t j = 0; j < pr.kv_len; ++j) {
+        seg_k[b * pr.kv_len + j] = j < length;
+        pos_k[b * pr.kv_len + j] = static_cast<int32_t>(j);
+      }
+      for (int64_t t = 0; t < pr.q_len; ++t) {
+        pos_q[b * pr.q_len + t] = static_cast<int32_t>(pr.kv_len + t);
+      }
+      for (int64_t qb = 0; qb < pr.n_q; ++qb) {
+        full_count[b * pr.n_q + qb] = static_cast<int32_t>(length / pr.block_k);
+        count[b * pr.n_q + qb] = static_cast<int32_t>((length + pr.block_k - 1) / pr.block_k);
+        for (int64_t kb = 0; kb < pr.n_k; ++kb) {
+          kv_index[(b * pr.n_q + qb) * pr.n_k + kb] = static_cast<int32_t>(kb);
+        }
+      }
+    }
+    pr.seg_q = seg_q.data(), pr.seg_k = seg_k.data(), pr.pos_q = pos_q.data();
+    pr.pos_k = pos_k.data(), pr.kv_index = kv_index.data();
+    pr.full_count = full_count.data(), pr.count = count.data();
+  }
+};
 
 constexpr int64_t kBoundPages = 128;
 
