@@ -123,7 +123,7 @@ def paged_forward(q, k_pages, v_pages, page_table, self_kv, segment_ids, *, shar
     static, mask, block_plan = _prepare(q.shape, s, segment_ids, False, scale, softcap,
                                         softcap_method, block_sizes, None, shard_mask,
                                         None, own=self_kv is not None)
-    return _paged_call("rankattn_cpu_paged_forward", q, v_pages, self_kv)(
+    return _paged_call("rankattn_cpu_paged_forward", q, v_pages)(
         q, k_pages, v_pages, page_table.astype(jnp.int32), *_self_keys(q, self_kv), *mask,
         block_plan.kv_index, block_plan.full_count, block_plan.count, **static.attributes())
 
@@ -141,7 +141,7 @@ def paged_candidates_forward(q, k_pages, v_pages, page_table, self_kv, lengths, 
     s = page_table.shape[1] * k_pages.shape[-2]
     static = _Static(float(scale), softcap, softcap_method == "soft_sign", False,
                      self_kv is not None, plan_sizes(block_sizes, t, s))
-    return _paged_call("rankattn_cpu_paged_candidates_forward", q, v_pages, self_kv)(
+    return _paged_call("rankattn_cpu_paged_candidates_forward", q, v_pages)(
         q, k_pages, v_pages, page_table.astype(jnp.int32), *_self_keys(q, self_kv),
         jnp.asarray(lengths, jnp.int32), **static.attributes())
 
@@ -151,7 +151,8 @@ def _self_keys(q, self_kv):
     return self_kv or (jnp.zeros((1, 1, 1, 1), q.dtype),) * 2
 
 
-def _paged_call(target: str, q, v_pages, self_kv):
+def _paged_call(target: str, q, v_pages):
+    """The FFI call of a paged entry: (out [B, T, Hq, Dv] in q's dtype, lse [B, Hq, T])."""
     b, t, hq = q.shape[:3]
     shapes = (jax.ShapeDtypeStruct((b, t, hq, v_pages.shape[-1]), q.dtype),
               jax.ShapeDtypeStruct((b, hq, t), jnp.float32))
