@@ -18,8 +18,8 @@ kernel alone (one thread, so that every task runs inside the FFI handler; the fi
 included):
 
     RANKATTN_CPU_THREADS=1 valgrind --tool=callgrind --toggle-collect=RankattnCpuForward \
-        --toggle-collect=RankattnCpuPagedForward .venv/bin/python benchmarks/profile_cpu.py \
-        serving-64 --calls 1
+        --toggle-collect=RankattnCpuPagedCandidatesForward \
+        .venv/bin/python benchmarks/profile_cpu.py serving-64 --calls 1
 """
 from __future__ import annotations
 

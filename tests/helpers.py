@@ -153,6 +153,22 @@ def random_segments(seed: int, batch: int, seq: int, layout: str) -> np.ndarray:
 SESSION_IDS = [1, -1, 2, 0, -2, 3, -3, 4, -4]
 
 
+def pad_blocks(seg, block):
+    """[B, S] ids padded with 0 (no segment) to a multiple of ``block``."""
+    return np.pad(seg, [(0, 0), (0, -seg.shape[1] % block)])
+
+
+def visited_pairs(index, full_count, count):
+    """{(b, row, col): full?} of a visit list [B, R, C] with its counts."""
+    pairs = {}
+    for b, r in np.ndindex(count.shape):
+        listed = index[b, r, :count[b, r]].tolist()
+        assert len(set(listed)) == len(listed), f"block listed twice in row ({b}, {r}): {listed}"
+        for position, col in enumerate(listed):
+            pairs[b, r, col] = position < full_count[b, r]
+    return pairs
+
+
 @st.composite
 def segment_row(draw, seq: int):
     """Contiguous runs (history, candidates, padding; sessions may recur) or fully interleaved."""

@@ -17,15 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oracle
-from helpers import segment_row
+from helpers import pad_blocks, segment_row, visited_pairs
 from rankattn import semantics
 from rankattn.blocks import BlockSizes, make_block_plan
 
 planner = jax.jit(semantics.history_block_visibility, static_argnums=(2, 3, 4, 5))
-
-
-def pad(seg, block):
-    return np.pad(seg, [(0, 0), (0, -seg.shape[1] % block)])
 
 
 def history_mask(seg_q, seg_k, causal):
@@ -46,7 +42,7 @@ def block_truth(mask, block_q, block_k):
 
 
 def plan_and_truth(seg, block_q, block_k, causal):
-    seg_q, seg_k = pad(seg, block_q), pad(seg, block_k)
+    seg_q, seg_k = pad_blocks(seg, block_q), pad_blocks(seg, block_k)
     nonempty, full = (np.asarray(x) for x in planner(seg_q, seg_k, block_q, block_k, causal))
     return nonempty, full, *block_truth(history_mask(seg_q, seg_k, causal), block_q, block_k)
 
@@ -89,24 +85,13 @@ def test_padding_blocks_are_empty():
 
 def test_cross_attention_lengths():
     """Without a mask every token is history: real blocks are full, padded ones partial."""
-    seg_q, seg_k = np.ones((1, 24), np.int32), pad(np.ones((1, 20), np.int32), 8)
+    seg_q, seg_k = np.ones((1, 24), np.int32), pad_blocks(np.ones((1, 20), np.int32), 8)
     nonempty, full = (np.asarray(x) for x in planner(seg_q, seg_k, 8, 8, False))
     assert nonempty.all()
     assert full[0].tolist() == [[True, True, False]] * 3
 
 
 make_plan = jax.jit(make_block_plan, static_argnums=(2, 3, 4))
-
-
-def visited_pairs(index, full_count, count):
-    """{(b, row, col): full?} of a visit list [B, R, C] with its counts."""
-    pairs = {}
-    for b, r in np.ndindex(count.shape):
-        listed = index[b, r, :count[b, r]].tolist()
-        assert len(set(listed)) == len(listed), f"block listed twice in row ({b}, {r}): {listed}"
-        for position, col in enumerate(listed):
-            pairs[b, r, col] = position < full_count[b, r]
-    return pairs
 
 
 @settings(max_examples=4 * settings.default.max_examples)  # cheap: no attention compiled
@@ -118,10 +103,10 @@ def test_block_plan_lists_each_pair_once_per_direction(data, seq, block_q, block
     no double counting at unaligned boundaries, and no pair the planner marked empty."""
     seg = np.array(data.draw(st.lists(segment_row(seq), min_size=2, max_size=2)), np.int32)
     sizes = BlockSizes(block_q, block_k)
-    plan = jax.tree.map(np.asarray, make_plan(pad(seg, block_q), pad(seg, block_k), sizes,
-                                              causal, seq))
-    nonempty, full = (np.asarray(x) for x in planner(pad(seg, block_q), pad(seg, block_k),
-                                                     block_q, block_k, causal, seq))
+    seg_q, seg_k = pad_blocks(seg, block_q), pad_blocks(seg, block_k)
+    plan = jax.tree.map(np.asarray, make_plan(seg_q, seg_k, sizes, causal, seq))
+    nonempty, full = (np.asarray(x) for x in planner(seg_q, seg_k, block_q, block_k, causal,
+                                                     seq))
     by_query = visited_pairs(plan.kv_index, plan.full_count, plan.count)
     by_key = visited_pairs(plan.q_index, plan.q_full_count, plan.q_count)
     assert by_query == {(b, j, i): f for (b, i, j), f in by_key.items()}

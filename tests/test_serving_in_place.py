@@ -213,22 +213,24 @@ def test_a_page_budget_reads_its_selected_pages_in_place():
 
 
 @pytest.mark.parametrize("with_self", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("sizes", [BlockSizes(4, 16), BlockSizes(8, 5)])
-def test_the_kernels_candidates_mask_is_the_mask_it_is_given(with_self, sizes):
+def test_the_kernels_candidates_mask_is_the_mask_it_is_given(with_self, dtype, sizes):
     """The exact path's kernel builds its mask and block plan from the lengths
     (paged_candidates_forward): bit for bit the general entry (paged_forward) given that mask
-    as segment ids and a shard mask, at lengths 0, inside a page, at a key block's edge, at S,
-    and past [0, S] both ways (clamped), with page table entries outside the pages."""
+    as segment ids and a shard mask, at lengths 0, inside a key block, on interior key block
+    edges (16; 10 and 20), at S, and past [0, S] both ways (clamped), with page table entries
+    outside the pages. Blocks of (4, 16): 2 query blocks over 3 key blocks, the last ragged,
+    packed row-major; (8, 5): 1 query block over 8 key blocks, key-major in float32."""
     from rankattn import semantics
     from rankattn.backends.cpu import paged_candidates_forward, paged_forward
     rng = np.random.default_rng(3)
-    rows, t, m = 6, 5, 4
+    rows, t, m = 8, 5, 10
     s = m * P
-    k_pages, v_pages = (jnp.asarray(rng.normal(size=(9, HKV, P, D)).astype(np.float32))
-                        for _ in range(2))
-    table = jnp.asarray(rng.integers(-2, 11, (rows, m)), jnp.int32)
-    lengths = np.array([0, 3, 16, s, s + 9, -3], np.int32)
-    q, ks, vs = (jnp.asarray(x) for x in _request(4, rows, t))
+    k_pages, v_pages = (jnp.asarray(rng.normal(size=(13, HKV, P, D)), dtype) for _ in range(2))
+    table = jnp.asarray(rng.integers(-2, 15, (rows, m)), jnp.int32)
+    lengths = np.array([0, 3, 16, 10, 20, s, s + 9, -3], np.int32)
+    q, ks, vs = (jnp.asarray(x, dtype) for x in _request(4, rows, t))
     self_kv = (ks, vs) if with_self else None
     options = dict(scale=0.3, softcap=2.0, softcap_method="tanh", block_sizes=sizes)
     got = paged_candidates_forward(q, k_pages, v_pages, table, self_kv, jnp.asarray(lengths),
@@ -240,14 +242,57 @@ def test_the_kernels_candidates_mask_is_the_mask_it_is_given(with_self, sizes):
     want = paged_forward(q, k_pages, v_pages, table, self_kv, -jnp.ones((rows, t), jnp.int32),
                          shard_mask=mask, **options)
     for name, x, y in zip(("out", "lse"), got, want):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
-    assert np.isfinite(np.asarray(got[0])[1:5]).all()
+        np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)),
+                                      np.asarray(y.astype(jnp.float32)), err_msg=name)
+    assert np.isfinite(np.asarray(got[0].astype(jnp.float32))[1:7]).all()
+
+
+@given(q_len=st.sampled_from([1, 5, 64]), kv_len=st.sampled_from([7, 48]),
+       block_q=st.sampled_from([4, 64]), block_k=st.sampled_from([5, 16]), data=st.data())
+@settings(max_examples=20, deadline=None)
+def test_the_kernels_candidates_plan_is_make_block_plans(q_len, kv_len, block_q, block_k,
+                                                         data):
+    """The mask and block plan the kernel builds from the lengths (CandidatesMask, read
+    through the test-only rankattn_test_candidates_plan) are blocks.make_block_plan's for the
+    mask _candidates gives the general entry: the same (query block, key block) pairs, full
+    and partial, with lengths on block edges, inside blocks, 0, past S and negative. (Equal
+    outputs could not show a block visited in vain, or a full block taken as partial.)"""
+    import ctypes
+
+    import jax
+    from rankattn.backends import cpu
+    from rankattn.blocks import make_block_plan
+    from helpers import pad_blocks, visited_pairs
+    lengths = np.array(data.draw(st.lists(st.integers(-2, kv_len + 3), min_size=3,
+                                          max_size=3)), np.int32)
+    sizes = BlockSizes(min(block_q, q_len), min(block_k, kv_len))
+    n_q, n_k = -(-q_len // sizes.block_q), -(-kv_len // sizes.block_k)
+    seg_k = np.zeros((3, kv_len), np.int32)
+    kv_index = np.zeros((3, n_q, n_k), np.int32)
+    full_count, count = np.zeros((3, n_q), np.int32), np.zeros((3, n_q), np.int32)
+    cpu.library().handle.rankattn_test_candidates_plan(
+        *(ctypes.c_int64(x) for x in (3, q_len, kv_len, sizes.block_q, sizes.block_k)),
+        *(x.ctypes.data_as(ctypes.c_void_p) for x in (lengths, seg_k, kv_index, full_count,
+                                                      count)))
+    seen = (np.arange(kv_len)[None] < lengths[:, None]).astype(np.int32)
+    np.testing.assert_array_equal(seg_k, seen)
+    seg_q = pad_blocks(np.full((3, q_len), -1, np.int32), sizes.block_q)
+    pos_q = pad_blocks(np.broadcast_to(kv_len + np.arange(q_len, dtype=np.int32), (3, q_len)),
+                       sizes.block_q)
+    pos_q[:, q_len:] = pos_q[:, q_len - 1:q_len]  # blocks.pad_positions' edge padding
+    pos_k = np.pad(np.broadcast_to(np.arange(kv_len, dtype=np.int32), seen.shape),
+                   [(0, 0), (0, -kv_len % sizes.block_k)], mode="edge")
+    want = jax.jit(make_block_plan, static_argnums=(2, 3, 4))(
+        seg_q, pad_blocks(seen, sizes.block_k), sizes, False, q_len, pos_q, pos_k)
+    assert (visited_pairs(kv_index, full_count, count)
+            == visited_pairs(*(np.asarray(x) for x in (want.kv_index, want.full_count,
+                                                        want.count))))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_an_exact_request_compiles_to_the_kernel_call_alone(dtype):
-    """An exact request's program is the kernel call and the gathers of its users' pages and
-    lengths: under the 1000 flops (XLA's cost analysis; the kernel counts none) below which
+    """An exact request's program is the kernel call and the gathers of its users' table rows
+    and lengths: under the 1000 flops (XLA's cost analysis; a custom call counts -1) below which
     XLA's CPU client runs a program on the calling thread, without asynchronous dispatch's
     thread hop (60-110 us of one user's 64-candidate request, benchmarks/CPU_KERNEL.md).
     Sixteen users, traced: whatever grows with the users, the candidates or the history must

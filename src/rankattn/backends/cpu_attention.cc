@@ -478,8 +478,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                         .Ret<ffi::AnyBuffer>()                               // dk
                         .Ret<ffi::AnyBuffer>()));                            // dv
 
-// ---- Tests only (tests/test_cpu_kernel_numerics.py, through ctypes): the dtype conversions,
-// the vector exp and tanh, and which vector width and bfloat16 dots this build has.
+// ---- Tests only (tests/test_cpu_kernel_numerics.py and test_serving_in_place.py, through
+// ctypes): the dtype conversions, the vector exp and tanh, exact scoring's block plan, and
+// which vector width and bfloat16 dots this build has.
 
 namespace {
 
@@ -524,6 +525,23 @@ int64_t rankattn_test_buffer_offsets(int64_t n) {
   const Vector<uint16_t> h(n);
   return reinterpret_cast<uintptr_t>(f.data()) % kCacheLine +
          reinterpret_cast<uintptr_t>(h.data()) % kCacheLine;
+}
+// Exact scoring's mask and block plan as the kernel builds them (CandidatesMask) for `batch`
+// rows of q_len candidates over kv_len keys, row b seeing lengths[b] of them: seg_k [B, S],
+// kv_index [B, nQ, nK], full_count and count [B, nQ].
+void rankattn_test_candidates_plan(int64_t batch, int64_t q_len, int64_t kv_len,
+                                   int64_t block_q, int64_t block_k, const int32_t* lengths,
+                                   int32_t* seg_k, int32_t* kv_index, int32_t* full_count,
+                                   int32_t* count) {
+  Problem pr{};
+  pr.batch = batch, pr.q_len = q_len, pr.kv_len = kv_len;
+  pr.block_q = block_q, pr.block_k = block_k;
+  pr.n_q = (q_len + block_q - 1) / block_q, pr.n_k = (kv_len + block_k - 1) / block_k;
+  const CandidatesMask mask(pr, lengths);
+  std::copy(mask.seg_k.begin(), mask.seg_k.end(), seg_k);
+  std::copy(mask.kv_index.begin(), mask.kv_index.end(), kv_index);
+  std::copy(mask.full_count.begin(), mask.full_count.end(), full_count);
+  std::copy(mask.count.begin(), mask.count.end(), count);
 }
 // 0: bfloat16 inputs run float32 dots; 1: VDPBF16PS; 2: AMX tiles.
 int rankattn_test_bf16_dots() {

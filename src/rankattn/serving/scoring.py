@@ -113,7 +113,8 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
         decode step), [B, Hq, D] or [B, Hq*D]; any float dtype. Hq must be a
         multiple of the cache's Hkv (query head h reads kv head h // (Hq // Hkv)).
       cache: PagedKVCache holding k/v pages [N, Hkv, P, D] / [N, Hkv, P, Dv].
-      users: int [B]; row b attends to the history of cached user users[b].
+      users: int [B] in [0, U); row b attends to the history of cached user
+        users[b] (RA206 outside [0, U) where concrete; a traced id outside is clamped).
       self_kv: optional (k_self, v_self), each query's own key and value in the
         query's layout: [B, T, Hkv, D] and [B, T, Hkv, Dv] (or [B, Hkv, D],
         or [B, Hkv*D]). Query (b, t) sees key (b, t) and no other self key.
@@ -406,9 +407,13 @@ def _check_self_kv(self_kv, ndim: int, b: int, t: int, hkv: int, d: int, dv: int
 
 def _user_pages(cache: PagedKVCache, users):
     """(page table rows [B, M], lengths [B], real-page mask [B, M]) of the selected users."""
-    length = cache.lengths[users]
+    # jnp.take clamps: no arithmetic per user to wrap negative ids, which would count
+    # against the flops below which XLA runs an exact request on the calling thread
+    # (paged_candidates_forward). Ids are checked to lie in [0, U) where concrete.
+    length = jnp.take(cache.lengths, users, mode="clip")
     npages = -(-length // cache.page_size)
-    return cache.page_table[users], length, jnp.arange(cache.max_pages)[None, :] < npages[:, None]
+    table = jnp.take(cache.page_table, users, axis=0, mode="clip")
+    return table, length, jnp.arange(cache.max_pages)[None, :] < npages[:, None]
 
 
 def _head_major(q, hkv: int):

@@ -28,11 +28,11 @@ namespace {
 // candidate (segment -1) that sees keys [0, L_b) of its row (segment 1, the rest 0), L_b =
 // lengths[b] clamped to [0, S], and its own key; the queries come after the keys (positions S
 // + t and j). Its block plan: key blocks below L_b full, the one L_b ends in partial, the rest
-// unvisited. It is what scoring.py's _candidates and blocks.prefix_block_plan give the general
-// entry, built here so that a request's XLA program is the kernel call alone: XLA runs a
-// program of under 1000 flops (the kernel counts none) on the calling thread, without the
-// thread hop of asynchronous dispatch (60-110 us of one user's 64-candidate request,
-// benchmarks/CPU_KERNEL.md).
+// unvisited. It is what scoring.py's _candidates and blocks.make_block_plan give the general
+// entry, built here so that a request's XLA program is the kernel call alone: XLA's CPU
+// client runs a program that its cost analysis puts under 1000 flops (a custom call counts
+// as unknown, -1) on the calling thread, without the thread hop of asynchronous dispatch
+// (60-110 us of one user's 64-candidate request, benchmarks/CPU_KERNEL.md).
 struct CandidatesMask {
   Vector<int32_t> seg_q, seg_k, pos_q, pos_k, kv_index, full_count, count;
 
