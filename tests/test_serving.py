@@ -286,6 +286,31 @@ def test_low_precision_cache_and_queries(impl):
                        want16["terms"]["out"], want16["amplified"]["out"], int(n))
 
 
+@pytest.mark.parametrize("budget", [None, 16])
+@pytest.mark.parametrize("impl", EXACT_IMPLS)
+def test_a_narrower_cache_converts_the_requests_pages_only(impl, budget):
+    """A bfloat16 cache read by float32 queries: the pages the request reads are converted
+    (its users' pages, or Quest's selected pages), not every page of the cache on every
+    call: the program's temporary memory is the same over a cache of 8 users and one of 32,
+    and its results are those of the whole cache converted first, bit for bit."""
+    rng = np.random.default_rng(12)
+    k, v = (jnp.asarray(rng.normal(size=(32, 40, 2, 16)), jnp.bfloat16) for _ in range(2))
+    lengths = jnp.asarray(rng.integers(0, 41, 32)).at[jnp.array([1, 5])].set(jnp.array([23, 40]))
+    q = jnp.asarray(rng.normal(size=(2, 3, 4, 16)), jnp.float32)
+    attend = jax.jit(lambda q, cache: serving.attend(q, cache, jnp.array([1, 5]),
+                                                     budget=budget, impl=impl))
+    temps = []
+    for users in (8, 32):
+        cache16 = serving.cache_from_history(k[:users], v[:users], lengths[:users],
+                                             page_size=8)
+        cache32 = cache16._replace(k_pages=cache16.k_pages.astype(jnp.float32),
+                                   v_pages=cache16.v_pages.astype(jnp.float32))
+        np.testing.assert_array_equal(np.asarray(attend(q, cache16)),
+                                      np.asarray(attend(q, cache32)))
+        temps.append(attend.lower(q, cache16).compile().memory_analysis().temp_size_in_bytes)
+    assert temps[0] == temps[1], temps
+
+
 # --- Quest. ------------------------------------------------------------------------------------
 
 

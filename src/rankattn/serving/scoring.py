@@ -541,7 +541,7 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     hkv, g, p = cache.kv_heads, hq // cache.kv_heads, cache.page_size
     dtype = jnp.promote_types(q.dtype, cache.k_pages.dtype)
     table, length, valid = _user_pages(cache, users)
-    k_pages, v_pages = (x.astype(dtype) for x in (cache.k_pages, cache.v_pages))
+    k_pages, v_pages = cache.k_pages, cache.v_pages
     self_kv = None if k_self is None else (k_self.astype(dtype), v_self.astype(dtype))
     if plan.pages is None or plan.pages >= cache.max_pages:
         # Exact: a row per request, every page in order, q and the pages in their own layouts
@@ -552,6 +552,7 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
         # entries itself, and a program of the kernel call alone runs on the calling thread
         # (paged_candidates_forward).
         seen = jnp.arange(cache.max_pages * p)[None, :] < length[:, None]
+        k_pages, v_pages, table = _pages_in(dtype, k_pages, v_pages, table)
         return _attend_rows(plan, q.astype(dtype), k_pages, v_pages, table, seen, self_kv,
                             seen_lengths=length)
     logical = _select_pages(plan, _head_major(q, hkv), cache, table, valid)
@@ -583,11 +584,27 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     pos = logical[..., None] * p + jnp.arange(p)
     seen = (pos < length[:, None, None, None, None, None]).reshape(rows, n * p)
     k_pages, v_pages = (x.reshape(-1, 1, p, x.shape[-1]) for x in (k_pages, v_pages))
+    k_pages, v_pages, row_pages = _pages_in(dtype, k_pages, v_pages, row_pages)
     out, lse = _attend_rows(plan, q_rows, k_pages, v_pages, row_pages, seen, self_rows)
     # [rows, t_in, g_in, Dv] -> [B, T, Hq, Dv]; lse [rows, g_in, t_in] -> [B, Hq, T].
     out = out.reshape(b, hkv, t_sel, g_sel, t_in, g_in, -1).transpose(0, 2, 4, 1, 3, 5, 6)
     lse = lse.reshape(b, hkv, t_sel, g_sel, g_in, t_in).transpose(0, 1, 3, 4, 2, 5)
     return out.reshape(b, t, hq, -1), lse.reshape(b, hq, t)
+
+
+def _pages_in(dtype, k_pages, v_pages, table):
+    """(k_pages, v_pages, table) with the pages in ``dtype``. A cache of another dtype than
+    the request's (a bfloat16 cache read by float32 queries) has converted, not every page
+    on every call, but the pages ``table`` [R, n] lists, gathered in its order with the
+    table renumbered to them, where those are fewer than the cache's pages."""
+    if k_pages.dtype == v_pages.dtype == dtype:
+        return k_pages, v_pages, table
+    r, n = table.shape
+    if r * n >= k_pages.shape[0]:
+        return k_pages.astype(dtype), v_pages.astype(dtype), table
+    listed = jnp.maximum(table, 0).reshape(-1)
+    renumbered = jnp.where(table >= 0, jnp.arange(r * n, dtype=jnp.int32).reshape(r, n), -1)
+    return k_pages[listed].astype(dtype), v_pages[listed].astype(dtype), renumbered
 
 
 def _attend_rows(plan: _Plan, q, k_pages, v_pages, table, seen, self_kv, seen_lengths=None):
