@@ -287,12 +287,14 @@ def test_low_precision_cache_and_queries(impl):
 
 
 @pytest.mark.parametrize("budget", [None, 16])
-@pytest.mark.parametrize("impl", EXACT_IMPLS)
-def test_a_narrower_cache_converts_the_requests_pages_only(impl, budget):
+def test_a_narrower_cache_converts_the_requests_pages_only(budget):
     """A bfloat16 cache read by float32 queries: the pages the request reads are converted
     (its users' pages, or Quest's selected pages), not every page of the cache on every
     call: the program's temporary memory is the same over a cache of 8 users and one of 32,
-    and its results are those of the whole cache converted first, bit for bit."""
+    and its results are those of the whole cache converted first, bit for bit. (impl
+    'auto': the cpu kernel, whose path converted the whole cache; xla's converts what it
+    gathers.)"""
+    impl = "auto"
     rng = np.random.default_rng(12)
     k, v = (jnp.asarray(rng.normal(size=(32, 40, 2, 16)), jnp.bfloat16) for _ in range(2))
     lengths = jnp.asarray(rng.integers(0, 41, 32)).at[jnp.array([1, 5])].set(jnp.array([23, 40]))
