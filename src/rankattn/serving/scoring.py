@@ -541,7 +541,9 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     hkv, g, p = cache.kv_heads, hq // cache.kv_heads, cache.page_size
     dtype = jnp.promote_types(q.dtype, cache.k_pages.dtype)
     table, length, valid = _user_pages(cache, users)
-    k_pages, v_pages = cache.k_pages, cache.v_pages
+    # The pages in the request's dtype, and the table rows that address them (``table``
+    # still addresses the cache, whose key stats Quest reads).
+    k_pages, v_pages, pages_table = _pages_in(dtype, cache.k_pages, cache.v_pages, table)
     self_kv = None if k_self is None else (k_self.astype(dtype), v_self.astype(dtype))
     if plan.pages is None or plan.pages >= cache.max_pages:
         # Exact: a row per request, every page in order, q and the pages in their own layouts
@@ -552,9 +554,8 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
         # entries itself, and a program of the kernel call alone runs on the calling thread
         # (paged_candidates_forward).
         seen = jnp.arange(cache.max_pages * p)[None, :] < length[:, None]
-        k_pages, v_pages, table = _pages_in(dtype, k_pages, v_pages, table)
-        return _attend_rows(plan, q.astype(dtype), k_pages, v_pages, table, seen, self_kv,
-                            seen_lengths=length)
+        return _attend_rows(plan, q.astype(dtype), k_pages, v_pages, pages_table, seen,
+                            self_kv, seen_lengths=length)
     logical = _select_pages(plan, _head_major(q, hkv), cache, table, valid)
     logical = jnp.broadcast_to(logical, (b, hkv, *logical.shape[2:]))
     # One row of the kernel call per page list: (b, kv head, candidate if per query, query
@@ -576,7 +577,7 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
             for x in self_kv)
     # Kernel row r reads pages of one kv head: the cache's pages [N, Hkv, P, E] seen as
     # [N * Hkv, 1, P, E] (no copy), page (physical page) * Hkv + kv head.
-    phys = jnp.maximum(table[jnp.arange(b)[:, None, None, None, None], logical], 0)
+    phys = jnp.maximum(pages_table[jnp.arange(b)[:, None, None, None, None], logical], 0)
     head = jnp.arange(hkv, dtype=jnp.int32)[None, :, None, None, None]
     row_pages = (phys * hkv + head).reshape(rows, n)
     # Slots past the user's length (as above, or a selected page that does not exist) are
@@ -584,7 +585,6 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
     pos = logical[..., None] * p + jnp.arange(p)
     seen = (pos < length[:, None, None, None, None, None]).reshape(rows, n * p)
     k_pages, v_pages = (x.reshape(-1, 1, p, x.shape[-1]) for x in (k_pages, v_pages))
-    k_pages, v_pages, row_pages = _pages_in(dtype, k_pages, v_pages, row_pages)
     out, lse = _attend_rows(plan, q_rows, k_pages, v_pages, row_pages, seen, self_rows)
     # [rows, t_in, g_in, Dv] -> [B, T, Hq, Dv]; lse [rows, g_in, t_in] -> [B, Hq, T].
     out = out.reshape(b, hkv, t_sel, g_sel, t_in, g_in, -1).transpose(0, 2, 4, 1, 3, 5, 6)
@@ -593,18 +593,22 @@ def _attend_partial(plan: _Plan, q, cache: PagedKVCache, users, k_self, v_self):
 
 
 def _pages_in(dtype, k_pages, v_pages, table):
-    """(k_pages, v_pages, table) with the pages in ``dtype``. A cache of another dtype than
-    the request's (a bfloat16 cache read by float32 queries) has converted, not every page
-    on every call, but the pages ``table`` [R, n] lists, gathered in its order with the
-    table renumbered to them, where those are fewer than the cache's pages."""
+    """(k_pages, v_pages, table) with the pages in ``dtype``. Where that is not the cache's
+    dtype (float32 queries over a bfloat16 cache: the cpu kernel's call takes one dtype),
+    the request's table rows [B, M] are what is converted where they are fewer than the
+    cache's N pages: their pages gathered in table order ([B * M, ...], a missing page's -1
+    reading page 0 as the kernel's clamp does) and the table renumbered to them, instead of
+    every page of the cache on every call. Converted before the gather, so that XLA fuses
+    the two and the pages' gradient adds up in ``dtype`` before one rounding, as the whole
+    cache's did."""
     if k_pages.dtype == v_pages.dtype == dtype:
         return k_pages, v_pages, table
-    r, n = table.shape
-    if r * n >= k_pages.shape[0]:
+    b, m = table.shape
+    if b * m >= k_pages.shape[0]:
         return k_pages.astype(dtype), v_pages.astype(dtype), table
-    listed = jnp.maximum(table, 0).reshape(-1)
-    renumbered = jnp.where(table >= 0, jnp.arange(r * n, dtype=jnp.int32).reshape(r, n), -1)
-    return k_pages[listed].astype(dtype), v_pages[listed].astype(dtype), renumbered
+    listed = table.reshape(-1)
+    gathered = (jnp.take(x.astype(dtype), listed, axis=0, mode="clip") for x in (k_pages, v_pages))
+    return (*gathered, jnp.arange(b * m, dtype=jnp.int32).reshape(b, m))
 
 
 def _attend_rows(plan: _Plan, q, k_pages, v_pages, table, seen, self_kv, seen_lengths=None):
