@@ -221,6 +221,39 @@ def test_xla_picks_mixed_precision_per_platform_and_dtype(monkeypatch, platform,
     assert any(not np.array_equal(auto[n], other[n]) for n in FIELDS), "the paths agree: vacuous"
 
 
+def test_backward_rows_takes_delta_as_a_float32_dot():
+    """Regression: delta = rowsum(dO * O), written (dO * O).sum(-1), was fused by XLA's CPU
+    compiler into a reduce that took 51 ms for one 8192-token row [1, 8192, 4, 128] (a
+    seventh of packed-fwdbwd; 0.9 ms as a dot). Every backend's backward takes its delta from
+    semantics.backward_rows: a dot at HIGHEST precision, summed in float32 for bfloat16
+    inputs, whose poisoned rows (lse NaN) still pass nothing (lse +inf, d_out and delta 0)."""
+    import jax.numpy as jnp
+
+    from rankattn import semantics
+
+    rng = np.random.default_rng(0)
+    out, d_out = (jnp.asarray(rng.normal(0, 1, (1, 24, 4, 48)), jnp.bfloat16) for _ in range(2))
+    lse = jnp.asarray(rng.normal(0, 1, (1, 24, 4)), jnp.float32).at[0, 5, 2].set(jnp.nan)
+    d_lse = jnp.asarray(rng.normal(0, 1, (1, 24, 4)), jnp.float32)
+    jaxpr = jax.make_jaxpr(semantics.backward_rows)(out, d_out, lse, d_lse).jaxpr
+    names = {e.primitive.name for e in jaxpr.eqns}
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert "reduce_sum" not in names and len(dots) == 1, names
+    assert dots[0].params["precision"] == (jax.lax.Precision.HIGHEST,) * 2
+    assert all(x.aval.dtype == jnp.float32 for x in dots[0].invars)
+
+    lse_rows, d_out_rows, delta = jax.jit(semantics.backward_rows)(out, d_out, lse, d_lse)
+    want = (np.einsum("bshd,bshd->bsh", np.asarray(out, np.float64),
+                      np.asarray(d_out, np.float64)) - np.asarray(d_lse, np.float64))
+    want[0, 5, 2] = 0.0
+    # 48 float32 products of bfloat16 values (exact) summed in float32: within 48 u |terms|.
+    terms = np.einsum("bshd,bshd->bsh", np.abs(np.asarray(out, np.float64)),
+                      np.abs(np.asarray(d_out, np.float64))) + np.abs(np.asarray(d_lse))
+    assert np.all(np.abs(np.asarray(delta, np.float64) - want) <= 48 * 2.0**-24 * terms)
+    assert np.isposinf(lse_rows[0, 5, 2]) and np.all(np.asarray(d_out_rows[0, 5, 2]) == 0)
+    assert np.isfinite(np.asarray(lse_rows)).sum() == lse.size - 1
+
+
 # The Triton kernels in Pallas interpret mode: with 16 x 16 tiles, CONFIGS' 15/16/17 are a
 # tile -1/at/+1; these add 31/33, float16, GQA 5 with a cap in bf16, and cross-attention.
 TRITON_CONFIGS = CONFIGS + [

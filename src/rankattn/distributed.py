@@ -461,7 +461,7 @@ def ring_history(kernel, axes: Axes, n: int, q, mult, seg_q, pos_q, k, v, seg_k,
         q, mult, seg_q, pos_q, k, v, seg_k, pos_k, out, lse = residuals
         d_out, d_lse = cotangents
         # <d_out, out> per row, once: the steps then need no [B, S, H, Dv] copy of out.
-        d_out_dot_out = jnp.swapaxes((d_out * out).sum(-1), 1, 2)
+        d_out_dot_out = jnp.swapaxes(semantics.row_dot(d_out, out), 1, 2)
 
         def pull(block):
             """(dq, dk, dv) of one block: its partial's cotangents, through the kernel.
@@ -479,7 +479,7 @@ def ring_history(kernel, axes: Axes, n: int, q, mult, seg_q, pos_q, k, v, seg_k,
             used = (lse_t != -jnp.inf) & ~jnp.isnan(lse)
             w = jnp.where(used, jnp.exp(jnp.where(used, lse_t - lse, 0)), 0.0)
             d_out_t = jnp.where(_rows(used), _rows(w) * d_out, 0)
-            d_out_dot_out_t = jnp.swapaxes((d_out * out_t.astype(d_out.dtype)).sum(-1), 1, 2)
+            d_out_dot_out_t = jnp.swapaxes(semantics.row_dot(d_out, out_t), 1, 2)
             d_lse_t = jnp.where(used, w * (d_lse + d_out_dot_out_t - d_out_dot_out), 0)
             return pullback((d_out_t.astype(out_t.dtype), d_lse_t))
 

@@ -201,6 +201,18 @@ def poison_rows(out, lse, q_poison):
             jnp.where(hit.transpose(0, 2, 1), jnp.nan, lse))
 
 
+def row_dot(x, y):
+    """sum(x * y) over the last axis, in float32 (float64 for float64), as a dot.
+
+    A dot, not ``(x * y).sum(-1)``: XLA's CPU fusion of that reduce took 51 ms for
+    one 8192-token row ``[1, 8192, 4, 128]`` (the dot 0.9 ms; at ``[2, 8192, 4, 128]``
+    2.4 ms either way). HIGHEST keeps it float32 where a dot's default precision is not.
+    """
+    acc = jnp.promote_types(jnp.promote_types(x.dtype, y.dtype), jnp.float32)
+    return jnp.einsum("...d,...d->...", x.astype(acc), y.astype(acc),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
 def backward_rows(out, d_out, lse, d_lse):
     """(lse, d_out, delta) for a flash backward, per row (``lse`` shaped ``out.shape[:-1]``).
 
@@ -209,9 +221,10 @@ def backward_rows(out, d_out, lse, d_lse):
     becomes +inf, so every recomputed p is exactly 0, and their d_out and delta 0.
     """
     poisoned = jnp.isnan(lse)
+    # Of d_out as given (a poisoned row's delta is replaced below): the dot need not wait
+    # for the where.
+    delta = row_dot(d_out, out) - d_lse
     d_out = jnp.where(poisoned[..., None], 0, d_out).astype(d_out.dtype)
-    acc = jnp.promote_types(out.dtype, jnp.float32)
-    delta = (d_out.astype(acc) * out.astype(acc)).sum(-1) - d_lse
     return jnp.where(poisoned, jnp.inf, lse), d_out, jnp.where(poisoned, 0.0, delta)
 
 
