@@ -895,10 +895,10 @@ def _attention_fwd(st, q, k, v, seg, grids, poison, multiplier):
 def _attention_bwd(st, residuals, cotangents):
     q, k, v, seg, grids, out, lse, multiplier = residuals
     d_out, d_lse = cotangents
-    # semantics.backward_rows on the queries' true rows; its dO (poisoned rows zero) only
-    # feeds delta here (a fused reduction, no copy): the kernels zero those rows of dO as
-    # they read it, where lse is +inf (_d_out_rows). Past the queries' end lse is +inf too,
-    # so every p there is 0 and dO's unspecified rows are never used.
+    # semantics.backward_rows on the queries' true rows, for lse and delta (a row_dot of dO as
+    # given); its dO with poisoned rows zeroed is left unused (XLA drops it): the kernels zero
+    # those rows of dO as they read it, where lse is +inf (_d_out_rows). Past the queries' end
+    # lse is +inf too, so every p there is 0 and dO's unspecified rows are never used.
     lse, _, delta = semantics.backward_rows(out, d_out, lse[..., :st.q_len],
                                             d_lse[..., :st.q_len])
     length = seg[0].shape[-1]  # the rows' padded length: every block of either size
