@@ -21,7 +21,9 @@ boolean mask and compiled FlexAttention with a mask_mod and block mask
 in the same run on a 2048^3 matmul (the faster of XLA's and torch's; the bf16
 rates are recorded beside it), counting only visible query-key pairs
 (forward 4*D flops per pair and head; forward+backward 3.5x that). "temp MiB"
-is XLA's compiled scratch memory for the JAX implementations.
+is XLA's compiled scratch memory for the JAX implementations; the cpu kernel
+allocates its own buffers outside it, so the memory note measures a process
+that runs only rankattn (its peak resident memory).
 
 Every process runs with glibc's default heap settings, as users get them. (An
 earlier version turned heap trimming off and padded the heap top by 1 GiB:
@@ -55,7 +57,6 @@ import json
 import os
 import platform
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -347,12 +348,49 @@ def matmul_rate(rates: dict[str, float], dtype: str = "float32") -> float:
     return max(r for name, r in rates.items() if name.endswith(dtype))
 
 
-def peak_rss_gib(name: str, smoke: bool = False) -> float:
-    """Peak RSS of a fresh process that runs only rankattn on one workload (inputs included)."""
-    out = subprocess.run([sys.executable, __file__, "--rss-child", name,
+def peak_rss_gib(name: str, smoke: bool = False) -> float | None:
+    """Peak resident memory of a fresh process that runs only rankattn on one workload (inputs,
+    the interpreter and jax included; torch not imported); None where the system does not
+    report it (own_peak_rss_bytes)."""
+    out = subprocess.run([sys.executable, __file__, "--rss-child", name, "--no-torch",
                           *(["--smoke"] if smoke else [])], check=True,
                          capture_output=True, text=True).stdout
-    return float(out.strip().splitlines()[-1])
+    value = out.strip().splitlines()[-1]
+    return None if value == "unknown" else float(value)
+
+
+def own_peak_rss_bytes() -> int | None:
+    """This process's own peak resident memory, VmHWM of /proc/self/status (Linux; else None).
+
+    Not getrusage's ru_maxrss: Linux keeps that across exec, and a child forked from a larger
+    process starts with the parent's pages mapped, so a child of this script reported the
+    script's own 13-14 GiB (after the dense peers) as rankattn's (RUSAGE_NOTE).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+RSS_NOTE = "peak resident memory (VmHWM) of a process running only rankattn"
+# What earlier runs recorded instead, from ru_maxrss: the parent's size (above).
+RUSAGE_NOTE = re.compile(r"^(?P<workload>\S+): peak RSS of a process running only rankattn "
+                         r"\(inputs included\) (?P<gib>[\d.]+) GiB in this run; (?P<rest>.*)$")
+
+
+def shown_note(note: str) -> str:
+    """A run's note as the report shows it: an RSS figure from ru_maxrss says what it measured."""
+    old = RUSAGE_NOTE.match(note)
+    if old is None:
+        return note
+    return (f"{old['workload']}: no peak memory of rankattn alone in this run: its {old['gib']} "
+            f"GiB was getrusage's ru_maxrss of a child process, which Linux carries over from "
+            f"the parent across fork and exec: this script's own resident size when it started "
+            f"the child ({old['rest']})")
 
 
 # --- What limits the small shapes: XLA:CPU's primitives against torch's. -------------
@@ -473,6 +511,15 @@ def best_peer(rows: list[dict], workload: str, peers_: tuple[str, ...] | None = 
     return row["impl"], row
 
 
+def best_peer_names(best: list[tuple[str | None, dict | None]]) -> str:
+    """Who the best peer was over runs (best_peer of each): one name where every run had the
+    same one, else each run's with its ratio, so that a range is not put on one peer."""
+    found = [(i, peer, row) for i, (peer, row) in enumerate(best) if row]
+    if len({peer for _, peer, _ in found}) <= 1:
+        return found[0][1] if found else "none ran"
+    return "; ".join(f"run {i + 1}: {peer} {row['ratio']:.2f}x" for i, peer, row in found)
+
+
 # --- Reports, generated from results/*.json only. ------------------------------------
 
 
@@ -560,8 +607,7 @@ def targets(runs: list[dict], sweep: dict | None) -> list[tuple[str, str, bool |
         if not values:
             out.append((f"{name} >= 1.0x the best peer", "no peer ran", None))
             continue
-        peer = best[0][0]
-        out.append((f"{name} >= 1.0x the best peer", f"{span(values)}x ({peer})",
+        out.append((f"{name} >= 1.0x the best peer", f"{span(values)}x ({best_peer_names(best)})",
                     min(values) >= 1.0))
         if name.startswith("packed"):
             dense = [row["ratio"] for _, row in per_run(
@@ -623,7 +669,10 @@ def results_markdown(machines: list[Machine]) -> str:
              "rounds of the per-round ratio (each round runs every implementation once, "
              "alternating the order), shown as the range of that median over the runs. "
              "\"% mm\" counts only visible query-key pairs, against the machine's own fp32 "
-             "matmul rate; \"temp MiB\" is XLA's compiled scratch memory. \"rankattn, "
+             "matmul rate (bf16 rows too, so they can pass 100%); \"temp MiB\" is XLA's "
+             "compiled scratch memory, which does not hold the buffers the cpu kernel "
+             "allocates itself (the peak of a process running it alone is in a machine's "
+             "notes, where its runs measured it). \"rankattn, "
              "float32 inputs\" beside a bf16 workload is rankattn on the same shape in "
              "float32, so its ratio says how much faster bf16 is.", ""]
     lines += every_machine_table([m for m in machines if m.runs])
@@ -637,7 +686,8 @@ def every_machine_table(machines: list[Machine]) -> list[str]:
     machines measured most recently first)."""
     lines = ["## Every machine", "",
              "Each workload against its best peer on each machine (the peer named in the "
-             "machine's section), and rankattn's share of that machine's matmul rate:", "",
+             "machine's section), and rankattn's share of that machine's float32 matmul "
+             "rate:", "",
              "| workload | " + " | ".join(f"{m.name}: peer / rankattn | % mm" for m in machines)
              + " |", "|---|" + "---:|---:|" * len(machines)]
     names = list(dict.fromkeys(r["workload"] for m in machines for run in m.runs
@@ -682,7 +732,7 @@ def machine_markdown(m: Machine) -> list[str]:
                      f"| {span([r['temp_mib'] for r in rows], '{:.0f}')} "
                      f"| {span([r.get('others') for r in rows], '{:.0%}')} "
                      f"| {span([r.get('steal') for r in rows], '{:.0%}')} |")
-    notes = sorted({n for run in runs for n in run["meta"]["notes"]})
+    notes = sorted({shown_note(n) for run in runs for n in run["meta"]["notes"]})
     if notes:
         lines += ["", "Notes from the runs:", ""] + [f"- {n}" for n in notes]
     sensitivity = [x for run in runs for x in run.get("sensitivity", [])]
@@ -700,8 +750,8 @@ def machine_markdown(m: Machine) -> list[str]:
             lines += [f"| {i + 1} | {x['workload']} | {x['load']} | {x['ours_ms']:.1f} "
                       f"| {x['sdpa_ms']:.1f} | {x['ratio']:.2f} |"
                       for x in run.get("sensitivity", [])]
-    lines += ["", "Where the fused cpu kernel's time goes, and why the fwd+bwd and bf16 targets are "
-              "missed: [CPU_KERNEL.md](CPU_KERNEL.md)."]
+    lines += ["", "Where the fused cpu kernel's time goes, measured, and what bounds the targets "
+              "it misses: [CPU_KERNEL.md](CPU_KERNEL.md)."]
     profile = runs[-1].get("primitives", [])
     if profile:
         lines += ["", "### What limits the misses", "",
@@ -847,13 +897,12 @@ def readme_block(machines: list[Machine]) -> str:
         for name in HEADLINE:
             mine = [r["ms"] for run in m.runs for r in run["rows"]
                     if r["workload"] == name and r["impl"] == OURS]
-            best = [(p, row) for p, row in (best_peer(run["rows"], name) for run in m.runs)
-                    if row]
+            best = [best_peer(run["rows"], name) for run in m.runs]
             if not mine:
                 continue
-            peer = best[0][0] if best else "none ran"
-            lines.append(f"| {m.name} | {name} | {span(mine, '{:.0f}')} | {peer} | "
-                         f"{span([row['ratio'] for _, row in best])} |")
+            lines.append(f"| {m.name} | {name} | {span(mine, '{:.0f}')} | "
+                         f"{best_peer_names(best)} | "
+                         f"{span([row['ratio'] for _, row in best if row])} |")
     lines.append(README_END)
     return "\n".join(lines)
 
@@ -934,9 +983,9 @@ def full_run(chosen: list[Workload], repeats: int, save: str | None, smoke: bool
                   f"{x['sdpa_ms']:.1f} ms, ratio {x['ratio']:.2f}", flush=True)
         w = workloads(smoke)["long-history-fwdbwd"]
         rss = peak_rss_gib(w.name, smoke)
-        notes.append(f"{w.name}: peak RSS of a process running only rankattn (inputs included) "
-                     f"{rss:.2f} GiB in this run; one dense float32 [S, S] tensor is "
-                     f"{w.seq_len ** 2 * 4 / 2 ** 30:.1f} GiB per head")
+        measured = "not reported by this system" if rss is None else f"{rss:.2f} GiB"
+        notes.append(f"{w.name}: {RSS_NOTE}, inputs included: {measured} in this run; one dense "
+                     f"float32 [S, S] tensor is {w.seq_len ** 2 * 4 / 2 ** 30:.1f} GiB per head")
         with open(save, "w") as f:
             json.dump(dict(meta=meta(rates, notes), rows=rows, primitives=profile,
                            sensitivity=sensitivity), f, indent=1)
@@ -1021,7 +1070,8 @@ def main():
     if args.rss_child:
         run, _ = jax_runner(by_name[args.rss_child], ours)
         jax.block_until_ready(run())
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20)
+        peak = own_peak_rss_bytes()
+        print("unknown" if peak is None else peak / 2 ** 30)
         return
     if args.only is not None or args.save:
         unknown = set(args.only or ()) - set(by_name)

@@ -315,7 +315,7 @@ def report(r: dict) -> str:
             f"| {name} | {size['store_users'] // (1 if name == ONE else 2)} | "
             f"{m['hit_rate']:.3f} | {' / '.join(f'{x:.3f}' for x in m['replica_hit_rates'])} | "
             + " / ".join(f"{x / share:.0%}" for x in m["requests_by_replica"])
-            + f" | {m['answer_hit_share']:.3f} | {m['capacity']['client']['window_qps']:.1f} | "
+            + f" | {m['answer_hit_share']:.3f} | {serverbench.capacity_shown(m['capacity'])} | "
             f"{fmt(at and at['client']['window_qps'])} ({m['bracket'][0]:.0f}-"
             f"{m['bracket'][1]:.0f}) | {fmt(at and at['client']['latency']['p99_ms'])} | "
             f"{m['window']['client']['latency']['p50_ms']:.1f} / "
@@ -347,7 +347,7 @@ def report(r: dict) -> str:
             cl, lat = p["client"], p["client"]["latency"]
             hits = sum(s["count"] for k, s in cl["by_cache"].items() if k in serverbench.HITS)
             errors = ", ".join(f"{k} {n}" for k, n in cl["errors"].items()) or "0"
-            lines.append(f"| {name} | {p['kind']} | {cl['offered_qps']:.1f} | "
+            lines.append(f"| {name} | {serverbench.point_kind(p)} | {cl['offered_qps']:.1f} | "
                          f"{cl['window_qps']:.1f} | {fmt(lat.get('p50_ms'))} | "
                          f"{fmt(lat.get('p99_ms'))} | {cl['requests']} | {errors} | "
                          f"{hits / max(cl['answered_ok'], 1):.2f} |")
@@ -376,10 +376,21 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def capacity_ratio(point: dict, base: dict) -> str:
+    """point's capacity over base's, as "1.3x"; a server that kept up with its offer has a
+    lower bound for a capacity, so the ratio is "at least" (point's) or "at most" (base's),
+    and unknown where both did."""
+    ratio = point["client"]["window_qps"] / base["client"]["window_qps"]
+    saturated = serverbench.saturated(point), serverbench.saturated(base)
+    if not any(saturated):
+        return "an unknown multiple (neither was saturated) of"
+    return {(True, True): "", (False, True): "at least ", (True, False): "at most "}[
+        saturated] + f"{ratio:.1f}x"
+
+
 def prediction(r: dict) -> list[str]:
     """The report's last section: what this machine can show, and what it predicts."""
     c, size, proxy = r["configs"], r["size"], r["proxy"]
-    capacity = {n: c[n]["capacity"]["client"]["window_qps"] for n in c}
     at_bound = {n: c[n]["at_bound"]["client"]["window_qps"] if c[n]["at_bound"] else 0.0
                 for n in c}
     model = {n: c[n]["window"]["model"] for n in c}
@@ -395,7 +406,8 @@ def prediction(r: dict) -> list[str]:
         "differ for a reason of their own: one server is one Python process, whose event "
         "loop (reading, parsing, answering) and two stage threads share one interpreter "
         f"lock, and two replicas are two processes: under overload {AFFINITY} answered "
-        f"{capacity[AFFINITY] / capacity[ONE]:.1f}x {ONE}'s rate on the same cores. At the "
+        f"{capacity_ratio(c[AFFINITY]['capacity'], c[ONE]['capacity'])} {ONE}'s rate on the "
+        "same cores. At the "
         f"p99 bound the three answered {at_bound[ONE]:.0f}, {at_bound[AFFINITY]:.0f} and "
         f"{at_bound[ROUND_ROBIN]:.0f} / s (the searches' brackets above give their "
         f"resolution). At this preset a miss adds a history pass and write, h = "

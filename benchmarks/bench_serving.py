@@ -527,8 +527,7 @@ def main(argv=None) -> int:
     start, load0 = time.time(), os.getloadavg()
 
     sections, peer_runs = {}, []
-    # torch's bf16 matmul can take a minute
-    rates = gemm_rates(repeats, torch_dtypes=("float32",), size=sizes.gemm_size)
+    rates = gemm_rates(repeats, size=sizes.gemm_size)
     if torch is not None:
         print("exact path vs torch SDPA, run 1 ...", file=sys.stderr)
         peer_runs.append(torch_peer(sizes.peer_shapes, repeats))
@@ -708,8 +707,8 @@ threads stop; "back to back" times each call after {WARM_CALLS} untimed calls of
 function (its threads awake and its data in cache, as at a busy server). GFLOP/s
 counts the visible (query, key) pairs only (4 D flops each); "of GEMM
 rate" divides it by this run's 2048^3 matmul rate of the same dtype (the faster of
-XLA's and torch's in float32, XLA's in bfloat16, where torch's took a minute on a CPU
-without AVX-512 BF16: {', '.join(f'{n} {r / 1e9:.0f}' for n, r in rates.items())} GFLOP/s).
+XLA's and torch's; torch's bfloat16 only where the CPU has bfloat16 dot instructions, as
+bench.py measures them: {', '.join(f'{n} {r / 1e9:.0f}' for n, r in rates.items())} GFLOP/s).
 The Quest rows run `budget=2048, selection="per_request"` against torch's exact
 attention (their difference is Quest's approximation, not rounding). rankattn reads
 the cache's pages in place with its fused `cpu` kernel, a block at a time. Where a CPU

@@ -65,6 +65,12 @@ def calls(smoke: bool) -> dict:
                  **{name: by_name[name] for name in ("short-fwd", "short-fwdbwd", "nano-fwd")}}
     for label, w in list(workloads.items())[:2 if smoke else None]:
         out[label] = (bench.jax_runner(w, bench.ours)[0], w.flops)
+    # The machine's own rate on a call of short-fwd's size: after a pause, idle cores wake
+    # slowly and run slower for a while, whatever the program.
+    n = round((by_name["short-fwd"].flops / 2) ** (1 / 3))
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    out["XLA's float32 matmul of short-fwd's FLOPs"] = (lambda: matmul(a, a), 2 * n ** 3)
     if bench.torch is not None:
         out["torch SDPA, short-fwd"] = (bench.torch_sdpa(by_name["short-fwd"]), None)
     history = 40 if smoke else 1022
@@ -91,7 +97,9 @@ def child(rounds: int, smoke: bool, rate: bool) -> None:
                   torch=bench.torch.__version__ if bench.torch else "not installed")
     if rate:
         size = bench.SMOKE_GEMM_SIZE if smoke else bench.GEMM_SIZE
-        record["rate"] = bench.matmul_rate(bench.gemm_rates(3, size=size))
+        # As many rounds as bench.py's runs take (3 had read 191 GFLOP/s where they read
+        # 203-210 the same day, and nano-fwd then at 104% of it).
+        record["rate"] = bench.matmul_rate(bench.gemm_rates(1 if smoke else 9, size=size))
     fns = calls(smoke)
     for fn, _ in fns.values():
         jax.block_until_ready(fn())

@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
 import bench_serving  # noqa: E402
+import rankattn  # noqa: E402
 from rankattn import serving  # noqa: E402
 from rankattn.backends import BlockSizes  # noqa: E402
 from rankattn.backends.cpu import Cpu  # noqa: E402
@@ -55,13 +56,21 @@ def sweep_cells() -> dict[str, bench.Workload]:
     return {w.name: w for _, _, w in bench.sweep_cells()}
 
 
-def workload_call(name: str, dtype: str, block_sizes: BlockSizes | None = None):
-    """A zero-argument call of a bench.py workload or sweep cell on the cpu kernel."""
+def workload_call(name: str, dtype: str, block_sizes: BlockSizes | None = None,
+                  plan_outside: bool = False):
+    """A zero-argument call of a bench.py workload or sweep cell on the cpu kernel; with
+    ``plan_outside`` a forward whose plan was built once, outside the jitted call."""
     w = bench.workloads().get(name) or sweep_cells()[name]
     if dtype:
         w = dataclasses.replace(w, dtype=dtype)
-    call, _ = bench.jax_runner(w, bench.rankattn_with(Cpu(block_sizes)))
-    return call
+    impl = Cpu(block_sizes)
+    if not plan_outside:
+        call, _ = bench.jax_runner(w, bench.rankattn_with(impl))
+        return call
+    q, k, v, seg, _ = bench.inputs(w)
+    plan = rankattn.plan(segment_ids=seg, impl=impl)
+    attend = jax.jit(lambda q, k, v, plan: rankattn.attention(q, k, v, plan=plan, impl=impl))
+    return lambda: attend(q, k, v, plan)
 
 
 def block_sizes_arg(text: str) -> BlockSizes:
@@ -89,13 +98,18 @@ def main(argv=None) -> None:
     parser.add_argument("--pause-ms", type=float, default=0.0,
                         help="idle this long before each call, as bench.py does before every "
                              "timed call (its threads asleep: what a call costs after a pause)")
+    parser.add_argument("--plan-outside", action="store_true",
+                        help="a forward workload with its plan built once, outside the jitted "
+                             "call (bench.py builds it in the call, as a model does per batch)")
     parser.add_argument("--users", type=int, default=4,
                         help=f"{SERVING}: the request's users (default 4)")
     args = parser.parse_args(argv)
     if args.users < 1:
         parser.error(f"--users {args.users}: give 1 or more users")
+    if args.plan_outside and (args.workload == SERVING or "bwd" in args.workload):
+        parser.error(f"--plan-outside: {args.workload} is not a forward workload of bench.py")
     call = (serving_call(args.dtype or "float32", args.users) if args.workload == SERVING
-            else workload_call(args.workload, args.dtype, args.block_sizes))
+            else workload_call(args.workload, args.dtype, args.block_sizes, args.plan_outside))
     jax.block_until_ready(call())  # compiles
     times, end = [], time.perf_counter() + args.seconds
     while len(times) < args.calls if args.calls else time.perf_counter() < end:

@@ -66,6 +66,15 @@ def test_targets_take_the_worst_run_and_the_best_peer():
         "nano-fwd >= 1.0x the best peer"]
 
 
+def test_a_range_over_runs_names_each_runs_best_peer_where_they_differ():
+    # Regression: the peer of run 1 was named for the whole range ("1.61-3.02x (jax.nn.dpa)"
+    # on the Xeon's short-fwd, whose 1.61x was torch SDPA's in run 2).
+    got = verdicts([run(1.7), run(1.2)])  # nano-fwd: the dense reference (1.5x) best in run 1
+    assert got["nano-fwd >= 1.0x the best peer"] == (
+        f"1.20-1.50x (run 1: {REF} 1.50x; run 2: {SDPA} 1.20x)", True)
+    assert bench.best_peer_names([(None, None), (SDPA, row("nano-fwd", SDPA, 1.2))]) == SDPA
+
+
 def test_rankattn_in_float32_and_its_xla_backend_are_not_peers_but_the_bf16_check():
     got = verdicts([run(1.0)])
     # 0.9 or 0.7 would be the best "peer" if rankattn's own float32 or xla runs counted.
@@ -213,3 +222,56 @@ def test_a_merged_sweep_keeps_each_directions_own_date():
     assert bench.direction_date(sweep(), "fwd") == "2026-11-30 01:00"
     machine = bench.Machine("m", [run(1.0, date="2026-11-30 09:00")], merged)
     assert (machine.latest, machine.swept) == ("2026-12-02 11:00", "2026-12-02 11:00")
+
+
+CHILD_PEAKS = ("import resource, sys; sys.path.insert(0, sys.argv[1]); import bench; "
+               "print(bench.own_peak_rss_bytes(), "
+               "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="VmHWM is Linux's")
+def test_the_memory_note_measures_the_child_not_the_process_that_started_it():
+    # Regression: the RSS child printed ru_maxrss, which Linux carries over from the parent
+    # across fork and exec: RESULTS.md said 13-14 GiB for a call that peaks under 1 GiB.
+    parent = bytearray(768 * 2 ** 20)  # touched: resident in this process
+    parent[::4096] = b"x" * len(parent[::4096])
+    out = subprocess.run([sys.executable, "-c", CHILD_PEAKS, os.path.dirname(bench.__file__),
+                          "--no-torch"],  # bench.py then leaves torch out, as its child does
+                         capture_output=True, text=True, check=True).stdout.split()
+    own, inherited = int(out[0]), int(out[1])
+    assert inherited >= len(parent), "ru_maxrss no longer inherits: the test shows nothing"
+    assert own < len(parent) // 2, f"own peak {own / 2 ** 20:.0f} MiB: the parent's pages"
+
+
+def test_memory_notes_from_getrusage_say_what_they_measured(tmp_path):
+    old = ("long-history-fwdbwd: peak RSS of a process running only rankattn (inputs included) "
+           "13.22 GiB in this run; one dense float32 [S, S] tensor is 4.0 GiB per head")
+    new = (f"long-history-fwdbwd: {bench.RSS_NOTE}, inputs included: 0.96 GiB in this run; one "
+           "dense float32 [S, S] tensor is 4.0 GiB per head")
+    assert bench.shown_note(new) == new
+    shown = bench.shown_note(old)
+    assert shown.startswith("long-history-fwdbwd: no peak memory of rankattn alone")
+    assert "13.22 GiB was getrusage's ru_maxrss" in shown and "4.0 GiB per head" in shown
+    assert bench.shown_note("prod-heads-fwd: torch flex failed") == "prod-heads-fwd: torch flex failed"
+
+
+def load_point(kind: str, offered: float, answered: float) -> dict:
+    return dict(kind=kind, client=dict(offered_qps=offered, window_qps=answered))
+
+
+def test_a_capacity_point_the_server_kept_up_with_is_a_lower_bound():
+    # Regression: CLUSTER.md called the affinity cluster's 414.3 / s its capacity, and 1.3x
+    # one server's, though it had answered all 402.2 / s offered (not saturated).
+    import bench_cluster
+    from examples.ranker import serverbench
+
+    kept_up = load_point("capacity", 402.2, 414.3)
+    full = load_point("capacity", 402.2, 317.2)
+    assert serverbench.point_kind(kept_up) == "capacity, not saturated"
+    assert serverbench.capacity_shown(kept_up) == ">= 414.3"
+    assert (serverbench.point_kind(full), serverbench.capacity_shown(full)) == ("capacity", "317.2")
+    assert serverbench.point_kind(load_point("low", 20.0, 20.0)) == "low"
+    assert bench_cluster.capacity_ratio(kept_up, full) == "at least 1.3x"
+    assert bench_cluster.capacity_ratio(full, full) == "1.0x"
+    assert bench_cluster.capacity_ratio(full, kept_up) == "at most 0.8x"
+    assert "unknown" in bench_cluster.capacity_ratio(kept_up, kept_up)

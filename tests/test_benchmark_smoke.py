@@ -52,7 +52,7 @@ SMOKES = {
     "bench_store.py": ["benchmarks/bench_store.py", "--smoke", "--out", "{out}/store"],
     "call_costs.py": ["benchmarks/call_costs.py", "--smoke", "--out", "{out}/call_costs"],
     "profile_cpu.py": ["benchmarks/profile_cpu.py", "history=128 fwd", "--calls", "2",
-                       "--pause-ms", "1"],
+                       "--pause-ms", "1", "--plan-outside"],
 }
 # One process each, side by side; bench_distributed.py needs 8 (fake CPU) devices, which JAX
 # fixes when it starts, so its process has them. The ranker's flax / orbax imports go last.
@@ -140,7 +140,8 @@ def check_bench(out: str, printed: str):
                 *(["torch sdpa (dense mask)"] if TORCH else [])} <= impls, impls
     assert {"rankattn, float32 inputs"} <= {row.split("|")[2].strip()
                                             for row in table_rows(results, "nano-fwd-bf16")}
-    assert "peak RSS of a process running only rankattn" in results
+    assert re.search(r"long-history-fwdbwd: peak resident memory \(VmHWM\) of a process running "
+                     r"only rankattn, inputs included: [\d.]+ GiB in this run", results), "RSS note"
     readme = read(os.path.join(bench, "README.md"))
     assert re.search(r"\| packed-fwdbwd \| [\d.]+ \| ", readme), "README results block"
     assert "torch" in printed  # its version, or that it is not installed
@@ -261,8 +262,8 @@ def check_store(out: str, printed: str):
 def check_call_costs(out: str, printed: str):
     text = read(os.path.join(out, "call_costs", "CALL_COSTS.md"))
     calls = ["a jitted x + 1 (any call's floor)", "rankattn, almost no work (8 tokens, D 8)",
-             "short-fwd", "serving.attend, 1 x 40 x 64 candidates",
-             *(["torch SDPA, short-fwd"] if TORCH else [])]
+             "short-fwd", "XLA's float32 matmul of short-fwd's FLOPs",
+             "serving.attend, 1 x 40 x 64 candidates", *(["torch SDPA, short-fwd"] if TORCH else [])]
     for call in calls:  # both ways, both settings, and their ratio
         rows = table_rows(text, call)
         when = [row.split("|")[2].strip() for row in rows]
@@ -270,6 +271,8 @@ def check_call_costs(out: str, printed: str):
         for row in rows:
             assert re.fullmatch(r"[\d.]+", row.split("|")[3].strip()), row
             assert re.fullmatch(r"[\d.]+x", row.split("|")[5].strip()), row
+    for row in table_rows(text, "XLA's float32 matmul of short-fwd's FLOPs"):  # the machine's own
+        assert re.fullmatch(r"\d+%", row.split("|")[6].strip()), row
     assert len(glob.glob(os.path.join(out, "call_costs", "results", "*", "call_costs.json"))) == 1
 
 
