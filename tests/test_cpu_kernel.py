@@ -160,6 +160,8 @@ def test_other_instruction_sets_pass_the_core_cases(isa, lanes, bf16_dots, dtype
     env = {"RANKATTN_CXXFLAGS": isa, **({"RANKATTN_CXX": cxx} if cxx else {})}
     # Serving's pages read in place, key-major, at the vector widths the host's build lacks.
     in_place = [f"tests/test_serving_in_place.py::{name}" for name in (
+        "test_pages_read_in_place_match_the_oracle",
+        "test_a_logit_that_overflows_from_finite_inputs_is_capped_not_poisoned",
         "test_a_stale_value_in_an_unused_slot_is_never_read",
         "test_a_seen_non_finite_value_poisons_its_row_even_at_weight_0")
     ] if isa.startswith("-mno-avx") else []
@@ -253,7 +255,10 @@ def test_results_are_bit_identical_in_any_task_order_thread_count_backward_pass_
     # pool, no task twice (a worker that starts after the call has returned runs none, and
     # may print after the process has ended). Only a caller yields its CPU, to workers that
     # are late, and at most once per task it runs: never on one thread, which has none.
-    assert traces["one thread"] and not traces["pool, dS kept"]
+    assert traces["one thread"] and traces["pool, rows"] and not traces["pool, dS kept"]
+    if len(os.sched_getaffinity(0)) > 1:  # the checks of workers' lines below have some
+        assert any(who == "worker" for _, lines in traces["pool, rows"].values()
+                   for who, _, _ in lines), traces["pool, rows"]
     for name in ("one thread", "pool, rows"):
         for region, (tasks, lines) in traces[name].items():
             assert [who for who, _, _ in lines].count("caller") == 1, (name, region, lines)

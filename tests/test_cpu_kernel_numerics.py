@@ -72,7 +72,10 @@ def test_p_and_ds_round_to_bfloat16_like_the_scalar_conversion():
     np.testing.assert_array_equal(got[~denormal], want[~denormal])
     exact = got[denormal] == want[denormal]
     as_zero = got[denormal] == (want[denormal] & np.uint16(0x8000))
-    assert exact.all() or as_zero.all(), x[denormal][~(exact | as_zero)][:5]
+    if cpu.library().handle.rankattn_test_bf16_dots() == 0:  # no VCVTNEPS2BF16: the portable
+        assert exact.all(), x[denormal][~exact][:5]          # rounding, denormals included
+    else:
+        assert exact.all() or as_zero.all(), x[denormal][~(exact | as_zero)][:5]
 
 
 def test_float16_to_float32_is_exact_for_every_half():

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import SMALL_TRITON
+from conftest import SMALL_CPU, SMALL_TRITON, needs_cpu_kernel
 from helpers import Case, n_terms, oracle_results, random_segments, run, run_naive
 from rankattn.backends import BlockSizes, Xla
 from rankattn.backends import xla as xla_backend
@@ -59,6 +59,7 @@ STABILITY_IMPLS = [
     pytest.param(Xla(BlockSizes(16, 8)), id="xla-16x8"),
     pytest.param(Xla(BlockSizes(16, 8), mixed_precision=True), id="xla-mixed"),
     pytest.param(SMALL_TRITON, id="pallas_triton-16x16"),
+    pytest.param(SMALL_CPU, id="cpu-16x8", marks=needs_cpu_kernel),  # CI's default backend
 ]
 
 
