@@ -11,8 +11,9 @@ float32; bf16 inputs run their dots in bf16 (AMX tiles, or AVX-512 BF16), with p
 and ds rounded to bf16 before theirs, and every other dot is float32. The
 backward is key-major: one task per (batch row, kv head) runs its key blocks in
 order, accumulating dk / dv over the query blocks that see each and adding dq as
-it goes; or, where those tasks are fewer than the threads, one task per key block
-keeps dS^T, from which one task per query block sums its dq. Nothing is added
+it goes; or, where those tasks do not fill the threads (not a multiple of them, and
+fewer than 8 per thread), one task per key block keeps dS^T, from which one task per
+query block sums its dq. Nothing is added
 atomically, and results are bit-identical for either pass and any thread count.
 
 For serving (:mod:`rankattn.serving.scoring`) the same forward reads K / V from the

@@ -11,7 +11,9 @@
 //                                           (and, causal, seg_q[i] < 0 || pos_k[j] <= pos_q[i])
 //   plus, when `own` is set, a candidate's own key (seg_q[i] < 0, key i).
 // Full blocks (every query sees every key) skip it. Non-finite inputs are replaced
-// by 0 as they are copied into the task's buffers, and the rows that see them
+// by 0 as they are copied into the task's buffers (serving's key-major path, which reads
+// the pages in place, checks a key only where one of its logits is not finite, and finds a
+// value's in the output's sum), and the rows that see them
 // (semantics.py's "poisoned" rows) end with NaN out and lse.
 //
 // Serving's entry points: the forward over paged K / V (a page table per batch row, each
@@ -21,9 +23,11 @@
 //
 // Every dot is C[M, N] (+)= A[M, K] B[K, N]: float32 on one register-tiled
 // microkernel, bfloat16 on AMX tiles or VDPBF16PS. q, k, v (and in the backward
-// dO) are read in their own [B, S, H, D] layout and dtype, and packed once per
-// call into panels, the layouts the dots read, padded with zeros to what the dots
-// read: no loop ever reads past a buffer.
+// dO) are read in their own [B, S, H, D] layout and dtype, and packed into panels,
+// the layouts the dots read, padded with zeros to what the dots read: no loop ever
+// reads past a buffer. Key blocks are packed once per call, except where each is read
+// by one query block (or the parts of one), whose tasks pack what they read, and in
+// serving's key-major path, which packs no key at all (panels.h, forward.h).
 //
 // This file is the one translation unit (rankattn.native compiles it) and holds the FFI
 // handlers: the checks of what the Python side passes, then the tasks. The kernel is in
@@ -32,7 +36,8 @@
 //   vectors.h   vector math and storage dtypes     dots.h      dot micro-kernels (AMX, VDPBF16PS)
 //   runtime.h   settings, memory, threads, errors  problem.h   shapes, mask and the logits step
 //   panels.h    panels and packing                 forward.h   the forward
-//   backward.h  the backward                       serving.h   Quest's page bounds
+//   backward.h  the backward                       serving.h   exact scoring's mask, Quest's
+//                                                               page bounds
 
 #include <algorithm>
 #include <cstdint>
