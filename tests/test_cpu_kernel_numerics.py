@@ -188,6 +188,18 @@ def test_exp2_of_bfloat16_probabilities_is_within_its_bound_and_zero_below_the_r
     assert np.isnan(kernel("exp2_degree4", np.float32([np.nan]), np.float32)).all()
 
 
+def test_exp2_stays_finite_and_accurate_where_t_rounds_to_128():
+    """Regression: without AVX-512, 2^t for t in [127.5, 128) (n = 128, 2^t < FLT_MAX) was inf:
+    2^n came from one float's exponent bits, which cannot hold 2^128. Every float there."""
+    x = np.arange(np.float32(127.5), np.float32(128), np.float32(2.0 ** -17), dtype=np.float32)
+    assert x.size == 2 ** 16
+    want = np.exp2(x.astype(np.float64))
+    assert np.isfinite(want).all()
+    assert ulps(kernel("exp2", x, np.float32), want).max() <= EXP2_MAX_ULPS
+    relative = np.abs(kernel("exp2_degree4", x, np.float32) / want - 1)
+    assert relative.max() <= EXP2_DEGREE4_MAX_RELATIVE
+
+
 # vtanh's worst case on every 997th float32 and the sets below: 1.33 ulp (at 0.628, just past
 # the polynomial's range); 0.75 ulp on |y| < 0.625, where 1 - 2 / (exp(2y) + 1) would lose
 # eps / |y| relative.

@@ -72,16 +72,21 @@ constexpr float kLog2e = 1.44269504088896341f;
 constexpr __mmask16 kAllLanes = 0xFFFF;
 #endif
 
-// p 2^n for whole n in [-127, 128] (-127: 0 without AVX-512): one VSCALEFPS with AVX-512 (the
-// same product, rounded once, for three instructions), else 2^n built from its exponent bits.
+// p 2^n for whole n in [-127, 128] and p within a factor 2 of 1, rounded once: one VSCALEFPS
+// with AVX-512, else p times two powers of two built from their exponent bits, 2^floor(n/2)
+// (exact: the product stays normal) and 2^(n - floor(n/2)), because one float's exponent
+// field holds neither 2^128 (vexp2 rounds t in [127.5, 128) to n = 128, and p < 1 there keeps
+// 2^t finite) nor 2^-127. A single scale overflowed to inf there (tests/test_cpu_kernel_numerics.py).
 inline vf times_pow2(vf p, vf n) {
 #if defined(__AVX512F__)
   return _mm512_maskz_scalef_ps(kAllLanes, p, n);
 #else
-  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return p * scale;
+  const vi whole = __builtin_convertvector(n, vi), half = whole >> 1;
+  const vi bits_low = (half + 127) << 23, bits_high = (whole - half + 127) << 23;
+  vf low, high;
+  std::memcpy(&low, &bits_low, sizeof low);
+  std::memcpy(&high, &bits_high, sizeof high);
+  return p * low * high;
 #endif
 }
 
@@ -117,8 +122,8 @@ inline vf vexp(vf x) {
 // in 12 vector instructions per 16 logits with the FMA against vexp's 19 with the scaling
 // (the bfloat16 forward on AMX: 5-9% faster, CPU_KERNEL.md).
 // Exact 0 below -126 (masked -inf logits give p = 0, so that a row that sees no key has
-// l = 0); NaN stays NaN; from 128 up, inf (AVX-512) or a large finite value (the rows of an
-// infinite input, which the kernel poisons, are the only ones that see one).
+// l = 0); NaN stays NaN; from 128 up, inf (the rows of an infinite input, which the kernel
+// poisons, are the only ones that see one).
 // kDegree 4, for the p that are rounded to bfloat16 next (relative 2^-9): a degree-4
 // polynomial, within 2.7e-6 relative (tests/test_cpu_kernel_numerics.py), two FMAs fewer per
 // 16 logits, a few percent of a bfloat16 forward on AMX (CPU_KERNEL.md).
