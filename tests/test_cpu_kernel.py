@@ -165,7 +165,12 @@ def test_other_instruction_sets_pass_the_core_cases(isa, lanes, bf16_dots, dtype
         "test_a_stale_value_in_an_unused_slot_is_never_read",
         "test_a_seen_non_finite_value_poisons_its_row_even_at_weight_0")
     ] if isa.startswith("-mno-avx") else []
-    run = python(ISA_SCRIPT, env, str(lanes), str(bf16_dots), *core_cases(dtype), *in_place)
+    # The vector exp, exp2 and tanh and the scalar conversions too: without AVX-512, exp and
+    # exp2 scale by 2^n without VSCALEFPS (the AVX-512 hosts' CI missed the overflow that
+    # ce489eb fixed there), and without FMA exp2 has a bound of its own.
+    numerics = ["tests/test_cpu_kernel_numerics.py"] if isa.startswith("-mno-avx") else []
+    run = python(ISA_SCRIPT, env, str(lanes), str(bf16_dots), *core_cases(dtype), *in_place,
+                 *numerics)
     assert run.returncode == 0, run.stdout[-10000:] + run.stderr[-5000:]
 
 

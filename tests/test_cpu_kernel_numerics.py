@@ -137,8 +137,15 @@ def test_exp_is_zero_below_the_cutoff_and_saturates_above_the_range():
     assert np.isnan(kernel("exp", np.float32([np.nan, -np.nan]), np.float32)).all()
 
 
-# vexp2's worst case, measured on every float in [-126, 128): 0.95 ulp (at -0.497, FMA builds).
+# vexp2's worst case, measured on every float in [-126, 128): 0.95 ulp at -0.497 where a * b + c
+# are FMAs, 1.227 ulp at -0.4987 where they are a multiply and an add (x86 without FMA: the
+# -mno-avx build of tests/test_cpu_kernel.py).
 EXP2_MAX_ULPS = 0.96
+EXP2_MAX_ULPS_WITHOUT_FMA = 1.23
+
+
+def exp2_max_ulps() -> float:
+    return EXP2_MAX_ULPS if cpu.library().handle.rankattn_test_fma() else EXP2_MAX_ULPS_WITHOUT_FMA
 
 
 def test_exp2_is_within_its_ulp_bound_over_its_whole_range():
@@ -151,7 +158,7 @@ def test_exp2_is_within_its_ulp_bound_over_its_whole_range():
     x = x[(x >= np.float32(-126)) & (x < np.float32(128))]
     got = kernel("exp2", x, np.float32)
     err = ulps(got, np.exp2(x.astype(np.float64)))
-    assert err.max() <= EXP2_MAX_ULPS, (err.max(), x[err.argmax()])
+    assert err.max() <= exp2_max_ulps(), (err.max(), x[err.argmax()])
 
 
 def test_exp2_is_exact_at_integers_and_zero_below_the_normal_range():
@@ -195,7 +202,7 @@ def test_exp2_stays_finite_and_accurate_where_t_rounds_to_128():
     assert x.size == 2 ** 16
     want = np.exp2(x.astype(np.float64))
     assert np.isfinite(want).all()
-    assert ulps(kernel("exp2", x, np.float32), want).max() <= EXP2_MAX_ULPS
+    assert ulps(kernel("exp2", x, np.float32), want).max() <= exp2_max_ulps()
     relative = np.abs(kernel("exp2_degree4", x, np.float32) / want - 1)
     assert relative.max() <= EXP2_DEGREE4_MAX_RELATIVE
 

@@ -523,6 +523,14 @@ void rankattn_test_exp2_degree4(const float* x, float* y, int64_t n) {
 }
 void rankattn_test_tanh(const float* x, float* y, int64_t n) { by_vectors(x, y, n, vtanh); }
 int rankattn_test_lanes() { return kLanes; }
+// Whether the vector code's a * b + c contract to FMAs, on which exp2's ulp bound depends.
+int rankattn_test_fma() {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  return 1;
+#else
+  return 0;
+#endif
+}
 // Where a kernel buffer (Vector) of n floats, and one of n 16-bit elements, starts within its
 // cache line: the sum of the two offsets in bytes.
 int64_t rankattn_test_buffer_offsets(int64_t n) {
