@@ -207,6 +207,23 @@ def test_exp2_stays_finite_and_accurate_where_t_rounds_to_128():
     assert relative.max() <= EXP2_DEGREE4_MAX_RELATIVE
 
 
+def test_the_softmax_range_exp2_gives_the_whole_ranges_bits_up_to_half():
+    """The softmax's exp2 (t = s - m' <= 0, up to rounding) scales by 2^n in one step, the
+    whole range's in two where AVX-512 is missing: the same bits wherever n <= 0, both
+    degrees. Every 997th float32 in [-126, 0.5], the worst binade of each polynomial, the
+    underflow below and NaN."""
+    x = floats(np.arange(0, 1 << 32, 997, dtype=np.uint64).astype(np.uint32))
+    worst = np.arange(0x3E800000, 0x3F000001, dtype=np.uint32)
+    x = np.concatenate([x, floats(worst), floats(worst | 0x80000000),
+                        np.float32([-126, -126.5, -150, -np.inf, 0.0, -0.0, 0.5, np.nan])])
+    x = x[~(x > np.float32(0.5))]
+    for whole, softmax in (("exp2", "exp2_softmax"), ("exp2_degree4", "exp2_degree4_softmax")):
+        got, want = kernel(softmax, x, np.float32), kernel(whole, x, np.float32)
+        assert np.isnan(got[np.isnan(x)]).all()
+        np.testing.assert_array_equal(got[~np.isnan(x)].view(np.uint32),
+                                      want[~np.isnan(x)].view(np.uint32))
+
+
 # vtanh's worst case on every 997th float32 and the sets below: 1.33 ulp (at 0.628, just past
 # the polynomial's range); 0.75 ulp on |y| < 0.625, where 1 - 2 / (exp(2y) + 1) would lose
 # eps / |y| relative.

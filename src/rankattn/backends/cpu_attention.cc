@@ -521,6 +521,12 @@ void rankattn_test_exp2(const float* x, float* y, int64_t n) { by_vectors(x, y, 
 void rankattn_test_exp2_degree4(const float* x, float* y, int64_t n) {
   by_vectors(x, y, n, vexp2<4>);
 }
+void rankattn_test_exp2_softmax(const float* x, float* y, int64_t n) {
+  by_vectors(x, y, n, vexp2<6, Exp2Range::kSoftmax>);
+}
+void rankattn_test_exp2_degree4_softmax(const float* x, float* y, int64_t n) {
+  by_vectors(x, y, n, vexp2<4, Exp2Range::kSoftmax>);
+}
 void rankattn_test_tanh(const float* x, float* y, int64_t n) { by_vectors(x, y, n, vtanh); }
 int rankattn_test_lanes() { return kLanes; }
 // Whether the vector code's a * b + c contract to FMAs, on which exp2's ulp bound depends.

@@ -158,7 +158,7 @@ struct Backward {
                 [&](int64_t r) { return load(qp.multiplier + r); });
       const vi sk = splat_i(key.seg[j]), pk = splat_i(key.pos[j]);
       for (int64_t r = 0; r < row_cols; r += kLanes) {  // padded rows: shift +inf, so p = 0
-        vf prob = vexp2<kExp2Degree<E>>(load(sr + r) * kLog2e - load(qp.shift + r));
+        vf prob = softmax_exp2<E>(load(sr + r) * kLog2e - load(qp.shift + r));
         if (masked) {
           prob = pr.sees_history(load_i(qp.seg + r), load_i(qp.pos + r), sk, pk) ? prob : 0;
         }

@@ -91,6 +91,12 @@ inline int64_t rows_size(int64_t rows, int64_t ld) {  // an A or C operand of `r
 template <typename E>
 constexpr int kExp2Degree = std::is_same_v<E, float> ? 6 : 4;
 
+// The softmax's p = 2^t, t = s - m' <= 0 up to rounding, for dots of element E.
+template <typename E>
+inline vf softmax_exp2(vf t) {
+  return vexp2<kExp2Degree<E>, Exp2Range::kSoftmax>(t);
+}
+
 // The storage dtype whose bits an element E of the dots holds, and its conversions.
 template <typename E>
 using ElementDtype = std::conditional_t<std::is_same_v<E, float>, F32, BF16>;

@@ -159,7 +159,7 @@ struct Forward {
         vf sum = splat(0.0f);
         const vf shift2 = splat(shift[r] * kLog2e);
         for (int64_t j = 0; j < key_cols; j += kLanes) {
-          vf pj = vexp2<kExp2Degree<E>>(load(sr + j) * to_base2 - shift2);
+          vf pj = softmax_exp2<E>(load(sr + j) * to_base2 - shift2);
           store_element(p_row + j, pj);
           sum += pj;
         }
@@ -270,7 +270,7 @@ struct Forward {
         vf sum = splat(0.0f);
         for (int64_t j = 0; j < nk; ++j) {
           float* x = s_t.data() + j * ld_rows + r0;
-          const vf p = seen[j] ? vexp2<kExp2Degree<float>>(load(x) * to_base2 - shift2)
+          const vf p = seen[j] ? softmax_exp2<float>(load(x) * to_base2 - shift2)
                                : splat(0.0f);
           store(x, p);
           sum += p;

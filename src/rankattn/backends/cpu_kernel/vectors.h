@@ -72,21 +72,31 @@ constexpr float kLog2e = 1.44269504088896341f;
 constexpr __mmask16 kAllLanes = 0xFFFF;
 #endif
 
-// p 2^n for whole n in [-127, 128] and p within a factor 2 of 1, rounded once: one VSCALEFPS
-// with AVX-512, else p times two powers of two built from their exponent bits, 2^floor(n/2)
-// (exact: the product stays normal) and 2^(n - floor(n/2)), because one float's exponent
-// field holds neither 2^128 (vexp2 rounds t in [127.5, 128) to n = 128, and p < 1 there keeps
-// 2^t finite) nor 2^-127. A single scale overflowed to inf there (tests/test_cpu_kernel_numerics.py).
+// p 2^n for p within a factor 2 of 1, rounded once: one VSCALEFPS with AVX-512, else p times
+// 2^n built from its exponent bits, for whole n in [-126, 127]. kPastExponents: n may also be
+// 128 (vexp2 rounds t in [127.5, 128) to n = 128, and p < 1 keeps 2^t finite there) or -127,
+// which one float's exponent field cannot hold: without AVX-512, p is then scaled by
+// 2^floor(n/2) (exact: the product stays normal) and 2^(n - floor(n/2)), five more
+// instructions per vector (15% of serving's softmax on a Zen 3, CPU_KERNEL.md). For n <= 127
+// both give the same bits.
+template <bool kPastExponents>
 inline vf times_pow2(vf p, vf n) {
 #if defined(__AVX512F__)
   return _mm512_maskz_scalef_ps(kAllLanes, p, n);
 #else
-  const vi whole = __builtin_convertvector(n, vi), half = whole >> 1;
-  const vi bits_low = (half + 127) << 23, bits_high = (whole - half + 127) << 23;
-  vf low, high;
-  std::memcpy(&low, &bits_low, sizeof low);
-  std::memcpy(&high, &bits_high, sizeof high);
-  return p * low * high;
+  if constexpr (kPastExponents) {
+    const vi whole = __builtin_convertvector(n, vi), half = whole >> 1;
+    const vi bits_low = (half + 127) << 23, bits_high = (whole - half + 127) << 23;
+    vf low, high;
+    std::memcpy(&low, &bits_low, sizeof low);
+    std::memcpy(&high, &bits_high, sizeof high);
+    return p * low * high;
+  } else {
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+  }
 #endif
 }
 
@@ -111,8 +121,13 @@ inline vf vexp(vf x) {
   p = p * r + splat(1.6666665459e-1f);
   p = p * r + splat(5.0000001201e-1f);
   p = p * (r * r) + r + splat(1.0f);
-  return underflow ? splat(0.0f) : times_pow2(p, n);
+  return underflow ? splat(0.0f) : times_pow2<false>(p, n);  // n in [-126, 127]
 }
+
+// The t a vexp2 call may get: any (kWhole), or only t <= 1/2 (kSoftmax: t = s - m' of a
+// softmax, which rounding may leave a hair above 0), where n <= 0 and 2^n is one scale
+// (times_pow2). Both give the same bits where n <= 127.
+enum class Exp2Range { kWhole, kSoftmax };
 
 // 2^t for a vector, the softmax's exp in base 2: the forward scales its logits by log2(e) in
 // the one FMA that also subtracts the row's max (t = s log2(e) - m log2(e)), which leaves
@@ -127,7 +142,7 @@ inline vf vexp(vf x) {
 // kDegree 4, for the p that are rounded to bfloat16 next (relative 2^-9): a degree-4
 // polynomial, within 2.7e-6 relative (tests/test_cpu_kernel_numerics.py), two FMAs fewer per
 // 16 logits, a few percent of a bfloat16 forward on AMX (CPU_KERNEL.md).
-template <int kDegree = 6>
+template <int kDegree = 6, Exp2Range kRange = Exp2Range::kWhole>
 inline vf vexp2(vf t) {
   static_assert(kDegree == 6 || kDegree == 4, "vexp2 has degree-6 and degree-4 polynomials");
   const vi underflow = t < -126.0f;
@@ -157,7 +172,7 @@ inline vf vexp2(vf t) {
     p = p * f + splat(6.931217908859253e-1f);
     p = p * f + splat(9.999992847442627e-1f);
   }
-  return underflow ? splat(0.0f) : times_pow2(p, n);
+  return underflow ? splat(0.0f) : times_pow2<kRange == Exp2Range::kWhole>(p, n);
 }
 
 // tanh(y) for a vector (the soft cap c tanh(s / c)). For |y| >= 0.625, 1 - 2 / (exp(2|y|) + 1)
