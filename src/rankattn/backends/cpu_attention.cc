@@ -529,13 +529,16 @@ void rankattn_test_exp2_degree4_softmax(const float* x, float* y, int64_t n) {
 }
 void rankattn_test_tanh(const float* x, float* y, int64_t n) { by_vectors(x, y, n, vtanh); }
 int rankattn_test_lanes() { return kLanes; }
-// Whether the vector code's a * b + c contract to FMAs, on which exp2's ulp bound depends.
+// Whether this build's vector a * b + c rounds once (contracted to an FMA), on which exp2's ulp
+// bound depends: asked of the code itself, since a CPU with FMA may still not contract
+// (-ffp-contract=off, or -O0 as in the sanitizer build). (1 + 2^-12)^2 - (1 + 2^-11) is 2^-24
+// in one rounding and 0 in two (the product's 2^-24 is a tie to even). Volatile, so that the
+// compiler cannot fold it.
 int rankattn_test_fma() {
-#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
-  return 1;
-#else
-  return 0;
-#endif
+  volatile float x = 1 + 0x1p-12f, y = -(1 + 0x1p-11f);
+  const vf a = splat(x), c = splat(y);
+  const vf r = a * a + c;
+  return r[0] != 0;
 }
 // Where a kernel buffer (Vector) of n floats, and one of n 16-bit elements, starts within its
 // cache line: the sum of the two offsets in bytes.

@@ -124,9 +124,11 @@ inline vf vexp(vf x) {
   return underflow ? splat(0.0f) : times_pow2<false>(p, n);  // n in [-126, 127]
 }
 
-// The t a vexp2 call may get: any (kWhole), or only t <= 1/2 (kSoftmax: t = s - m' of a
-// softmax, which rounding may leave a hair above 0), where n <= 0 and 2^n is one scale
-// (times_pow2). Both give the same bits where n <= 127.
+// The t a vexp2 call may get: any (kWhole), or a softmax's t = s - m' (kSoftmax), which is <= 0
+// but for the rounding of m' log2(e): below 127.5 while |m'| log2(e) < 2^31 (logits under
+// 1.4e9 in size), so n <= 127 and 2^n is one scale (times_pow2). Both give the same bits where
+// n <= 127. Past that the rounding alone reaches 2^t's overflow in either range: rows of
+// finite logits over about 1e9 come out NaN, a known limit (CPU_KERNEL.md).
 enum class Exp2Range { kWhole, kSoftmax };
 
 // 2^t for a vector, the softmax's exp in base 2: the forward scales its logits by log2(e) in
@@ -137,8 +139,8 @@ enum class Exp2Range { kWhole, kSoftmax };
 // in 12 vector instructions per 16 logits with the FMA against vexp's 19 with the scaling
 // (the bfloat16 forward on AMX: 5-9% faster, CPU_KERNEL.md).
 // Exact 0 below -126 (masked -inf logits give p = 0, so that a row that sees no key has
-// l = 0); NaN stays NaN; from 128 up, inf (the rows of an infinite input, which the kernel
-// poisons, are the only ones that see one).
+// l = 0); NaN stays NaN; from 128 up, inf (rows of an infinite input, which the kernel poisons,
+// and rows of finite logits past about 1e9, Exp2Range).
 // kDegree 4, for the p that are rounded to bfloat16 next (relative 2^-9): a degree-4
 // polynomial, within 2.7e-6 relative (tests/test_cpu_kernel_numerics.py), two FMAs fewer per
 // 16 logits, a few percent of a bfloat16 forward on AMX (CPU_KERNEL.md).
