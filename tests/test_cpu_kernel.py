@@ -363,3 +363,23 @@ def test_float64_is_declined_with_a_reason():
         jax.ShapeDtypeStruct((1, 3, 1, 8), jnp.float64), None, None, None, causal=False,
         scale=1.0, softcap=None, softcap_method="tanh")
     assert "float64" in Cpu().not_supported_reasons(call)[0]
+
+
+@needs_cpu_kernel
+@pytest.mark.xfail(strict=True, reason="known limit, CPU_KERNEL.md: the softmax's t = s log2(e) "
+                   "- m' log2(e) errs by |m'|, so rows of finite logits past about 1e9 overflow "
+                   "2^t and come out NaN or wrong (the fix: t = (s - m') log2(e)); strict, so "
+                   "that the fix must remove this mark")
+def test_logits_past_a_billion_give_the_argmax_value_not_nan():
+    """Finite q and k whose logits reach 2e9: each row's softmax is its argmax, which XLA's
+    backend and the float64 oracle give exactly."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 200, 2, 32)).astype(np.float32) for _ in range(3))
+    q, k = q * 3e4, k * 3e4
+    got = np.asarray(rankattn.attention(q, k, v, segment_ids=jnp.ones((1, 200), jnp.int32),
+                                        impl=Cpu(rankattn.backends.BlockSizes(64, 64))))
+    logits = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k.astype(np.float64)) / 32 ** 0.5
+    assert np.abs(logits).max() > 1e9
+    want = np.take_along_axis(v.astype(np.float64).transpose(0, 2, 1, 3),
+                              logits.argmax(-1)[..., None], axis=2).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(got, want, atol=1e-6)
