@@ -27,7 +27,7 @@ import pytest
 import rankattn
 from conftest import needs_cpu_kernel
 from helpers import kernel_not_first_compilers
-from rankattn import api, blocks, planning
+from rankattn import api, blocks, planning, serving
 from rankattn.backends import Cpu, cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -366,13 +366,11 @@ def test_float64_is_declined_with_a_reason():
 
 
 @needs_cpu_kernel
-@pytest.mark.xfail(strict=True, reason="known limit, CPU_KERNEL.md: the softmax's t = s log2(e) "
-                   "- m' log2(e) errs by |m'|, so rows of finite logits past about 1e9 overflow "
-                   "2^t and come out NaN or wrong (the fix: t = (s - m') log2(e)); strict, so "
-                   "that the fix must remove this mark")
 def test_logits_past_a_billion_give_the_argmax_value_not_nan():
-    """Finite q and k whose logits reach 2e9: each row's softmax is its argmax, which XLA's
-    backend and the float64 oracle give exactly."""
+    """Regression: finite q and k whose logits reach 2e9. Each row's softmax is its argmax,
+    which the cpu kernel gave as NaN or wrong values while its exp2's argument was
+    s log2(e) - m log2(e): the rounding of m log2(e) passed 2^t's overflow. Contiguous
+    (row-major) and serving's pages read in place (key-major)."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 200, 2, 32)).astype(np.float32) for _ in range(3))
     q, k = q * 3e4, k * 3e4
@@ -382,4 +380,14 @@ def test_logits_past_a_billion_give_the_argmax_value_not_nan():
     assert np.abs(logits).max() > 1e9
     want = np.take_along_axis(v.astype(np.float64).transpose(0, 2, 1, 3),
                               logits.argmax(-1)[..., None], axis=2).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    # 64 candidates over the 200 keys as a cached history, each with its own key of size 1.
+    qc = rng.standard_normal((1, 64, 2, 32)).astype(np.float32) * 3e4
+    kc, vc = (rng.standard_normal((1, 64, 2, 32)).astype(np.float32) for _ in range(2))
+    cache = serving.cache_from_history(k, v, jnp.array([200]), page_size=16)
+    got = np.asarray(serving.attend(qc, cache, jnp.array([0]), self_kv=(kc, vc)))
+    keys = np.concatenate([np.broadcast_to(k[:, None], (1, 64, 200, 2, 32)), kc[:, :, None]], 2)
+    vals = np.concatenate([np.broadcast_to(v[:, None], (1, 64, 200, 2, 32)), vc[:, :, None]], 2)
+    best = np.einsum("bthd,btkhd->bthk", qc.astype(np.float64), keys.astype(np.float64)).argmax(-1)
+    want = np.take_along_axis(vals.transpose(0, 1, 3, 2, 4), best[..., None, None], 3)[..., 0, :]
     np.testing.assert_allclose(got, want, atol=1e-6)

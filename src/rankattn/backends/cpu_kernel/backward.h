@@ -158,7 +158,7 @@ struct Backward {
                 [&](int64_t r) { return load(qp.multiplier + r); });
       const vi sk = splat_i(key.seg[j]), pk = splat_i(key.pos[j]);
       for (int64_t r = 0; r < row_cols; r += kLanes) {  // padded rows: shift +inf, so p = 0
-        vf prob = softmax_exp2<E>(load(sr + r) * kLog2e - load(qp.shift + r));
+        vf prob = softmax_exp2<E>((load(sr + r) - load(qp.shift + r)) * kLog2e);
         if (masked) {
           prob = pr.sees_history(load_i(qp.seg + r), load_i(qp.pos + r), sk, pk) ? prob : 0;
         }
@@ -194,7 +194,7 @@ struct Backward {
     for (int64_t d = 0; d < pr.dim_v; ++d) {
       dpv += element(qp.d_out_panel, pr.ld_dv(), r, d) * to_float(own_v[d]);
     }
-    *prob = std::exp2(pr.logit(dot, qp.multiplier[r]) * kLog2e - qp.shift[r]);
+    *prob = std::exp2((pr.logit(dot, qp.multiplier[r]) - qp.shift[r]) * kLog2e);
     return pr.logit_grad(dot, *prob, dpv - qp.delta[r], qp.multiplier[r]);
   }
 

@@ -91,8 +91,7 @@ inline int64_t rows_size(int64_t rows, int64_t ld) {  // an A or C operand of `r
 template <typename E>
 constexpr int kExp2Degree = std::is_same_v<E, float> ? 6 : 4;
 
-// The softmax's p = 2^t, t = s - m' <= 0 up to the rounding of m' log2(e) (Exp2Range), for
-// dots of element E.
+// The softmax's p = 2^t, t = (s - m') log2(e) <= 0 (Exp2Range), for dots of element E.
 template <typename E>
 inline vf softmax_exp2(vf t) {
   return vexp2<kExp2Degree<E>, Exp2Range::kSoftmax>(t);

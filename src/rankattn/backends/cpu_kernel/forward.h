@@ -29,14 +29,17 @@
 
 namespace {
 
-// The running max of rows r0.. (a vector of them) after a block whose max logit is `top`
-// (scaled): m' = max(m, top), its finite shift and alpha = exp(m - shift) are vectors over the
+// The running max of rows r0.. (a vector of them) after a block whose max logit is `top`:
+// m' = max(m, top), its finite shift and alpha = exp(units (m - shift)) are vectors over the
 // rows: row by row, that chain of scalar steps and a libm exp measured a fifth of the
-// softmax's time. (exp(0) is 1: a row whose max stays keeps alpha exactly 1.)
-inline void raise_max(int64_t r0, vf top, float* m, float* shift, float* alpha) {
+// softmax's time. (exp(0) is 1: a row whose max stays keeps alpha exactly 1.) m, top and
+// shift are in the units of the block's logits s, `units` times a logit: raw q . k where the
+// scale is folded (units = scale), else 1. Every exponent is a difference of them taken
+// first, then scaled: scaling m first erred by |m| (logits of 1e9 overflowed 2^t, CPU_KERNEL.md).
+inline void raise_max(int64_t r0, vf top, vf units, float* m, float* shift, float* alpha) {
   const vf m_old = load(m + r0), m_new = m_old < top ? top : m_old;
   const vf finite_max = (m_new - m_new) == splat(0.0f) ? m_new : splat(0.0f);
-  store(alpha + r0, m_old == finite_max ? splat(1.0f) : vexp(m_old - finite_max));
+  store(alpha + r0, m_old == finite_max ? splat(1.0f) : vexp((m_old - finite_max) * units));
   store(shift + r0, finite_max);
   store(m + r0, m_new);
 }
@@ -157,9 +160,9 @@ struct Forward {
         const float* sr = s.data() + r * ld_keys;
         E* p_row = p + r * ld_keys;
         vf sum = splat(0.0f);
-        const vf shift2 = splat(shift[r] * kLog2e);
+        const vf row_shift = splat(shift[r]);
         for (int64_t j = 0; j < key_cols; j += kLanes) {
-          vf pj = softmax_exp2<E>(load(sr + j) * to_base2 - shift2);
+          vf pj = softmax_exp2<E>((load(sr + j) - row_shift) * to_base2);
           store_element(p_row + j, pj);
           sum += pj;
         }
@@ -174,7 +177,7 @@ struct Forward {
       for (int64_t r0 = 0; r0 < m_rows; r0 += kLanes) {
         const int64_t r_end = std::min(m_rows, r0 + kLanes);
         for (int64_t r = r0; r < r_end; ++r) shift[r] = logits(r);
-        raise_max(r0, load(shift.data() + r0) * fold_scale, m.data(), shift.data(), alpha.data());
+        raise_max(r0, load(shift.data() + r0), fold_scale, m.data(), shift.data(), alpha.data());
         for (int64_t r = r0; r < r_end; ++r) exponentiate(r);
       }
       // acc += P V. p past the block's keys is 0 (their logits are -inf), so a bfloat16 pair
@@ -265,12 +268,12 @@ struct Forward {
           const vf x = load(s_t.data() + j * ld_rows + r0);
           if (seen[j]) top = x > top ? x : top;
         }
-        raise_max(r0, top * fold_scale, m, shift.data(), alpha.data());
-        const vf shift2 = load(shift.data() + r0) * kLog2e;
+        raise_max(r0, top, fold_scale, m, shift.data(), alpha.data());
+        const vf rows_shift = load(shift.data() + r0);
         vf sum = splat(0.0f);
         for (int64_t j = 0; j < nk; ++j) {
           float* x = s_t.data() + j * ld_rows + r0;
-          const vf p = seen[j] ? softmax_exp2<float>(load(x) * to_base2 - shift2)
+          const vf p = seen[j] ? softmax_exp2<float>((load(x) - rows_shift) * to_base2)
                                : splat(0.0f);
           store(x, p);
           sum += p;
@@ -297,6 +300,8 @@ struct Forward {
               float* m, const float* l, int32_t* poisoned) const {
     const int64_t g_len = pr.group(), ld_d = pr.ld_d(), ld_dv = pr.ld_dv();
     const int32_t* seg_q = pr.seg_q + b * pr.q_len + q0;
+    const bool fold = pr.folds_scale();  // m in the blocks' units (raise_max)
+    const float units = fold ? pr.scale : 1.0f;
     thread_local Vector<float> own_k, own_v;  // zero past dim, as the rows of q
     own_k.assign(pr.d_cols(), 0.0f);
     own_v.assign(pr.dim_v, 0.0f);
@@ -319,21 +324,22 @@ struct Forward {
         float l_r = sum_lanes(load(l + r * kLanes));
         if (own) {  // the own key's logit joins the softmax
           const float dot = dot_lanes(q_rows + r * ld_d, own_k.data(), pr.d_cols());
-          const float s_own = pr.logit(dot, pr.multiplier_of(b, h, q0 + t));
+          const float s_own = fold ? dot : pr.logit(dot, pr.multiplier_of(b, h, q0 + t));
           const float m_new = std::max(m[r], s_own);
-          const float alpha = std::exp(m[r] - m_new), p_own = std::exp(s_own - m_new);
+          const float alpha = std::exp((m[r] - m_new) * units);
+          const float p_own = std::exp((s_own - m_new) * units);
           l_r = l_r * alpha + p_own;
           for (int64_t d = 0; d < pr.dim_v; ++d) ar[d] = ar[d] * alpha + p_own * own_v[d];
           m[r] = m_new;
           poisoned[r] |= own_bad;
         }
-        // out = acc / l, lse = m + log l.
+        // out = acc / l, lse = units m + log l.
         const bool seen = l_r != 0, nan = seen && poisoned[r];
         const float inv = seen ? 1 / l_r : 0.0f;
         T* o = out + ((b * pr.q_len + q0 + t) * pr.q_heads + h) * pr.dim_v;
         for (int64_t d = 0; d < pr.dim_v; ++d) o[d] = D::from(nan ? kNaN : ar[d] * inv);
         lse[(b * pr.q_heads + h) * pr.q_len + q0 + t] =
-            nan ? kNaN : (seen ? m[r] + std::log(l_r) : -kInf);
+            nan ? kNaN : (seen ? m[r] * units + std::log(l_r) : -kInf);
       }
     }
   }

@@ -572,8 +572,8 @@ struct KeyPanels {
 // Query block (b, kv head, qb) of the backward, rows r = g * nq + t (token q0 + t, query head
 // hk * G + g), as the dots read it: the panels of Q [ld_rows][ld_d] (dK += dS^T Q), of Q^T
 // [D][ld_rows] (S^T = K Q^T), of dO [ld_rows][ld_dv] (dV += P^T dO) and of dO^T [Dv][ld_rows]
-// (dP^T = V dO^T). Floats: shift [ld_rows] (lse log2(e), as vexp2 takes it; +inf where p must
-// be 0), delta [ld_rows], the rows' logit multipliers [ld_rows] (1 without one), and the
+// (dP^T = V dO^T). Floats: shift [ld_rows] (the lse, which p = 2^((s - lse) log2(e))
+// subtracts before scaling; +inf where p must be 0), delta [ld_rows], the rows' logit multipliers [ld_rows] (1 without one), and the
 // block's dQ^T [d_cols][ld_rows], summed over its key blocks. Ints: seg, pos [ld_rows].
 template <typename E>
 struct QueryPanel {
@@ -642,7 +642,7 @@ struct QueryPanels {
                    pr.dim_v, nq, d_to, nullptr);
       for (int64_t t = 0; t < nq; ++t) {
         const int64_t row = (b * pr.q_len + qp.q0 + t) * pr.q_heads + h, r = r0 + t;
-        qp.shift[r] = lse[row] == -kInf ? kInf : lse[row] * kLog2e;  // -inf: every p is 0
+        qp.shift[r] = lse[row] == -kInf ? kInf : lse[row];  // -inf: every p is 0
         qp.delta[r] = delta[row];
         qp.multiplier[r] = pr.multiplier_of(b, h, qp.q0 + t);
         qp.seg[r] = pr.seg_q[b * pr.q_len + qp.q0 + t];

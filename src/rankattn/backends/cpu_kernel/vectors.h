@@ -124,23 +124,21 @@ inline vf vexp(vf x) {
   return underflow ? splat(0.0f) : times_pow2<false>(p, n);  // n in [-126, 127]
 }
 
-// The t a vexp2 call may get: any (kWhole), or a softmax's t = s - m' (kSoftmax), which is <= 0
-// but for the rounding of m' log2(e): below 127.5 while |m'| log2(e) < 2^31 (logits under
-// 1.4e9 in size), so n <= 127 and 2^n is one scale (times_pow2). Both give the same bits where
-// n <= 127. Past that the rounding alone reaches 2^t's overflow in either range: rows of
-// finite logits over about 1e9 come out NaN, a known limit (CPU_KERNEL.md).
+// The t a vexp2 call may get: any (kWhole), or a softmax's t = (s - m') log2(e) <= 0 (kSoftmax;
+// the difference is taken before the scaling, so it is <= 0 however large m' is), where n <= 0
+// and 2^n is one scale (times_pow2). Both give the same bits where n <= 127.
 enum class Exp2Range { kWhole, kSoftmax };
 
-// 2^t for a vector, the softmax's exp in base 2: the forward scales its logits by log2(e) in
-// the one FMA that also subtracts the row's max (t = s log2(e) - m log2(e)), which leaves
+// 2^t for a vector, the softmax's exp in base 2: the forward subtracts the row's max from its
+// logits and scales the difference by log2(e) (t = (s - m) log2(e)), which leaves
 // t = n + f, n = round(t), and a degree-6 polynomial for 2^f on [-1/2, 1/2] (fitted for
 // relative error), scaled by 2^n. Within 0.95 ulp of 2^t in double (8.0e-8 relative) on every
 // float in [-126, 128) (FMA builds; tests/test_cpu_kernel_numerics.py), as accurate as vexp,
 // in 12 vector instructions per 16 logits with the FMA against vexp's 19 with the scaling
 // (the bfloat16 forward on AMX: 5-9% faster, CPU_KERNEL.md).
 // Exact 0 below -126 (masked -inf logits give p = 0, so that a row that sees no key has
-// l = 0); NaN stays NaN; from 128 up, inf (rows of an infinite input, which the kernel poisons,
-// and rows of finite logits past about 1e9, Exp2Range).
+// l = 0); NaN stays NaN; from 128 up, inf (the rows of an infinite input, which the kernel poisons,
+// are the only ones that see one).
 // kDegree 4, for the p that are rounded to bfloat16 next (relative 2^-9): a degree-4
 // polynomial, within 2.7e-6 relative (tests/test_cpu_kernel_numerics.py), two FMAs fewer per
 // 16 logits, a few percent of a bfloat16 forward on AMX (CPU_KERNEL.md).
