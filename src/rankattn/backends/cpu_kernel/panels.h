@@ -573,8 +573,9 @@ struct KeyPanels {
 // hk * G + g), as the dots read it: the panels of Q [ld_rows][ld_d] (dK += dS^T Q), of Q^T
 // [D][ld_rows] (S^T = K Q^T), of dO [ld_rows][ld_dv] (dV += P^T dO) and of dO^T [Dv][ld_rows]
 // (dP^T = V dO^T). Floats: shift [ld_rows] (the lse, which p = 2^((s - lse) log2(e))
-// subtracts before scaling; +inf where p must be 0), delta [ld_rows], the rows' logit multipliers [ld_rows] (1 without one), and the
-// block's dQ^T [d_cols][ld_rows], summed over its key blocks. Ints: seg, pos [ld_rows].
+// subtracts before scaling; +inf where p must be 0), delta [ld_rows], the rows' logit
+// multipliers [ld_rows] (1 without one), and the block's dQ^T [d_cols][ld_rows], summed over
+// its key blocks. Ints: seg, pos [ld_rows].
 template <typename E>
 struct QueryPanel {
   E *q_panel, *q_t_panel, *d_out_panel, *d_out_t_panel;
