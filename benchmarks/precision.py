@@ -1,4 +1,5 @@
-"""Accuracy of pallas_triton's float32 precision modes, against a float64 oracle.
+"""Accuracy of the float32 backends (pallas_triton's precision modes, the cpu kernel, xla),
+against a float64 oracle.
 
     .venv/bin/python benchmarks/precision.py        # -> benchmarks/PRECISION.md
     .venv/bin/python benchmarks/precision.py --smoke --out DIR  # tiny sessions -> DIR/PRECISION.md
@@ -8,13 +9,16 @@
 "default" (one tf32 pass). The kernels run here in Pallas interpret mode, which
 emulates the tensor-core modes' operand rounding (``pallas_triton._dot``), and every
 result is compared with rankattn's reference in float64 on the same inputs. The
-``xla`` backend in float32 is the yardstick of plain float32 math.
+``xla`` backend in float32 is the yardstick of plain float32 math, beside which the
+``cpu`` kernel (where it builds) is measured too.
 
 Errors are max |result - float64| / max |float64| per output and gradient (of a
 loss with an lse term), over a ranking mask (packed sessions, history and
-candidates) at two logit scales: q ~ N(0, 1) (logit std about 1 at the default
-scale) and q ~ N(0, 16^2) (logit std about 16, where rounding the logits' inputs
-matters most). A GPU's own tensor cores may round differently in the last bit;
+candidates) at three logit scales: q ~ N(0, 1) (logit std about 1 at the default
+scale), q ~ N(0, 16^2) (logit std about 16, where rounding the logits' inputs
+matters most) and q ~ N(0, 1000^2), where the softmax is nearly each row's argmax and
+a float32 logit's own rounding (its ulp is 2^-14 of it) decides the error of any
+float32 backend: near-ties between a row's largest logits. A GPU's own tensor cores may round differently in the last bit;
 benchmarks/gpu.py checks the modes there.
 """
 
@@ -31,14 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import rankattn
-from rankattn.backends import PallasTriton, Xla
+from rankattn import peers
+from rankattn.backends import Cpu, PallasTriton, Xla
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMMAND = ".venv/bin/python benchmarks/precision.py"
 # Two sessions of history + candidates, then one padding token.
 SHAPE = dict(batch=1, history=120, candidates=30, q_heads=4, kv_heads=2, head_dim=128)
 SMOKE_SHAPE = dict(SHAPE, history=16, candidates=4)  # --smoke: and the first logit scale only
-LOGIT_SCALES = (1.0, 16.0)
+LOGIT_SCALES = (1.0, 16.0, 1000.0)
 FIELDS = ("out", "lse", "dq", "dk", "dv")
 
 
@@ -53,13 +58,35 @@ def inputs(logit_scale: float, shape: dict):
     return q, k, v, seg
 
 
+def float32_logits(q, k, v, seg):
+    """out, lse of float32 q, k, v with only the logits' dot (and so its gradients' dots)
+    in float32 and the rest in float64 (under jax.enable_x64): what the rounding of S alone
+    costs, beside which a backend's own rounding shows (another order of the same float32 sums
+    may err less or more)."""
+    groups, f64 = q.shape[2] // k.shape[2], jnp.float64
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, groups, axis=2),
+                   precision="highest").astype(f64) / q.shape[-1] ** 0.5
+    mask = rankattn.semantics.dense_mask(seg, seg, False)[:, None]
+    seen = mask.any(-1)  # the padding token's row sees no key: out 0, lse -inf
+    s = jnp.where(mask, s, -1e30)  # finite, so that no gradient meets inf - inf
+    lse = jax.nn.logsumexp(s, axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]),
+                     jnp.repeat(v, groups, axis=2).astype(f64))
+    return (jnp.where(seen.transpose(0, 2, 1)[..., None], out, 0),
+            jnp.where(seen, lse, -jnp.inf))
+
+
 def results(impl, q, k, v, seg):
-    """out, lse and the gradients of out . w + sum(lse) (w fixed), as float64 numpy."""
+    """out, lse and the gradients of out . w + sum(lse) (w fixed), as float64 numpy; impl a
+    backend of rankattn.attention or a function of (q, k, v, seg) like float32_logits."""
     w = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape[:3] + v.shape[-1:]),
                     q.dtype)
 
     def loss(q, k, v):
-        out, lse = rankattn.attention(q, k, v, segment_ids=seg, impl=impl, return_lse=True)
+        if callable(impl) and not isinstance(impl, rankattn.backends.Backend):
+            out, lse = impl(q, k, v, seg)
+        else:
+            out, lse = rankattn.attention(q, k, v, segment_ids=seg, impl=impl, return_lse=True)
         return (out * w).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum(), (out, lse)
 
     (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
@@ -87,13 +114,20 @@ def main() -> None:
     impls = {f'pallas_triton precision="{p}"': PallasTriton(precision=p, interpret=True)
              for p in ("highest", "high", "default")}
     impls["xla, float32"] = Xla()
+    cpu_reasons = Cpu().platform_reasons()
+    if cpu_reasons:
+        print("cpu kernel left out: " + "; ".join(cpu_reasons), flush=True)
+    else:
+        impls["cpu, float32"] = Cpu()
+    impls["float32 logits (XLA's dot), the rest float64"] = float32_logits
     rows = []
     for logit_scale in LOGIT_SCALES[:1] if args.smoke else LOGIT_SCALES:
         q, k, v, seg = inputs(logit_scale, shape)
         with jax.enable_x64(True):
             want = results("reference", *(jnp.asarray(x, jnp.float64) for x in (q, k, v)), seg)
         for name, impl in impls.items():
-            got = results(impl, *(jnp.asarray(x, jnp.float32) for x in (q, k, v)), seg)
+            with jax.enable_x64(impl is float32_logits):
+                got = results(impl, *(jnp.asarray(x, jnp.float32) for x in (q, k, v)), seg)
             errors = relative_errors(got, want)
             rows.append((logit_scale, name, errors))
             print(f"logit scale {logit_scale:4}: {name:36} "
@@ -106,16 +140,23 @@ def write(rows, shape: dict, out: str) -> None:
     sessions = f"two packed sessions of {h} history + {c} candidates"
     shape = (f"batch={shape['batch']}, seq={2 * (h + c) + 1}, q_heads={shape['q_heads']}, "
              f"kv_heads={shape['kv_heads']}, head_dim={shape['head_dim']}")
-    lines = ["# Accuracy of pallas_triton's float32 precision modes", "",
+    lines = ["# Accuracy of the float32 backends: pallas_triton's precision modes, the cpu "
+             "kernel and xla", "",
              "Generated by `benchmarks/precision.py`; do not edit by hand. Reproduce with", "",
              f"    {COMMAND}", "",
-             f"{datetime.datetime.now():%Y-%m-%d %H:%M}: jax {jax.__version__}, kernels in Pallas "
-             "interpret mode (tensor-core rounding emulated), float32 inputs.", "",
+             f"{datetime.datetime.now():%Y-%m-%d %H:%M}: jax {jax.__version__}, "
+             f"{peers.machine_description()}; pallas_triton in Pallas interpret mode "
+             "(tensor-core rounding emulated); float32 inputs.", "",
              f"{shape}; {sessions} and one padding "
              "token. Each cell is max |error| / max |float64 result| over the output, the "
              "natural-log lse and the gradients of `sum(out * w) + sum(lse)`. 'logit std' is "
              "the standard deviation of q's entries (k ~ N(0, 1), default scale 1 / sqrt(D)), "
-             "so about the logits' too.", "",
+             "so about the logits' too. The row 'float32 logits (XLA's dot), the rest float64' "
+             "rounds only the logits' dot S = Q K^T (and its gradients' dots) to float32: what "
+             "float32 logits cost by themselves. At logit std 1000 a row's softmax is nearly its "
+             "argmax, and the rounding of its largest logits (a float32's ulp is 2^-23 of it) "
+             "decides every float32 backend's error: the order in which a dot adds its products "
+             "then matters more than the backend.", "",
              "| logit std | backend | " + " | ".join(FIELDS) + " |",
              "|---:|---|" + "---:|" * len(FIELDS)]
     for logit_scale, name, errors in rows:
