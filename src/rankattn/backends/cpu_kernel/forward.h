@@ -194,10 +194,10 @@ struct Forward {
   // vector of rows at a time down S^T's columns; acc += P V with P^T read as A's columns and
   // V's rows through pointers, a zero row for a key no row sees (its p is 0, but 0 times a
   // non-finite value in an unused slot would be NaN). Non-finite values are not packed away:
-  // a seen key with a non-finite entry has non-finite logits in every row (finite q times inf
-  // or NaN, and 0 times inf, are not finite; q's rows are finite, zero past m_rows), so a key
-  // is checked itself only where its first vector of logits has one (before the cap,
-  // which would hide an inf); if it holds one, every row (all see it) is poisoned and its
+  // a seen key with a non-finite entry has non-finite logits in every row (any product with
+  // inf or NaN is inf or NaN, and so is any sum with one: the zero columns of Q^T past m_rows
+  // too), so a key is checked itself only where its first vector of logits has one (before
+  // the cap, which would hide an inf); if it holds one, every row (all see it) is poisoned and its
   // logits count as 0, as a packed key's non-finite entries do, else its logit overflowed and
   // stays as the packed path computes it. A seen non-finite value of V shows in acc, which
   // poisons the row at the end. V's rows are read a vector at a time: dim_v is a whole number
@@ -248,8 +248,9 @@ struct Forward {
         float* sr = s_t.data() + j * ld_rows;
         vi bits;  // the first vector of rows: a key with a non-finite entry makes all non-finite
         std::memcpy(&bits, sr, sizeof bits);
-        if (any_lane((bits & 0x7f800000) == 0x7f800000) && !std::all_of(k_rows[j], k_rows[j] + pr.dim,
-                                                 [](float x) { return std::isfinite(x); })) {
+        if (any_lane((bits & 0x7f800000) == 0x7f800000) &&
+            !std::all_of(k_rows[j], k_rows[j] + pr.dim,
+                         [](float x) { return std::isfinite(x); })) {
           keys_bad = true;
           std::fill(sr, sr + row_vectors, 0.0f);
         }
