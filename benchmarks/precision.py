@@ -10,16 +10,17 @@ against a float64 oracle.
 emulates the tensor-core modes' operand rounding (``pallas_triton._dot``), and every
 result is compared with rankattn's reference in float64 on the same inputs. The
 ``xla`` backend in float32 is the yardstick of plain float32 math, beside which the
-``cpu`` kernel (where it builds) is measured too.
+``cpu`` kernel (where it builds) is measured too, and one more order of the same float32
+sums: Q K^T as one float32 einsum with the rest in float64 (``float32_logits``).
 
 Errors are max |result - float64| / max |float64| per output and gradient (of a
 loss with an lse term), over a ranking mask (packed sessions, history and
 candidates) at three logit scales: q ~ N(0, 1) (logit std about 1 at the default
-scale), q ~ N(0, 16^2) (logit std about 16, where rounding the logits' inputs
-matters most) and q ~ N(0, 1000^2), where the softmax is nearly each row's argmax and
-a float32 logit's own rounding (its ulp is 2^-14 of it) decides the error of any
-float32 backend: near-ties between a row's largest logits. A GPU's own tensor cores may round differently in the last bit;
-benchmarks/gpu.py checks the modes there.
+scale), q ~ N(0, 16^2) (logit std about 16) and q ~ N(0, 1000^2), where the softmax is
+nearly each row's argmax: there the rounding of the largest logits (a float32's ulp is at
+most 2^-23 of it) decides the error of a backend whose products are exact float32, and
+the rounding of the dots' operands that of the tensor-core modes. A GPU's own tensor
+cores may round differently in the last bit; benchmarks/gpu.py checks the modes there.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 
 import rankattn
 from rankattn import peers
-from rankattn.backends import Cpu, PallasTriton, Xla
+from rankattn.backends import Backend, Cpu, PallasTriton, Xla
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMMAND = ".venv/bin/python benchmarks/precision.py"
@@ -45,6 +46,7 @@ SHAPE = dict(batch=1, history=120, candidates=30, q_heads=4, kv_heads=2, head_di
 SMOKE_SHAPE = dict(SHAPE, history=16, candidates=4)  # --smoke: and the first logit scale only
 LOGIT_SCALES = (1.0, 16.0, 1000.0)
 FIELDS = ("out", "lse", "dq", "dk", "dv")
+YARDSTICK = "float32 Q K^T (one einsum), the rest float64"
 
 
 def inputs(logit_scale: float, shape: dict):
@@ -59,10 +61,10 @@ def inputs(logit_scale: float, shape: dict):
 
 
 def float32_logits(q, k, v, seg):
-    """out, lse of float32 q, k, v with only the logits' dot (and so its gradients' dots)
-    in float32 and the rest in float64 (under jax.enable_x64): what the rounding of S alone
-    costs, beside which a backend's own rounding shows (another order of the same float32 sums
-    may err less or more)."""
+    """out, lse of float32 q, k, v with only the logits' dot Q K^T (and so its gradients'
+    dots) in float32, one einsum, and the rest in float64 (under jax.enable_x64): one order
+    of a float32 backend's sums of products, beside which the backends' own orders show
+    (none errs least at every input)."""
     groups, f64 = q.shape[2] // k.shape[2], jnp.float64
     s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, groups, axis=2),
                    precision="highest").astype(f64) / q.shape[-1] ** 0.5
@@ -76,14 +78,20 @@ def float32_logits(q, k, v, seg):
             jnp.where(seen, lse, -jnp.inf))
 
 
+def is_function(impl) -> bool:
+    """Whether impl is a function of (q, k, v, seg) like float32_logits, run under
+    jax.enable_x64, rather than a backend (or its name) for rankattn.attention."""
+    return callable(impl) and not isinstance(impl, Backend)
+
+
 def results(impl, q, k, v, seg):
     """out, lse and the gradients of out . w + sum(lse) (w fixed), as float64 numpy; impl a
-    backend of rankattn.attention or a function of (q, k, v, seg) like float32_logits."""
+    Backend of rankattn.attention or a function of (q, k, v, seg) like float32_logits."""
     w = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape[:3] + v.shape[-1:]),
                     q.dtype)
 
     def loss(q, k, v):
-        if callable(impl) and not isinstance(impl, rankattn.backends.Backend):
+        if is_function(impl):
             out, lse = impl(q, k, v, seg)
         else:
             out, lse = rankattn.attention(q, k, v, segment_ids=seg, impl=impl, return_lse=True)
@@ -119,18 +127,18 @@ def main() -> None:
         print("cpu kernel left out: " + "; ".join(cpu_reasons), flush=True)
     else:
         impls["cpu, float32"] = Cpu()
-    impls["float32 logits (XLA's dot), the rest float64"] = float32_logits
+    impls[YARDSTICK] = float32_logits
     rows = []
     for logit_scale in LOGIT_SCALES[:1] if args.smoke else LOGIT_SCALES:
         q, k, v, seg = inputs(logit_scale, shape)
         with jax.enable_x64(True):
             want = results("reference", *(jnp.asarray(x, jnp.float64) for x in (q, k, v)), seg)
         for name, impl in impls.items():
-            with jax.enable_x64(impl is float32_logits):
+            with jax.enable_x64(is_function(impl)):
                 got = results(impl, *(jnp.asarray(x, jnp.float32) for x in (q, k, v)), seg)
             errors = relative_errors(got, want)
             rows.append((logit_scale, name, errors))
-            print(f"logit scale {logit_scale:4}: {name:36} "
+            print(f"logit scale {logit_scale:6}: {name:45} "
                   + " ".join(f"{n} {e:.1e}" for n, e in errors.items()), flush=True)
     write(rows, shape, out)
 
@@ -151,12 +159,13 @@ def write(rows, shape: dict, out: str) -> None:
              "token. Each cell is max |error| / max |float64 result| over the output, the "
              "natural-log lse and the gradients of `sum(out * w) + sum(lse)`. 'logit std' is "
              "the standard deviation of q's entries (k ~ N(0, 1), default scale 1 / sqrt(D)), "
-             "so about the logits' too. The row 'float32 logits (XLA's dot), the rest float64' "
-             "rounds only the logits' dot S = Q K^T (and its gradients' dots) to float32: what "
-             "float32 logits cost by themselves. At logit std 1000 a row's softmax is nearly its "
-             "argmax, and the rounding of its largest logits (a float32's ulp is 2^-23 of it) "
-             "decides every float32 backend's error: the order in which a dot adds its products "
-             "then matters more than the backend.", "",
+             "so about the logits' too. The row '" + YARDSTICK + "' rounds only the logits' "
+             "dot (one jnp.einsum, and its gradients' dots) to float32: one more order of the "
+             "same float32 sums. At logit std 1000 a row's softmax is nearly its argmax: there "
+             "the rounding of its largest logits (a float32's ulp is at most 2^-23 of it) "
+             "decides the error of the backends whose products are exact float32, and the "
+             "order in which a dot adds them matters more than the backend; the tensor-core "
+             "modes' rounding of the dots' operands decides theirs.", "",
              "| logit std | backend | " + " | ".join(FIELDS) + " |",
              "|---:|---|" + "---:|" * len(FIELDS)]
     for logit_scale, name, errors in rows:

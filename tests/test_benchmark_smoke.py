@@ -172,7 +172,7 @@ def check_precision(out: str, printed: str):
     assert backends == ['pallas_triton precision="highest"', 'pallas_triton precision="high"',
                         'pallas_triton precision="default"', "xla, float32",
                         *([] if "cpu kernel left out" in printed else ["cpu, float32"]),
-                        "float32 logits (XLA's dot), the rest float64"], backends
+                        "float32 Q K^T (one einsum), the rest float64"], backends
 
 
 def check_gpu(out: str, printed: str):
