@@ -85,6 +85,18 @@ def test_overlapping_bounds_follow_phoenix_mask_concrete_and_traced(impl, bounds
     assert_close_f32(concrete[1], want_lse, "lse")
 
 
+def test_traced_unsigned_bounds_past_int32_are_positions_past_the_end_regression():
+    """Regression: traced bounds were cast to int32 as given, so a uint32 hi of 2**32 - 1 (past
+    the end: every token) wrapped to -1 (no token) and the rows saw nothing (lse -inf)."""
+    q, k, v, _ = random_qkv(3, B, S, HQ, HKV, D)
+    bounds = np.array([0, 5, 5, 2**32 - 1], np.uint32)
+    traced = jax.jit(lambda b: rankattn.attention(q, k, v, bounds=b, return_lse=True))(bounds)
+    want = oracle.attention_loops(q, k, v, oracle.phoenix_bounds_mask(
+        np.array([0, 5, 5, S]), S, B))
+    for got, want_part, name in zip(traced, want, ("out", "lse")):
+        assert_close_f32(got, want_part, name)
+
+
 def test_vmap_over_an_extra_leading_axis(impl):
     n = 3
     qs, ks, vs, ws = (np.stack(x) for x in zip(*(random_qkv(10 + i, B, S, HQ, HKV, D)

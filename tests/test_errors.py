@@ -175,6 +175,10 @@ ERROR_CASES = [
      lambda: jax.jit(lambda q: attend(q=q, k=q, v=q, impl=rankattn.backends.MosaicGpu(
          interpret=True)))(x(dtype=jnp.bfloat16)),
      ["MosaicGpu(interpret=True)", "jax.jit", "eagerly"]),
+    ("phoenix-z-loss-nan", "RA129", V,
+     lambda: rankattn.phoenix.ranker_attention_v2.mha(x(), x(h=1), x(h=1), np.ones((2, 8)), SEG,
+                                                      z_loss_weight=float("nan")),
+     ["z_loss_weight=nan", "finite"]),
     ("phoenix-temp-shape", "RA124", V,
      lambda: rankattn.phoenix.ranker_attention_v2.mha(x(), x(h=1), x(h=1), np.ones((2, 9)), SEG),
      ["temp", "(2, 9)", "(2, 8)"]),

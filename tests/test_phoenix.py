@@ -180,6 +180,21 @@ def test_fa3_traced_bound_regression():
         assert_explained(err.value)
 
 
+def test_fa3_bounds_past_int32_cover_every_token_eager_and_traced_regression():
+    """Regression: a traced hi of 2**32 - 1 (uint32) was cast to int32 before the clamp and
+    wrapped to -1, an empty history (out 0), and eagerly a uint64 hi of 2**64 - 1 did the same
+    through int64, where hi past S covers every token: the result of bound=None."""
+    q, k, v, _ = random_qkv(9, B, S, HQ, HKV, D)
+    want = fa3.attention(q, k, v, None, sm_scale=SCALE)
+    for bound in (np.array([0, 2**32 - 1, 0, 0], np.uint32),
+                  np.array([0, 2**64 - 1, 0, 0], np.uint64)):
+        got = fa3.attention(q, k, v, None, bound=bound, sm_scale=SCALE)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    traced = jax.jit(lambda b: fa3.attention(q, k, v, None, bound=b, sm_scale=SCALE))(
+        jnp.array([0, 2**32 - 1, 0, 0], jnp.uint32))
+    assert_close_f32(traced, want, "traced uint32 bound")
+
+
 def test_fa3_normalize_bound_regression():
     """Regression (missing name): Phoenix's _normalize_bound(bound, batch_size, seq_len):
     None or a (4,) bound, concrete or traced, to int32 [B, 4], values as given."""
@@ -320,7 +335,7 @@ def _phoenix_qkv():
     (lambda q, k, v: fa3.attention(q, k, v, cap="x"), "RA111", ["cap", "'x'"]),
     (lambda q, k, v: fa3.attention(q, k, v, cap=10**400), "RA111", ["cap", "out of range"]),
     (lambda q, k, v: v2.mha(q, k, v, np.ones((B, S)), V2_SEG, cap=None), "RA111", ["cap"]),
-    (lambda q, k, v: fa3.attention(q, k, v, z_loss_weight="abc"), "RA116", ["z_loss_weight"]),
+    (lambda q, k, v: fa3.attention(q, k, v, z_loss_weight="abc"), "RA129", ["z_loss_weight"]),
     (lambda q, k, v: jax.jit(lambda s: fa3.attention(q, k, v, sm_scale=s))(1.0), "RA113",
      ["sm_scale", "traced"]),
     (lambda q, k, v: jax.jit(lambda c: fa3.attention(q, k, v, cap=c))(1.0), "RA111",
@@ -328,12 +343,23 @@ def _phoenix_qkv():
     (lambda q, k, v: fa3._normalize_bound((0, 2, 2, 4), -1, 4), "RA116", ["batch_size=-1"]),
     (lambda q, k, v: fa3._normalize_bound((0, 2, 2, 4), 2.5, 4), "RA116", ["batch_size=2.5"]),
     (lambda q, k, v: fa3._normalize_bound(None, 1, None), "RA116", ["seq_len=None"]),
+    (lambda q, k, v: fa3.attention(q, k, v, sm_scale="0.5"), "RA113", ["sm_scale", "'0.5'"]),
+    (lambda q, k, v: fa3.attention(q, k, v, sm_scale=True), "RA113", ["sm_scale", "True"]),
+    (lambda q, k, v: fa3.attention(q, k, v, z_loss_weight=True), "RA129", ["z_loss_weight"]),
+    (lambda q, k, v: fa3.attention(q, k, v, z_loss_weight=float("inf")), "RA129",
+     ["z_loss_weight=inf"]),
+    (lambda q, k, v: fa3.attention(q, k[:, :-1], v[:, :-1], bound=(0, S, S, S)), "RA106",
+     [f"q has length {S}", f"k has length {S - 1}"]),
 ], ids=["fa3-q-1d", "fa3-q-none", "v2-q-list", "scale-none", "scale-str", "cap-str",
         "cap-overflow", "v2-cap-none", "z-loss-str", "jit-scale", "jit-cap", "batch-negative",
-        "batch-float", "seq-none"])
+        "batch-float", "seq-none", "scale-numeric-str", "scale-bool", "z-loss-bool",
+        "z-loss-inf", "whole-history-bound-k-shorter"])
 def test_phoenix_arguments_of_the_wrong_kind_are_rankattn_errors(call, code, fragments):
     """Regression: these raised bare IndexError, AttributeError, ValueError, TypeError,
-    OverflowError or JAX's ConcretizationTypeError from deep inside the drop-ins."""
+    OverflowError or JAX's ConcretizationTypeError from deep inside the drop-ins; then (the
+    last five) ran: a numeric string or a bool as a number, an infinite z-loss weight into NaN
+    gradients, and a bound of every token history with k of another length as no mask at
+    all (every query saw every key), where the same bound traced raised RA106."""
     with pytest.raises(rankattn.RankattnError, match=code) as err:
         call(*_phoenix_qkv())
     for fragment in fragments:

@@ -240,6 +240,12 @@ _KINDS = [
         "Call it outside jax.jit (eagerly: jax.grad and jax.vjp are fine), or use "
         "impl=rankattn.backends.PallasTriton(interpret=True) or impl='xla' under jit; on a "
         "Hopper GPU use MosaicGpu() (compiled, no interpreter)."),
+    ErrorKind(
+        "RA129", "a Phoenix z_loss_weight is not a finite number",
+        "The Phoenix drop-ins' z_loss_weight w adds the gradient of w / 2 * sum(lse ** 2) to "
+        "dq and dk, if w is not 0 (decided when the call is traced). With w infinite or NaN "
+        "every gradient would be NaN.",
+        "Pass z_loss_weight=0.0 for no z-loss, or a finite float such as 1e-4."),
     # --- The Flax NNX adapter, rankattn.flax (RA3xx). ------------------------------------------
     # Listed here rather than registered by rankattn.flax, which imports flax: the catalog and
     # docs/errors.md must not depend on an optional package being installed.

@@ -193,7 +193,9 @@ def check_mask_args(segment_ids, bounds, causal, batch: int, seq_len: int):
 
 
 def static_float(name: str, value, code: str) -> float:
-    if np.iscomplexobj(value):  # float() would drop the imaginary part without a word
+    # float() would take "0.5" and True as numbers and drop a complex value's imaginary part.
+    if (isinstance(value, (str, bytes)) or getattr(value, "dtype", None) == bool
+            or isinstance(value, bool) or np.iscomplexobj(value)):
         raise fail(code, f"{name} must be a real Python float; got {type(value).__name__} "
                          f"{value!r}.")
     try:
@@ -227,6 +229,16 @@ def as_array(name: str, x, code: str, expected: str):
         seen = repr(x)
         seen = seen if len(seen) <= 80 else seen[:77] + "..."
         raise fail(code, f"{name} {seen} is not a rectangular array; {expected}") from None
+
+
+def clamped_positions(x, seq_len: int) -> jax.Array:
+    """Integer positions ``x`` clamped to [0, seq_len], as int32: the same ranges lo <= t < hi
+    over the tokens that exist. Clamped in x's own dtype where int32 cannot hold its values,
+    as a cast first would wrap them (uint32 2**32 - 1, an "every token" hi, onto -1)."""
+    info = jnp.iinfo(x.dtype)
+    if info.min < INT32_MIN or info.max > INT32_MAX:
+        x = jnp.clip(x, 0, seq_len)
+    return jnp.clip(jnp.asarray(x, jnp.int32), 0, seq_len)
 
 
 def int32_array(name: str, x, code: str, what: str) -> jax.Array:
@@ -275,6 +287,8 @@ def _check_bounds(bounds, batch: int, seq_len: int):
         raise fail("RA108", f"bounds has shape {tuple(bounds.shape)}; it must be (4,) for the whole "
                             f"batch or ({batch}, 4), one (hist_lo, hist_hi, cand_lo, cand_hi) per row.")
     values = concrete(bounds)  # before any int32 cast, which could wrap them into range
+    if values is None:  # traced: used as given, positions outside [0, S) do not exist
+        bounds = clamped_positions(bounds, seq_len)
     if tuple(bounds.shape) == (4,):
         bounds = jnp.broadcast_to(jnp.asarray(bounds, jnp.int32), (batch, 4))
     if values is not None:

@@ -4,6 +4,7 @@ with Phoenix's causal rule (which, unlike rankattn's, also applies to candidates
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,16 +27,13 @@ def cap_options(cap, cap_method) -> dict:
 def scalar_options(sm_scale, cap, cap_method, z_loss_weight) -> tuple[dict, float]:
     """(rankattn's scale and cap options, the z-loss weight) from Phoenix's arguments, each a
     Python number (they select the compiled program, as rankattn's scale does): RA113, RA111
-    or RA116 naming the argument for a string, None, a traced array or an overflowing int."""
-    options = dict(scale=static_float("sm_scale", sm_scale, "RA113"),
+    or RA129 naming the argument for a string, a bool, None, a traced array or an overflowing
+    int, and RA129 for a z-loss weight that is not finite."""
+    options = dict(scale=static_float("sm_scale (the scale)", sm_scale, "RA113"),
                    **cap_options(cap, cap_method))
-    try:
-        weight = float(z_loss_weight)
-    except (TypeError, ValueError, OverflowError, jax.errors.ConcretizationTypeError):
-        raise fail("RA116", f"z_loss_weight must be a Python float; got "
-                            f"{type(z_loss_weight).__name__} {z_loss_weight!r}. Whether the "
-                            "backward adds the z-loss gradient is decided when tracing, so it "
-                            "cannot be a traced array.") from None
+    weight = static_float("z_loss_weight", z_loss_weight, "RA129")
+    if not math.isfinite(weight):  # its gradient would be NaN everywhere, without a word
+        raise fail("RA129", f"z_loss_weight={weight}; it must be finite (0.0: no z-loss).")
     return options, weight
 
 

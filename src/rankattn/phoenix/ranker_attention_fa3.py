@@ -14,7 +14,8 @@ import numpy as np
 from rankattn.api import attention as rankattn_attention
 from rankattn.errors import fail
 from rankattn.phoenix._shared import scalar_options, with_z_loss
-from rankattn.validate import BOUNDS_FORM, as_array, check_tensor, concrete, int32_array
+from rankattn.validate import (BOUNDS_FORM, as_array, check_tensor, clamped_positions,
+                                concrete, int32_array)
 
 __all__ = ["TuningConfig", "attention", "_attention_forward_inference", "_normalize_bound"]
 
@@ -107,9 +108,10 @@ def attention(q, k, v, config=None, save_residuals=False, bound=None, sm_scale=1
       out [B, Sq, Hq, D] in q's dtype, or ``(out, (lse,))`` with ``save_residuals``.
     """
     del config
-    check_tensor("q", q, "[B, Sq, Hq, D]")  # before its length clamps the bound
+    check_tensor("q", q, "[B, Sq, Hq, D]")  # before their lengths clamp the bound
+    check_tensor("k", k, "[B, Skv, Hkv, D]")
     scalars, z_loss_weight = scalar_options(sm_scale, cap, cap_method, z_loss_weight)
-    options = dict(bounds=_clamped(bound, q.shape[1]), impl=impl, **scalars)
+    options = dict(bounds=_clamped(bound, q.shape[1], k.shape[1]), impl=impl, **scalars)
 
     def outputs(q, k, v):
         return rankattn_attention(q, k, v, return_lse=True, **options)
@@ -159,10 +161,12 @@ def _check_integer(bound):
                             ".astype(jnp.int32).")
 
 
-def _clamped(bound, seq_len: int):
-    """bound as rankattn's ``bounds=``: None when every token is history (concrete only), else
-    an int array [4] or [B, 4] clamped to [0, seq_len] with each hi raised to its lo (an empty
-    range). Concrete bounds stay numpy (rankattn checks their values); traced ones use jnp."""
+def _clamped(bound, seq_len: int, kv_len: int):
+    """bound as rankattn's ``bounds=``: None when every token is history (concrete only, and
+    only where q and k have one length: else rankattn refuses the bound, RA106, as it does a
+    traced one), else an int array [4] or [B, 4] clamped to [0, seq_len] with each hi raised to
+    its lo (an empty range). Concrete bounds stay numpy (rankattn checks their values); traced
+    ones use jnp."""
     if bound is None:
         return None
     bound = as_array("bound", bound, "RA108", BOUNDS_FORM)
@@ -173,12 +177,12 @@ def _clamped(bound, seq_len: int):
     _check_integer(bound)
     values = concrete(bound)
     if values is None:  # traced under jit: the same arithmetic in jnp
-        lo = jnp.clip(bound[..., 0::2].astype(jnp.int32), 0, seq_len)
-        hi = jnp.maximum(jnp.clip(bound[..., 1::2].astype(jnp.int32), 0, seq_len), lo)
+        lo = clamped_positions(bound[..., 0::2], seq_len)
+        hi = jnp.maximum(clamped_positions(bound[..., 1::2], seq_len), lo)
         return jnp.stack([lo, hi], axis=-1).reshape(bound.shape)
-    bound = np.clip(values.astype(np.int64), 0, seq_len)
+    bound = np.clip(values, 0, seq_len).astype(np.int64)  # a cast first wraps uint64 >= 2**63
     # Phoenix's ranges are lo <= x < hi: one with hi < lo is empty (rankattn refuses it).
     bound[..., 1::2] = np.maximum(bound[..., 1::2], bound[..., 0::2])
-    if ((bound[..., 0] == 0) & (bound[..., 1] == seq_len)).all():
+    if kv_len == seq_len and ((bound[..., 0] == 0) & (bound[..., 1] == seq_len)).all():
         return None  # every token is history (a token in both ranges is history)
     return bound.astype(np.int32)
