@@ -122,3 +122,20 @@ def test_a_user_on_another_shard_is_refused():
     with pytest.raises(rankattn.RankattnError, match="RA216") as info:
         serving.attend(q, cache, users, sharding=sharding)
     assert_explained(info.value)
+
+
+def test_a_user_past_every_shard_is_refused_not_wrapped_regression():
+    """Regression (review): an id outside [0, shards x users per shard) skipped the shard
+    check, and the modulo that makes ids local then scored it against another user's
+    history (-1 against the shard's last user), where one device raises RA206."""
+    sharding = rankattn.Sharding(mesh(data=8), batch="data")
+    k, v, lengths, q, _ = data()
+    cache = serving.sharded_cache_from_history(k, v, lengths, sharding=sharding, page_size=P)
+    total = USERS  # every shard's users
+    for bad in (-1, total):
+        users = routed_users(len(q), 8)
+        users[-1] = bad
+        with pytest.raises(rankattn.RankattnError, match="RA206") as info:
+            serving.attend(q, cache, users, sharding=sharding)
+        assert f"[{bad}], outside [0, {total})" in str(info.value)
+        assert_explained(info.value)

@@ -149,9 +149,14 @@ def local_users(users, batch: int, users_per_shard: int, sharding: Sharding):
         return jnp.asarray(users, jnp.int32) % users_per_shard
     values = np.asarray(values)
     if values.ndim == 1 and values.shape[0] == batch and np.issubdtype(values.dtype, np.integer):
+        # Refused here: the modulo below would make an id past the shards' users a valid one.
+        bad = values[(values < 0) | (values >= nb * users_per_shard)]
+        if bad.size:
+            raise fail("RA206", f"attend: users holds {bad[:5].tolist()}, outside [0, "
+                                f"{nb * users_per_shard}) (the {nb} batch shards' caches "
+                                f"hold {users_per_shard} users each).")
         row_shard = np.arange(batch) // (batch // nb)
-        wrong = np.flatnonzero((values // users_per_shard != row_shard)
-                               & (values >= 0) & (values < nb * users_per_shard))
+        wrong = np.flatnonzero(values // users_per_shard != row_shard)
         if wrong.size:
             b = int(wrong[0])
             raise fail("RA216", f"row {b} is on batch shard {row_shard[b]} (rows are split "
