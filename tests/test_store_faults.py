@@ -237,6 +237,67 @@ def test_a_failed_write_drops_the_entry(store, monkeypatch):
     assert_settled(store, 1, 0)
 
 
+def test_an_empty_history_never_reads_a_slot_whose_drop_failed(store, monkeypatch):
+    """Regression (review): a failed drop left its slot's old length and page table on the
+    device while the store counted the slot free, and a 0-token miss, ready at once and never
+    written, took it and read the old user's history; the failed acquire also left that
+    entry visible, so the same row came back as a hit, not the miss RA224 promises."""
+    fill(store)
+    with monkeypatch.context() as patch:
+        patch.setattr(store_device, "drop", simulated_failure)
+        with raises("RA224", "emptying", "simulated device allocation failure"):
+            store.acquire([9], [0], [0])  # evicts user 0 (spilled); the slot's drop fails
+    lease = finishes(store.acquire, [9], [0], [0])
+    assert lease.source == ["miss"] and lease.cached.tolist() == [0]
+    with store.reading() as cache:
+        assert int(cache.lengths[0, lease.slots[0]]) == 0
+        assert (np.asarray(cache.page_table[0, lease.slots[0]]) == -1).all()
+    store.release(lease)
+    assert finishes(store.stats)["pinned_entries"] == 0
+
+
+class InterruptedWait:
+    """``store``'s device condition, whose first wait on this thread raises KeyboardInterrupt:
+    Ctrl-C while an update waits for its turn."""
+
+    def __init__(self, store, patch):
+        self.thread, self.wait = threading.current_thread(), store._device.wait
+        patch.setattr(store._device, "wait", self)
+        self.raised = False
+
+    def __call__(self, *args, **kwargs):
+        if threading.current_thread() is self.thread and not self.raised:
+            self.raised = True
+            raise KeyboardInterrupt
+        return self.wait(*args, **kwargs)
+
+
+def test_an_interrupted_acquire_leaves_no_pin_and_an_interrupted_warmup_no_turn(
+        store, monkeypatch):
+    """Regressions (review): Ctrl-C while an acquire's update waited for a reader left its
+    rows pinned and its entries visible and unwritten for good (every later acquire of them
+    timed out, RA222, and the slot could never be evicted); while warmup() waited, its turn
+    was never taken, and every later update and reader waited for good."""
+    fill(store)
+    reader = Reader(store)
+    with monkeypatch.context() as patch:
+        interrupt = InterruptedWait(store, patch)
+        with pytest.raises(KeyboardInterrupt):
+            store.acquire([9], [0], [8])  # evicts user 0: its spill waits for the reader
+        assert interrupt.raised
+        with pytest.raises(KeyboardInterrupt):
+            InterruptedWait(store, patch)
+            store.warmup()
+    reader.leave()
+    assert finishes(store.stats)["pinned_entries"] == 0
+    for user in (9, 0):  # the acquire's own row, and the user whose spill never ran
+        lease = finishes(store.acquire, [user], [0], [8])
+        assert lease.source == ["miss"]
+        write_rows(store, lease, CONFIG)
+        check_rows(store, lease, CONFIG)
+        store.release(lease)
+
+
 # --- compiled_programs counts compilations. ----------------------------------------------------
 
 

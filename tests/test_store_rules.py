@@ -190,10 +190,20 @@ def test_leases_are_released_once_and_written_once(store):
     (dict(max_pages_per_user=9), "exceeds device_pages=8"),
     (dict(host_pages=-1), "host_pages=-1"),
     (dict(policy="lfu"), "policy='lfu'; pass one of ['lru', 's3fifo']"),
+    # Regression (review): these were empty_cache's RA213 / RA212, naming its arguments.
+    (dict(dtype=np.int32), "HistoryStore cannot build its cache (empty_cache dtype=int32"),
+    (dict(device_pages=2**31, max_pages_per_user=1), "device_pages and max_pages_per_user"),
 ])
 def test_bad_options_raise_ra219(kwargs, fragment):
     with raises("RA219", fragment):
         serving.HistoryStore(**{**CONFIG, **kwargs})
+
+
+def test_bad_rows_name_the_call_they_were_given_to(store):
+    """Regression (review): unwritten()'s bad rows were reported as acquire's."""
+    for call in (store.acquire, store.unwritten):
+        with raises("RA220", f"{call.__name__}: lengths holds [-1]"):
+            call([1], [0], [-1])
 
 
 def test_warmup_compiles_every_program_once():

@@ -67,7 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rankattn.errors import fail
+from rankattn.errors import RankattnError, fail
 from rankattn.serving import store_device as device
 from rankattn.serving.cache import PagedKVCache, check_values_fit, empty_cache
 from rankattn.serving.eviction import EVICTION_POLICIES
@@ -186,10 +186,17 @@ class HistoryStore:
         self.page_size, self.max_pages = page_size, max_pages_per_user
         self.num_pages, self.num_users, self.host_capacity = device_pages, max_users, host_pages
         self.buckets = device.Buckets.of(max_batch, max_pages_per_user)
-        self._cache = empty_cache(num_users=max_users, num_pages=device_pages,
-                                  page_size=page_size, kv_heads=kv_heads, head_dim=head_dim,
-                                  v_head_dim=v_head_dim, max_pages=max_pages_per_user,
-                                  dtype=dtype, num_layers=num_layers)
+        try:
+            self._cache = empty_cache(num_users=max_users, num_pages=device_pages,
+                                      page_size=page_size, kv_heads=kv_heads,
+                                      head_dim=head_dim, v_head_dim=v_head_dim,
+                                      max_pages=max_pages_per_user, dtype=dtype,
+                                      num_layers=num_layers)
+        except RankattnError as error:  # named in the store's own arguments
+            reason = str(error).split("] ", 1)[1].split("\n")[0]
+            raise fail("RA219", f"HistoryStore cannot build its cache ({reason}); "
+                                "empty_cache's num_users, num_pages and max_pages are this "
+                                "store's max_users, device_pages and max_pages_per_user.") from None
         # Policy state, under self._lock.
         self._lock = threading.Condition()
         self._index: dict[int, _Entry] = {}             # user -> its visible entry
@@ -258,7 +265,7 @@ class HistoryStore:
         rows unpinned, and no lease is returned (evictions it made stand).
         """
         self._not_reading("acquire")
-        users, versions, lengths = self._check_rows(user_ids, versions, lengths)
+        users, versions, lengths = self._check_rows(user_ids, versions, lengths, "acquire")
         keys = list(dict.fromkeys(zip(users.tolist(), versions.tolist(), lengths.tolist())))
         if timeout is not None and not (isinstance(timeout, (int, float, np.integer, np.floating))
                                         and not isinstance(timeout, bool) and timeout >= 0):
@@ -295,15 +302,23 @@ class HistoryStore:
                 self._counts[_COUNTER[source]] += 1
             lease = Lease(self, users, versions, lengths, [r[0] for r in rows],
                           [r[1] for r in rows], [r[2] for r in rows])
-        failures = []
-        failed = self._dispatch(updates)
-        if failed and not failed.reads:  # a spill's gather is reported with its spill
-            failures.append(("emptying evicted entries' slots and pages", failed.error))
-        failures += self._finish_spills(spills)
-        failures += self._finish_restores(restores)
+        try:
+            failures = []
+            failed = self._dispatch(updates)
+            if failed and not failed.reads:  # a spill's gather is reported with its spill
+                failures.append(("emptying evicted entries' slots and pages", failed.error))
+            failures += self._finish_spills(spills)
+            failures += self._finish_restores(restores)
+        except BaseException:  # an interrupt: no lease goes out, so none may stay pinned
+            with self._lock:  # nor a spill that will never be copied wait to be
+                for entry, _, _ in spills:
+                    if id(entry) in self._host and not entry.ready:
+                        self._hide(entry, [])
+                self._unpin(lease, placed=True)  # its updates' turns are skipped as it ends
+            raise
         if failures:
             with self._lock:
-                updates = self._unpin(lease)
+                updates = self._unpin(lease, placed=True)
             self._dispatch(updates)  # its own failure would add nothing to the first one's
             what, error = failures[0]
             raise _failed("acquire", what, error, "the entries it was for were dropped and "
@@ -478,6 +493,8 @@ class HistoryStore:
             else:  # miss
                 entry = _Entry(key[0], key[1], 0, key[2], "device", slot=self._take_slot(),
                                pages=self._take_pages(more[0]), ready=key[2] == 0)
+                if key[2] == 0:  # never written: its slot is emptied here, in case the drop
+                    dropped.append((entry.slot, []))  # of its last holder failed or was skipped
                 self._index[entry.user] = entry
                 arrived.append(entry)
                 placed[key] = (entry, "miss", 0)
@@ -600,17 +617,21 @@ class HistoryStore:
                 updates = self._unpin(lease)
             self._dropped(updates, "release")
 
-    def _unpin(self, lease: Lease) -> list:
+    def _unpin(self, lease: Lease, placed: bool = False) -> list:
         """Release ``lease`` (under the lock): unpin its rows, drop the entries it was to
-        bring and did not (unwritten, or a failed restore), and free the entries a newer
-        version replaced once unpinned. Returns the device updates that empty their slots."""
+        bring and did not (unwritten, or a failed restore; with ``placed``, for an acquire
+        that failed, also its empty histories, whose slots' emptying may not have run), and
+        free the entries a newer version replaced once unpinned. Returns the device updates
+        that empty their slots."""
         lease.released = True
         dropped = []
         for entry in lease._entries:
             entry.pins -= 1
             self._policy.released(entry)
+        placed_now = {id(e) for e, source in zip(lease._entries, lease.source)
+                      if placed and source == "miss"}
         for entry in {id(e): e for e in lease._entries}.values():
-            if entry.visible and not entry.ready:
+            if entry.visible and (not entry.ready or id(entry) in placed_now):
                 self._hide(entry, dropped)
             elif not entry.visible and entry.pins == 0 and entry.slot >= 0:
                 dropped.append(self._take_back(entry))
@@ -648,7 +669,7 @@ class HistoryStore:
         """bool [B]: whether each row's entry is still to be written or restored by another
         lease, which an acquire of the row would wait for (rows as :meth:`acquire` takes
         them). A caller whose acquire timed out (RA222) learns which rows it waited on."""
-        users, versions, lengths = self._check_rows(user_ids, versions, lengths)
+        users, versions, lengths = self._check_rows(user_ids, versions, lengths, "unwritten")
         with self._lock:
             return np.array([self._awaits_write(u, v, n) for u, v, n in
                              zip(users.tolist(), versions.tolist(), lengths.tolist())], bool)
@@ -701,25 +722,27 @@ class HistoryStore:
                 raise failed.error
 
         try:
-            for rows in self.buckets.rows:
-                slots = np.full(rows, self.num_users, np.int32)
-                pages = np.full((rows, self.max_pages), -1, np.int32)
-                zeros = np.zeros(rows, np.int32)
-                run(device.drop, slots, pages)
+            # Its turns taken even if interrupted: a turn never taken stops the store for good.
+            with self._every_turn_taken():
+                for rows in self.buckets.rows:
+                    slots = np.full(rows, self.num_users, np.int32)
+                    pages = np.full((rows, self.max_pages), -1, np.int32)
+                    zeros = np.zeros(rows, np.int32)
+                    run(device.drop, slots, pages)
+                    for n in self.buckets.pages:
+                        building = f"{n * p} tokens of padding for {rows} rows"
+                        k = jnp.zeros((num_layers, rows, n * p, hkv, d), cache.k_pages.dtype)
+                        v = jnp.zeros((num_layers, rows, n * p, hkv, cache.v_pages.shape[-1]),
+                                      cache.v_pages.dtype)
+                        run(device.write, slots, pages, zeros, zeros, k, v)
                 for n in self.buckets.pages:
-                    building = f"{n * p} tokens of padding for {rows} rows"
-                    k = jnp.zeros((num_layers, rows, n * p, hkv, d), cache.k_pages.dtype)
-                    v = jnp.zeros((num_layers, rows, n * p, hkv, cache.v_pages.shape[-1]),
-                                  cache.v_pages.dtype)
-                    run(device.write, slots, pages, zeros, zeros, k, v)
-            for n in self.buckets.pages:
-                ids = np.full(n, self.num_pages, np.int32)
-                run(device.gather, ids, reads=True)
-                building = f"{n} pages of padding"
-                parts = [jnp.zeros(x.shape[:1] + (n,) + x.shape[2:], x.dtype)
-                         for x in (cache.k_pages, cache.v_pages, cache.k_min, cache.k_max)]
-                run(device.restore, np.int32(self.num_users), ids,
-                    np.full(self.max_pages, -1, np.int32), np.int32(0), *parts)
+                    ids = np.full(n, self.num_pages, np.int32)
+                    run(device.gather, ids, reads=True)
+                    building = f"{n} pages of padding"
+                    parts = [jnp.zeros(x.shape[:1] + (n,) + x.shape[2:], x.dtype)
+                             for x in (cache.k_pages, cache.v_pages, cache.k_min, cache.k_max)]
+                    run(device.restore, np.int32(self.num_users), ids,
+                        np.full(self.max_pages, -1, np.int32), np.int32(0), *parts)
         except Exception as error:  # noqa: BLE001 - raised as RA224
             raise _failed("warmup", f"building or running {building}", error, "the store is "
                           "unchanged; check the device's free memory, or build a smaller "
@@ -742,37 +765,37 @@ class HistoryStore:
                                 f"got {_describe(rows)}.")
         return a
 
-    def _check_rows(self, user_ids, versions, lengths):
+    def _check_rows(self, user_ids, versions, lengths, call: str):
         arrays = []
         for name, x in (("user_ids", user_ids), ("versions", versions), ("lengths", lengths)):
             a = np.asarray(x)
             if a.ndim != 1 or a.size == 0 or not (np.issubdtype(a.dtype, np.integer)
                                                   or a.dtype == object and all(
                                                       isinstance(i, int) for i in a.tolist())):
-                raise fail("RA220", f"acquire: {name} must be a non-empty 1-D sequence of ints, "
+                raise fail("RA220", f"{call}: {name} must be a non-empty 1-D sequence of ints, "
                                     f"one per row; got {_describe(x)}.")
             # Entries are keyed on int64: a wider int would wrap onto another user or version
             # (2**63 as -2**63) and be served its history.
             if a.dtype == np.uint64 or a.dtype == object:
                 wide = [i for i in a.tolist() if not INT64_MIN <= i <= INT64_MAX]
                 if wide:
-                    raise fail("RA220", f"acquire: {name} holds {wide[:4]}, outside the signed "
+                    raise fail("RA220", f"{call}: {name} holds {wide[:4]}, outside the signed "
                                         "64-bit range the store keys on; map them into "
                                         "[-2**63, 2**63) without collisions (a signed 64-bit "
                                         "hash, or the unsigned one minus 2**63).")
             arrays.append(a.astype(np.int64))
         users, versions, lengths = arrays
         if not len(users) == len(versions) == len(lengths):
-            raise fail("RA220", f"acquire: user_ids, versions and lengths have {len(users)}, "
+            raise fail("RA220", f"{call}: user_ids, versions and lengths have {len(users)}, "
                                 f"{len(versions)} and {len(lengths)} rows; give one of each "
                                 "per row.")
         if (lengths < 0).any():
-            raise fail("RA220", f"acquire: lengths holds {lengths[lengths < 0][:4].tolist()}; "
+            raise fail("RA220", f"{call}: lengths holds {lengths[lengths < 0][:4].tolist()}; "
                                 "a history has >= 0 tokens.")
         seen = {}
         for u, v, n in zip(users.tolist(), versions.tolist(), lengths.tolist()):
             if seen.setdefault(u, (v, n)) != (v, n):
-                raise fail("RA220", f"acquire: user {u} appears with (version, length) "
+                raise fail("RA220", f"{call}: user {u} appears with (version, length) "
                                     f"{seen[u]} and {(v, n)} in one call; a user's rows in one "
                                     "call must share them. Acquire the second history in a "
                                     "later call.")

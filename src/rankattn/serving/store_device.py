@@ -77,9 +77,10 @@ def write(cache: PagedKVCache, slots, pages, starts, counts, k, v) -> PagedKVCac
     those pages and its length starts[b] + counts[b].
 
     slots int32 [B] (padding rows: U, dropped); starts, counts int32 [B]; k [L, B, T, Hkv, D],
-    v [L, B, T, Hkv, Dv] in any float dtype (stored in the cache's). The new tokens' pages
-    must hold only tokens before starts[b] (their min / max grow by a scatter-min / max of the
-    new keys as stored), or be fresh (+inf / -inf, as drop leaves them).
+    v [L, B, T, Hkv, Dv] in any float dtype (stored in the cache's). The page holding token
+    starts[b] - 1 keeps its tokens before starts[b] (its min / max grow by a scatter-min / max
+    of the new keys as stored); the later pages start afresh, their min / max reset first
+    (a drop that failed left them those of the pages' last holder).
     """
     num_layers, n, hkv, p, _ = cache.k_pages.shape
     b, t = k.shape[1:3]
@@ -95,13 +96,18 @@ def write(cache: PagedKVCache, slots, pages, starts, counts, k, v) -> PagedKVCac
 
     stored = k.astype(cache.k_pages.dtype).astype(cache.k_min.dtype)
     stored = stored.reshape(num_layers, b * t, hkv, -1)
-    owned = jnp.arange(pages.shape[1])[None, :] < -(-(starts + counts) // p)[:, None]
+    index = jnp.arange(pages.shape[1])[None, :]
+    owned = index < -(-(starts + counts) // p)[:, None]
     table = jnp.where(owned, pages, -1)
+    fresh = jnp.where(owned & (index >= -(-starts // p)[:, None]) & (pages >= 0), pages, n)
+    fresh = fresh.reshape(-1)
     return cache._replace(
         k_pages=scatter(cache.k_pages, k),
         v_pages=scatter(cache.v_pages, v),
-        k_min=cache.k_min.at[:, page.reshape(-1)].min(stored, mode="drop"),
-        k_max=cache.k_max.at[:, page.reshape(-1)].max(stored, mode="drop"),
+        k_min=cache.k_min.at[:, fresh].set(jnp.inf, mode="drop")
+                         .at[:, page.reshape(-1)].min(stored, mode="drop"),
+        k_max=cache.k_max.at[:, fresh].set(-jnp.inf, mode="drop")
+                         .at[:, page.reshape(-1)].max(stored, mode="drop"),
         page_table=cache.page_table.at[:, slots].set(table, mode="drop"),
         lengths=cache.lengths.at[:, slots].set(starts + counts, mode="drop"),
         free=cache.free.at[:, jnp.where(owned, pages, n).reshape(-1)].set(False, mode="drop"))
