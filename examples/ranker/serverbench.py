@@ -139,9 +139,10 @@ class LocalServer:
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM; the exit status (a server that does not exit in time is killed)."""
-        self.process.send_signal(signal.SIGTERM)
+    def stop(self, timeout: float = 10.0, sig: int = signal.SIGTERM) -> int:
+        """SIGTERM (or ``sig``); the exit status (a server that does not exit in time is
+        killed)."""
+        self.process.send_signal(sig)
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -184,8 +184,8 @@ def server_c(run_dir, env, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("logs") / "c.log")
     server = Server(run_dir, LIMITS + ["--no-cache", "--host", "127.0.0.1"], env, log)
     yield server
-    if server.process.poll() is None:
-        assert server.stop() == 0
+    if server.process.poll() is None:  # Ctrl-C drains and exits 0 too (it exited 130)
+        assert server.stop(sig=signal.SIGINT) == 0
 
 
 @pytest.fixture(scope="module")
@@ -588,6 +588,9 @@ def test_open_inference_metadata_and_health(server_a):
         assert get(path) == (200, {"name": "ranker", "ready": True})
     status, server = get("/v2")
     assert status == 200 and server["name"] and server["extensions"] == []
+    status, headers, _ = server_a.request("GET", "/v2/models/ranker/infer")
+    allow = {name.lower(): value for name, value in headers.items()}.get("allow")
+    assert status == 405 and allow == "POST", headers  # HTTP requires Allow on a 405
     status, metadata = get("/v2/models/ranker")
     assert status == 200 and metadata["versions"] == [str(STEP)], metadata
     a = len(ACTIONS)
@@ -685,6 +688,12 @@ def test_open_inference_binary_sizes_and_timeouts_that_are_not_plain_ints(server
     assert status == 200, answer
     status, answer = infer(server_a, dict(good, parameters={"timeout": 10**400}))
     assert status == 200, answer
+    status, _, raw = server_a.request(  # more digits than int() takes: 400, not 500
+        "POST", "/v2/models/ranker/infer", json.dumps(good).encode(),
+        {"Inference-Header-Content-Length": "9" * 5000})
+    answer = json.loads(raw)
+    assert status == 400 and answer["error"].startswith(
+        "bad_value: the header Inference-Header-Content-Length is b'999"), answer
 
 
 def test_tritonclient_ranks_through_open_inference(server_a, sessions):
@@ -1140,6 +1149,30 @@ def ra(code: str):
     from rankattn import errors
 
     return errors.fail(code, f"a stand-in {code}")
+
+
+def test_counts_nesting_and_flags_past_what_python_takes_are_refused(capsys):
+    """Regressions (review of the server): a Content-Length or Inference-Header-Content-Length
+    of more than 4300 digits made int() raise ValueError, answered 500 internal; JSON nested
+    a little less deeply than the parser refuses made the message's json.dumps raise
+    RecursionError, answered 500; --max-wait-ms nan started a batcher that spun without ever
+    forming a batch (readiness 200, every request 504) and inf one whose wait raised."""
+    from examples.ranker.__main__ import main
+    from examples.ranker.server import schema
+
+    assert schema.byte_count(b"0" * 5000 + b"11") == 11
+    assert schema.byte_count(b"9" * 5000) == 10**18  # past every limit: 413 / 400
+    assert schema.byte_count(b"1e3") is None and schema.byte_count(None) is None
+    nested = 7
+    for _ in range(5000):
+        nested = [nested]
+    assert "nested too deeply" in schema._show(nested)
+    for value in ("nan", "inf", "-1"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["server", "--out", "unused", "--port", "1", "--max-wait-ms", value])
+        assert exit_.value.code == 2
+        assert f"--max-wait-ms must be a number of milliseconds >= 0; got {float(value)}" in (
+            capsys.readouterr().err)
 
 
 def test_a_release_that_fails_still_frees_its_keys_in_the_queue():

@@ -131,8 +131,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
         value = getattr(args, flag)
         if value is not None and value <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive; got {value}")
-    if args.host_pages < 0 or args.max_wait_ms < 0:
-        parser.error("--host-pages and --max-wait-ms must be >= 0")
+    if args.host_pages < 0:
+        parser.error(f"--host-pages must be >= 0; got {args.host_pages}")
+    if not 0 <= args.max_wait_ms < float("inf"):  # NaN never times out: the batcher would spin
+        parser.error(f"--max-wait-ms must be a number of milliseconds >= 0; got "
+                     f"{args.max_wait_ms}")
     for flag in ("deadline_ms", "acquire_timeout_ms"):
         value = getattr(args, flag)
         if not 0 < value < float("inf"):

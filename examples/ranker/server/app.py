@@ -52,8 +52,9 @@ from examples.ranker.server import kserve
 from examples.ranker.server.engine import Engine
 from examples.ranker.server.metrics import CONTENT_TYPE
 from examples.ranker.server.schema import (DEADLINE_HEADER, USER_HEADER, Answer, BadRequest,
-                                           Limits, Request, check_user_header, deadline,
-                                           error, expired, late_body, parse, too_large_body)
+                                           Limits, Request, byte_count, check_user_header,
+                                           deadline, error, expired, late_body, parse,
+                                           too_large_body)
 
 log = logging.getLogger("examples.ranker.server")
 DRAIN_MARGIN = 2  # seconds uvicorn waits past the longest deadline for answers to go out
@@ -317,8 +318,8 @@ def header(scope, name: str) -> bytes | None:
 async def read_body(scope, receive, limits: Limits) -> bytes:
     """The request body, refused (413 too_large) as soon as it passes the limit; raises
     :class:`Disconnected` when the client goes away first."""
-    declared = header(scope, "content-length") or b"0"
-    if declared.isdigit() and int(declared) > limits.max_body:
+    declared = byte_count(header(scope, "content-length"))
+    if declared is not None and declared > limits.max_body:
         raise too_large_body(limits)
     chunks, size = [], 0
     while True:
@@ -392,11 +393,12 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         self.engine.drain()
-        if sig == signal.SIGINT:
+        if sig == signal.SIGINT and self.should_exit:
             super().handle_exit(sig, frame)  # a second Ctrl-C forces the exit
         else:
             # Not recorded as uvicorn does: it raises a recorded signal again once shut
-            # down, which would end the process by SIGTERM (status 143) instead of 0.
+            # down, which would end the process by SIGTERM or SIGINT (status 143 or 130)
+            # instead of 0.
             self.should_exit = True
 
     def fail(self) -> None:

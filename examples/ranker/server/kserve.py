@@ -36,7 +36,7 @@ import numpy as np
 import rankattn
 from examples.ranker.config import ACTIONS
 from examples.ranker.server.schema import (REQUEST_ID_CHARS, Answer, BadRequest, Limits, Request,
-                                           _show, checked, decoded)
+                                           _show, byte_count, checked, decoded)
 
 MODEL = "ranker"
 SERVER = "rankattn-ranker"
@@ -202,12 +202,13 @@ class Infer:
         """(the JSON, the binary tensor data after it)."""
         if self.header_length is None:
             return body, b""
-        if not (self.header_length.isdigit() and int(self.header_length) <= len(body)):
+        length = byte_count(self.header_length)
+        if length is None or length > len(body):
             raise BadRequest("bad_value", "Inference-Header-Content-Length", "the header "
-                             f"Inference-Header-Content-Length is {self.header_length!r} for "
-                             f"a body of {len(body)} bytes.", "Send the length in bytes of "
+                             f"Inference-Header-Content-Length is {_show(self.header_length)} "
+                             f"for a body of {len(body)} bytes.", "Send the length in bytes of "
                              "the body's JSON, or no such header when the body is all JSON.")
-        return body[:int(self.header_length)], body[int(self.header_length):]
+        return body[:length], body[length:]
 
 
 def _input(spec, binary: bytes, offset: int) -> tuple[str, object, int]:
@@ -324,8 +325,8 @@ def _only(x: dict, where: str, allowed: tuple[str, ...]) -> dict:
     return x
 
 
-def _error(status: int, kind: str, message: str, fix: str) -> Answer:
-    return Answer(status, {"error": _text(kind, message, fix)}, kind=kind)
+def _error(status: int, kind: str, message: str, fix: str, headers: tuple = ()) -> Answer:
+    return Answer(status, {"error": _text(kind, message, fix)}, headers, kind=kind)
 
 
 def _text(kind: str, message: str, fix: str) -> str:
@@ -335,4 +336,4 @@ def _text(kind: str, message: str, fix: str) -> str:
 
 def _bad_method(method: str, path: str, allowed: str) -> Answer:
     return _error(405, "bad_method", f"{path} takes {allowed}, not {method}.",
-                  f"Send {allowed} {path}.")
+                  f"Send {allowed} {path}.", ((b"allow", allowed.encode()),))

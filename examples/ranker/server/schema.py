@@ -299,8 +299,22 @@ EXAMPLE = ('{"user": 7, "context": 0, "history_item": [3, 9], "history_author": 
 
 
 def _show(x) -> str:
-    text = json.dumps(x)
+    """x as an error message shows it: its JSON (bytes: their repr), cut to 60 characters."""
+    try:
+        text = repr(x) if isinstance(x, bytes) else json.dumps(x)
+    except RecursionError:  # nested a little less deeply than json.loads refuses
+        text = "[[[[... (nested too deeply to show)"
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def byte_count(header: bytes | None) -> int | None:
+    """The count a Content-Length style header holds (decimal digits, leading zeros allowed),
+    or None when it holds something else. A count of more than 18 digits comes back as
+    10**18, past every limit: Python refuses int() of more than 4300 digits."""
+    if header is None or not header.isdigit():
+        return None
+    digits = header.lstrip(b"0")
+    return int(digits or b"0") if len(digits) <= 18 else 10**18
 
 
 def _integer(data: dict, name: str, low: int, high: int) -> int:
