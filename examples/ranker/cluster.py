@@ -141,6 +141,12 @@ class Cluster:
         self.wait_states(["UP"] * len(self.replicas), within=10.0)
         return self
 
+    def drain_seconds(self) -> float:
+        """How long a replica may take to stop after SIGTERM: :data:`KILL_AFTER`, or its
+        longest deadline and a margin where that is longer (it answers every request it
+        accepted, each within its deadline)."""
+        return max(KILL_AFTER, self._server_seconds())
+
     def _server_seconds(self) -> int:
         """How long HAProxy waits for a replica's answer: the longest deadline a replica
         gives a request (--deadline-ms, 5 s by default) and a margin."""
@@ -200,7 +206,7 @@ class Cluster:
         SIGTERM: it drains); return once it is ready and HAProxy sees it up again."""
         old = self.replicas[i]
         if old.process.poll() is None:
-            old.stop(timeout=KILL_AFTER)
+            old.stop(timeout=self.drain_seconds())
         self._launch(i)
         self.replicas[i].wait_ready(ready_within)
         self.wait_states({i: "UP"}, within=10.0)
@@ -238,11 +244,14 @@ class Cluster:
 
     # --- Stop. ----------------------------------------------------------------------------
 
-    def stop(self, kill_after: float = KILL_AFTER) -> dict[str, int]:
+    def stop(self, kill_after: float | None = None) -> dict[str, int]:
         """Stop everything started: SIGTERM to each replica (it drains: every request it
         accepted is answered), a soft stop to HAProxy (SIGUSR1: it stops listening and
         finishes the requests it relays); whatever still runs after ``kill_after`` seconds
-        is killed. The exit status of each process ("replica i", "haproxy")."""
+        (default: :data:`KILL_AFTER`, or longer where a replica's drain may take longer) is
+        killed. The exit status of each process ("replica i", "haproxy")."""
+        if kill_after is None:
+            kill_after = self.drain_seconds()
         processes = {f"replica {i}": r.process for i, r in enumerate(self.replicas) if r}
         if self.haproxy is not None:
             processes["haproxy"] = self.haproxy
@@ -260,7 +269,11 @@ class Cluster:
         return statuses
 
     def __enter__(self) -> "Cluster":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # no __exit__ follows: what started must stop here
+            self.stop()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -272,6 +272,24 @@ def test_sigterm_stops_every_process_in_time(command):
     assert command.front.request("GET", "/readyz")[0] == 0  # nothing listens
 
 
+def test_a_start_that_fails_in_a_with_block_stops_haproxy(env, tmp_path):  # noqa: F811
+    """Regression (review): ``with Cluster(...)`` whose start raised (here a replica that
+    refuses its flags) never reached __exit__, and HAProxy, in a session of its own, kept
+    running and holding the front port; a replica's drain may also outlast the kill."""
+    try:
+        cluster.haproxy_binary()
+    except cluster.HAProxyMissing as missing:
+        pytest.skip(str(missing))
+    front = cluster.Cluster(str(tmp_path), free_ports(1)[0], 1,
+                            ["--random-weights", "--max-history", "0"], env=env)
+    with pytest.raises(RuntimeError):
+        with front:
+            pass
+    assert front.haproxy is not None and front.haproxy.poll() is not None
+    assert Endpoint(front.port).request("GET", "/readyz")[0] == 0  # nothing listens
+    assert cluster.Cluster(str(tmp_path), 1, 1, ["--deadline-ms", "90000"]).drain_seconds() == 95
+
+
 def test_without_haproxy_the_command_fails_at_once_saying_how_to_install_it(
         tmp_path, monkeypatch, capsys):
     """No haproxy on PATH or in the sbin folders: the command exits 2 before starting
