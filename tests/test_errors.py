@@ -175,6 +175,7 @@ ERROR_CASES = [
      lambda: jax.jit(lambda q: attend(q=q, k=q, v=q, impl=rankattn.backends.MosaicGpu(
          interpret=True)))(x(dtype=jnp.bfloat16)),
      ["MosaicGpu(interpret=True)", "jax.jit", "eagerly"]),
+    ("impl-empty-list", "RA114", V, lambda: attend(impl=[]), ["impl=[]", "names no backend"]),
     ("phoenix-z-loss-nan", "RA129", V,
      lambda: rankattn.phoenix.ranker_attention_v2.mha(x(), x(h=1), x(h=1), np.ones((2, 8)), SEG,
                                                       z_loss_weight=float("nan")),

@@ -171,6 +171,9 @@ def resolve_impls(impl, argument: str = "impl") -> list[Backend]:
     taken as it is (it may be lowered for another platform).
     """
     if isinstance(impl, (list, tuple)):
+        if not impl:  # else RA115 would list no reason at all
+            raise fail("RA114", f"{argument}={impl!r} names no backend; use 'auto', one of "
+                                f"{', '.join(map(repr, BACKENDS))} or a non-empty list.")
         return [b for item in impl for b in resolve_impls(item, argument)]
     if isinstance(impl, Backend):
         return [impl]
