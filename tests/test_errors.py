@@ -176,6 +176,8 @@ ERROR_CASES = [
          interpret=True)))(x(dtype=jnp.bfloat16)),
      ["MosaicGpu(interpret=True)", "jax.jit", "eagerly"]),
     ("impl-empty-list", "RA114", V, lambda: attend(impl=[]), ["impl=[]", "names no backend"]),
+    ("plan-seq-len-of-other-ids", "RA117", V, lambda: rankattn.plan(segment_ids=SEG, seq_len=5),
+     ["seq_len=5", "length 8"]),
     ("phoenix-z-loss-nan", "RA129", V,
      lambda: rankattn.phoenix.ranker_attention_v2.mha(x(), x(h=1), x(h=1), np.ones((2, 8)), SEG,
                                                       z_loss_weight=float("nan")),

@@ -226,6 +226,9 @@ ERROR_CASES = [
     ("softcap", "RA111", ValueError, lambda: rankattn.flax.attention_fn(softcap=-1.0),
      ["softcap=-1.0"]),
     ("impl", "RA114", ValueError, lambda: rankattn.flax.attention_fn(impl="cuda"), ["'cuda'"]),
+    # Regression (review): it said "Pass scale=None for 1/sqrt(1)", a placeholder head dim.
+    ("scale-zero", "RA113", ValueError, lambda: rankattn.flax.attention_fn(scale=0.0),
+     ["got 0.0", "scale=None for 1/sqrt(D)"]),
     ("plan-batch", "RA117", ValueError,
      lambda: call_fn(mask=rankattn.plan(segment_ids=SEG[:2])), ["(2, 12)", "B=3"]),
 ]
@@ -241,6 +244,14 @@ def test_error(code, builtin, call, fragments):
     for fragment in fragments:
         assert fragment in str(err), f"{fragment!r} not in {str(err)!r}"
     assert_explained(err)
+
+
+def test_attention_fn_of_a_jax_scalar_scale_is_hashable_regression():
+    """Regression (review): the unchecked jnp scale was kept, so the promised hashable
+    function raised TypeError: unhashable type."""
+    fn = rankattn.flax.attention_fn(scale=jnp.float32(0.5), softcap=np.float32(30.0))
+    assert hash(fn) == hash(rankattn.flax.attention_fn(scale=0.5, softcap=30.0))
+    assert (fn.scale, fn.softcap) == (0.5, 30.0)
 
 
 def test_dropout_is_fine_when_deterministic():

@@ -351,19 +351,23 @@ def _phoenix_qkv():
     (lambda q, k, v: fa3.attention(q, k[:, :-1], v[:, :-1], bound=(0, S, S, S)), "RA106",
      [f"q has length {S}", f"k has length {S - 1}"]),
     (lambda q, k, v: v2.mha(q, k, v, np.ones((B, S)), None), "RA107", ["dtype object"]),
+    (lambda q, k, v: varlen.mha(q[0].tolist(), k[0], v[0], None, np.ones(S), np.array([0, S]),
+                                np.array([0, S]), S, S), "RA101", ["q", "list"]),
     (lambda q, k, v: v2.mha(q, k, v, np.ones((B, S)), np.full((B, S), 0.5)), "RA107",
      ["dtype float64", "int array"]),
 ], ids=["fa3-q-1d", "fa3-q-none", "v2-q-list", "scale-none", "scale-str", "cap-str",
         "cap-overflow", "v2-cap-none", "z-loss-str", "jit-scale", "jit-cap", "batch-negative",
         "batch-float", "seq-none", "scale-numeric-str", "scale-bool", "z-loss-bool",
-        "z-loss-inf", "whole-history-bound-k-shorter", "v2-ids-none", "v2-ids-float"])
+        "z-loss-inf", "whole-history-bound-k-shorter", "v2-ids-none", "v2-ids-float",
+        "varlen-q-list"])
 def test_phoenix_arguments_of_the_wrong_kind_are_rankattn_errors(call, code, fragments):
     """Regression: these raised bare IndexError, AttributeError, ValueError, TypeError,
     OverflowError or JAX's ConcretizationTypeError from deep inside the drop-ins; then (the
-    last seven) ran: a numeric string or a bool as a number, an infinite z-loss weight into
+    next seven) ran: a numeric string or a bool as a number, an infinite z-loss weight into
     NaN gradients, a bound of every token history with k of another length as no mask at
     all (every query saw every key), where the same bound traced raised RA106, and v2's
-    float ids (0.5 a candidate), where None was reported as ids of shape ()."""
+    float ids (0.5 a candidate), where None was reported as ids of shape (); varlen's list
+    q raised a bare TypeError."""
     with pytest.raises(rankattn.RankattnError, match=code) as err:
         call(*_phoenix_qkv())
     for fragment in fragments:

@@ -117,6 +117,9 @@ def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: b
         batch, length = rows, seq_len
     else:
         batch, length = np.shape(segment_ids)[0], np.shape(segment_ids)[-1]
+        if seq_len is not None and seq_len != length:  # it would be ignored without a word
+            raise fail("RA117", f"plan(segment_ids=...) got seq_len={seq_len!r}, but the ids "
+                                f"have length {length}; leave seq_len out (it is for bounds=).")
     segment_ids, causal = check_mask_args(segment_ids, bounds, causal, batch, length)
     backends = resolve_impls(impl)
     sizes = tuple(dict.fromkeys(s for b in backends for s in b.plan_sizes(length)))

@@ -159,15 +159,18 @@ def _check_logit_multiplier(x, batch: int, q_len: int, q_heads: int):
     return jnp.broadcast_to(x[:, :, None] if x.ndim == 2 else x, (batch, q_len, q_heads))
 
 
-def check_logit_options(scale, softcap, softcap_method, head_dim: int):
-    """(scale, softcap) as Python floats, checked; scale None means 1 / sqrt(head_dim)."""
-    if scale is None:
+def check_logit_options(scale, softcap, softcap_method, head_dim: int | None):
+    """(scale, softcap) as Python floats, checked; scale None means 1 / sqrt(head_dim) (and
+    stays None where the head dim is not known yet, ``head_dim=None``)."""
+    if scale is None and head_dim is not None:
         scale = 1.0 / math.sqrt(head_dim)
-    scale = static_float("scale", scale, "RA113")
-    if not FLOAT32_NORMAL <= abs(scale) <= FLOAT32_MAX:  # the kernels scale in float32
-        raise fail("RA113", f"scale must be finite and non-zero as a float32 (a normal number, "
-                            f"{FLOAT32_NORMAL:.3g} <= |scale| <= {FLOAT32_MAX:.3g}); got {scale}. "
-                            f"Pass scale=None for 1/sqrt({head_dim}).")
+    if scale is not None:
+        scale = static_float("scale", scale, "RA113")
+        if not FLOAT32_NORMAL <= abs(scale) <= FLOAT32_MAX:  # the kernels scale in float32
+            raise fail("RA113", f"scale must be finite and non-zero as a float32 (a normal "
+                                f"number, {FLOAT32_NORMAL:.3g} <= |scale| <= "
+                                f"{FLOAT32_MAX:.3g}); got {scale}. Pass scale=None for "
+                                f"1/sqrt({head_dim or 'D'}).")
     if not isinstance(softcap_method, str) or softcap_method not in semantics.SOFTCAP_METHODS:
         raise fail("RA112", f"softcap_method={softcap_method!r}; use one of "
                             f"{', '.join(map(repr, semantics.SOFTCAP_METHODS))}.")

@@ -85,6 +85,11 @@ def mha(q, k, v, temp, segment_ids, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     del (temp, max_seqlen_q, max_seqlen_k, window_len, config, backward_pass_impl, grid,
          interpret, debug)
+    for name, x in (("q", q), ("k", k), ("v", v)):  # before x[None] meets a list
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")) or len(x.shape) != 3:
+            seen = f"shape {tuple(x.shape)}" if hasattr(x, "shape") else type(x).__name__
+            raise fail("RA101", f"{name} must be an array [total, heads, head dim] (sessions "
+                                f"packed end to end); got {seen}.")
     cu_q, cu_k = concrete(cu_seqlens_q), concrete(cu_seqlens_k)
     if cu_q is not None and cu_k is not None and not np.array_equal(cu_q, cu_k):
         raise fail("RA123", f"cu_seqlens_q {cu_q.tolist()[:8]} and cu_seqlens_k "
