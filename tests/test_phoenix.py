@@ -358,8 +358,8 @@ def _phoenix_qkv():
 ], ids=["fa3-q-1d", "fa3-q-none", "v2-q-list", "scale-none", "scale-str", "cap-str",
         "cap-overflow", "v2-cap-none", "z-loss-str", "jit-scale", "jit-cap", "batch-negative",
         "batch-float", "seq-none", "scale-numeric-str", "scale-bool", "z-loss-bool",
-        "z-loss-inf", "whole-history-bound-k-shorter", "v2-ids-none", "v2-ids-float",
-        "varlen-q-list"])
+        "z-loss-inf", "whole-history-bound-k-shorter", "v2-ids-none", "varlen-q-list",
+        "v2-ids-float"])
 def test_phoenix_arguments_of_the_wrong_kind_are_rankattn_errors(call, code, fragments):
     """Regression: these raised bare IndexError, AttributeError, ValueError, TypeError,
     OverflowError or JAX's ConcretizationTypeError from deep inside the drop-ins; then (the

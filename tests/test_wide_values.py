@@ -62,13 +62,14 @@ def test_sizes_past_int32_are_refused_not_a_dead_process():
     for seq_len in (2**62, 2.5, 0):
         with raises("RA117", "seq_len"):
             rankattn.plan(bounds=np.array([0, 0, 0, 0]), seq_len=seq_len)
-    with raises("RA212", "too large", "num_pages * kv_heads * page_size"):
+    with raises("RA212", "too large", "(num_pages + 1) * kv_heads * page_size"):
         serving.empty_cache(num_users=1, num_pages=2**62, page_size=2**62, kv_heads=1,
                             head_dim=1)
-    # Regression (review): the pages' rows (page, kv head, token) are int32 indices of the
-    # store's writes; 2**32 of them wrapped (a write into another row), unrefused.
-    with raises("RA212", "too large", "num_pages * kv_heads * page_size = 4294967296"):
-        serving.empty_cache(num_users=1, num_pages=2**21, page_size=2**9, kv_heads=4,
+    # Regression (review): the pages' rows (page, kv head, token; a write's padding goes to
+    # one page past the last) are int32 indices of the store's writes; 2**31 or more of them
+    # wrapped (a write into another row), unrefused.
+    with raises("RA212", "too large", "(num_pages + 1) * kv_heads * page_size = 2147483648"):
+        serving.empty_cache(num_users=1, num_pages=2**20 - 1, page_size=2**9, kv_heads=4,
                             head_dim=1)
     with raises("RA212", "too large", "elements"):
         serving.empty_cache(num_users=1, num_pages=2**10, page_size=2**10, kv_heads=2**10,

@@ -37,9 +37,10 @@ the same cores. Once every replica answers ``/readyz`` 200, the cluster takes th
 maintenance at once and, when HAProxy sees each one up, prints that it is ready: until then
 the front port answers 503 (HAProxy's own: no replica is up). A replica that exits while the
 command runs is started again (HAProxy routes its users to the others meanwhile). SIGTERM or
-SIGINT stops everything the command started within 60 s: the replicas get SIGTERM and drain
-(every accepted request answered), HAProxy a soft stop (it finishes the requests it
-relays); whatever is left after :data:`KILL_AFTER` seconds is killed.
+SIGINT stops everything the command started within 60 s (or the longest deadline and 15 s, if
+later): the replicas get SIGTERM and drain (every accepted request answered), HAProxy a soft
+stop (it finishes the requests it relays); whatever is left after
+:meth:`Cluster.drain_seconds` is killed.
 
 :class:`Cluster` is the same as a Python API (``start()``, ``replica_pids``, ``restart(i)``,
 ``states()``, ``stop()``), which the command runs on and tests and benchmarks use.
@@ -69,7 +70,7 @@ HAPROXY_MISSING = ("HAProxy is not installed (no haproxy on PATH or in /usr/sbin
 SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
 BACKEND = "replicas"
 READY_SECONDS = 600.0   # a replica's start (model load and warm-up) at most
-KILL_AFTER = 50.0       # stop(): what still runs then is killed (all gone within 60 s)
+KILL_AFTER = 50.0       # stop(): what still runs then is killed, unless a deadline is longer
 CHECK = "inter 500ms fall 2 rise 1"  # health checks: a dead replica out in ~1 s, back in 0.5
 SOCKET_PATH_MAX = 107   # bytes in a UNIX socket's path (sockaddr_un), its terminator left out
 CLUSTER_FLAGS = ("command", "replicas", "no_affinity", "port", "host", "out", "replica_index",

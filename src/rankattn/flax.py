@@ -60,8 +60,9 @@ def attention_fn(*, scale: float | None = None, softcap: float | None = None,
       of ``nnx.dot_product_attention``. The options are checked here, so a bad one fails
       when the layer is built.
     """
+    # Kept as the checked floats: a jnp scalar would make the function unhashable.
     scale, softcap = check_logit_options(scale, softcap, softcap_method, head_dim=None)
-    resolve_impls(impl)  # the checked floats: a jnp scalar would make the function unhashable
+    resolve_impls(impl)
     return AttentionFn(scale=scale, softcap=softcap, softcap_method=softcap_method, impl=impl)
 
 

@@ -133,12 +133,15 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser,
             parser.error(f"--{flag.replace('_', '-')} must be positive; got {value}")
     if args.host_pages < 0:
         parser.error(f"--host-pages must be >= 0; got {args.host_pages}")
-    if not 0 <= args.max_wait_ms < float("inf"):  # NaN never times out: the batcher would spin
-        parser.error(f"--max-wait-ms must be a number of milliseconds >= 0; got "
-                     f"{args.max_wait_ms}")
+    # NaN never times out (the batcher would spin), and a wait past threading.TIMEOUT_MAX
+    # raises in the stage thread.
+    longest = threading.TIMEOUT_MAX * 1e3
+    if not 0 <= args.max_wait_ms < longest:
+        parser.error(f"--max-wait-ms must be a number of milliseconds >= 0 (and below "
+                     f"{longest:.3g}); got {args.max_wait_ms}")
     for flag in ("deadline_ms", "acquire_timeout_ms"):
         value = getattr(args, flag)
-        if not 0 < value < float("inf"):
+        if not 0 < value < longest:
             parser.error(f"--{flag.replace('_', '-')} must be a positive number of "
                          f"milliseconds; got {value}")
     if max_history >= preset.model.max_position:

@@ -180,7 +180,9 @@ def _clamped(bound, seq_len: int, kv_len: int):
         lo = clamped_positions(bound[..., 0::2], seq_len)
         hi = jnp.maximum(clamped_positions(bound[..., 1::2], seq_len), lo)
         return jnp.stack([lo, hi], axis=-1).reshape(bound.shape)
-    bound = np.clip(values, 0, seq_len).astype(np.int64)  # a cast first wraps uint64 >= 2**63
+    if values.dtype == np.uint64:  # int64 would wrap those >= 2**63
+        values = np.minimum(values, np.uint64(seq_len))
+    bound = np.clip(values.astype(np.int64), 0, seq_len)
     # Phoenix's ranges are lo <= x < hi: one with hi < lo is empty (rankattn refuses it).
     bound[..., 1::2] = np.maximum(bound[..., 1::2], bound[..., 0::2])
     if kv_len == seq_len and ((bound[..., 0] == 0) & (bound[..., 1] == seq_len)).all():

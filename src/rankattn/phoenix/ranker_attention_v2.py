@@ -90,13 +90,13 @@ def _attend(q, k, v, temp, segment_ids, sm_scale, cap, cap_method, causal, z_los
     causal = check_static_bool("causal", causal)  # a truthy "False" must not run causal
     check_tensor("q", q, "[B, S, Hq, D]")  # before temp is checked against its shape
     _check_temp(temp, q.shape[:2])
-    # Concrete ids are compared as they are: cast to int32 first, 2**32 + 1 (a candidate)
-    # would wrap to 1 (history).
     form = "[B, S] of Phoenix's ids (1 history, 0 padding, any other a candidate)"
     segment_ids = as_array("segment_ids", segment_ids, "RA107", form)
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):  # a float 0.5 was a candidate
         raise fail("RA107", f"segment_ids has dtype {segment_ids.dtype}; pass an int array "
                             f"{form}, e.g. ids.astype(jnp.int32).")
+    # Concrete ids are compared as they are: cast to int32 first, 2**32 + 1 (a candidate)
+    # would wrap to 1 (history).
     known = concrete(segment_ids)
     ids = jnp.asarray(segment_ids) if known is None else known
     ids = jnp.where(ids == 1, 1, jnp.where(ids == 0, 0, -1)).astype(jnp.int32)

@@ -151,13 +151,15 @@ register(
         "serving.HistoryStore(num_layers=, kv_heads=, head_dim=, page_size=, device_pages=, "
         "max_users=, max_pages_per_user=, host_pages=, history=, ...) sizes one stacked paged "
         "cache and its host tier: positive ints (host_pages may be 0), max_pages_per_user at "
-        "most device_pages, history 'bidirectional' or 'causal', and policy a name in "
-        "serving.EVICTION_POLICIES ('lru' or 's3fifo').",
+        "most device_pages, history 'bidirectional' or 'causal', policy a name in "
+        "serving.EVICTION_POLICIES ('lru' or 's3fifo'), a float dtype, and sizes whose "
+        "indices fit int32 (the message says which empty_cache refused).",
         "Pass the sizes as Python ints, e.g. HistoryStore(num_layers=4, kv_heads=2, "
         "head_dim=64, device_pages=4096, max_users=512, max_pages_per_user=64)."),
     ErrorKind(
         "RA220", "acquire rows are malformed",
-        "HistoryStore.acquire(user_ids, versions, lengths) takes one int per row in each "
+        "HistoryStore.acquire(user_ids, versions, lengths) (and unwritten(), which takes the "
+        "same rows) takes one int per row in each "
         "(equal lengths, lengths >= 0). Rows of one user must share version and length: one "
         "slot holds one history of a user per call.",
         "Pass three equal-length int sequences; acquire a user's second history in a later "

@@ -167,7 +167,8 @@ def empty_cache(*, num_users: int, num_pages: int, page_size: int, kv_heads: int
                             + ", ".join(f"{n}={v!r}" for n, v in bad.items()) + ".")
     # Page ids, slots and lengths are int32; XLA aborts the process on a shape whose size
     # overflows, so sizes past any memory are refused here.
-    wide = {"num_pages * kv_heads * page_size": num_pages * kv_heads * page_size,  # page rows
+    # Rows of the pages (a write's padding goes to a page past the last).
+    wide = {"(num_pages + 1) * kv_heads * page_size": (num_pages + 1) * kv_heads * page_size,
             "max_pages * page_size": max_pages * page_size, "num_users": num_users}
     wide = {n: v for n, v in wide.items() if v > INT32_MAX}
     elements = (num_layers or 1) * num_pages * kv_heads * page_size * max(head_dim, v_head_dim)

@@ -139,7 +139,8 @@ def local_view(cache, sharding: Sharding) -> PagedKVCache:
 
 
 def local_users(users, batch: int, users_per_shard: int, sharding: Sharding):
-    """Global user ids [B] -> ids in their shard's cache; RA216 when a row's user is elsewhere."""
+    """Global user ids [B] -> ids in their shard's cache; RA206 for an id outside every
+    shard's users, RA216 when a row's user is on another shard."""
     nb, _ = _shards(sharding)
     if batch % nb:
         raise fail("RA215", f"q has {batch} rows, which {nb} batch shards cannot split; pass a "

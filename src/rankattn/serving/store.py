@@ -292,7 +292,7 @@ class HistoryStore:
                                         "lease.")
                 self._lock.wait(left)
             steps, evictions = self._plan(keys)
-            placed, updates, spills, restores = self._apply(steps, evictions)
+            placed, updates, spills, restores, emptied = self._apply(steps, evictions)
             rows = [placed[key] for key in zip(users.tolist(), versions.tolist(),
                                                lengths.tolist())]
             for entry, source, _ in rows:
@@ -314,16 +314,21 @@ class HistoryStore:
                 for entry, _, _ in spills:
                     if id(entry) in self._host and not entry.ready:
                         self._hide(entry, [])
-                self._unpin(lease, placed=True)  # its updates' turns are skipped as it ends
+                self._unpin(lease)  # its updates' turns are skipped as it ends
             raise
         if failures:
             with self._lock:
-                updates = self._unpin(lease, placed=True)
+                updates = self._unpin(lease)
             self._dispatch(updates)  # its own failure would add nothing to the first one's
             what, error = failures[0]
             raise _failed("acquire", what, error, "the entries it was for were dropped and "
                           "this call's rows unpinned; no lease was returned. Acquire the rows "
                           "again: they come back as misses.") from error
+        if emptied:
+            with self._lock:
+                for entry in emptied:
+                    entry.ready = True
+                self._lock.notify_all()
         return lease
 
     def _awaits_write(self, user: int, version: int, length: int) -> bool:
@@ -448,9 +453,11 @@ class HistoryStore:
         the same order (a spill's gather before the drop of its pages), issued here and run
         by the caller after the lock. The eviction policy takes its plan's outcome first and
         hears of the new entries last (its plan chose the victims before they came).
-        Returns ({key: (entry, source, cached)}, the device updates, spills, restores); the
-        spills' and restores' copies finish outside the lock."""
+        Returns ({key: (entry, source, cached)}, the device updates, spills, restores, empty
+        histories); the spills' and restores' copies finish outside the lock, and the empty
+        histories are ready once the updates that empty their slots have run."""
         placed, updates, spills, restores, dropped, arrived = {}, [], {}, [], [], []
+        emptied = []
         self._policy.commit(evictions)
         for kind, key, entry, *more in steps:
             if kind == "hit":
@@ -492,9 +499,10 @@ class HistoryStore:
                 placed[key] = (entry, "prefix", entry.length)
             else:  # miss
                 entry = _Entry(key[0], key[1], 0, key[2], "device", slot=self._take_slot(),
-                               pages=self._take_pages(more[0]), ready=key[2] == 0)
+                               pages=self._take_pages(more[0]))
                 if key[2] == 0:  # never written: its slot is emptied here, in case the drop
                     dropped.append((entry.slot, []))  # of its last holder failed or was skipped
+                    emptied.append(entry)  # ready once that has run
                 self._index[entry.user] = entry
                 arrived.append(entry)
                 placed[key] = (entry, "miss", 0)
@@ -502,7 +510,7 @@ class HistoryStore:
             self._device_entries[id(entry)] = entry
             self._policy.inserted(entry)
         updates += self._drop_device(dropped)
-        return placed, updates, list(spills.values()), restores
+        return placed, updates, list(spills.values()), restores, emptied
 
     # --- Write and release. ---------------------------------------------------------------
 
@@ -617,21 +625,18 @@ class HistoryStore:
                 updates = self._unpin(lease)
             self._dropped(updates, "release")
 
-    def _unpin(self, lease: Lease, placed: bool = False) -> list:
+    def _unpin(self, lease: Lease) -> list:
         """Release ``lease`` (under the lock): unpin its rows, drop the entries it was to
-        bring and did not (unwritten, or a failed restore; with ``placed``, for an acquire
-        that failed, also its empty histories, whose slots' emptying may not have run), and
-        free the entries a newer version replaced once unpinned. Returns the device updates
-        that empty their slots."""
+        bring and did not (unwritten, a failed restore, or an empty history whose slot was
+        not emptied), and free the entries a newer version replaced once unpinned. Returns
+        the device updates that empty their slots."""
         lease.released = True
         dropped = []
         for entry in lease._entries:
             entry.pins -= 1
             self._policy.released(entry)
-        placed_now = {id(e) for e, source in zip(lease._entries, lease.source)
-                      if placed and source == "miss"}
         for entry in {id(e): e for e in lease._entries}.values():
-            if entry.visible and (not entry.ready or id(entry) in placed_now):
+            if entry.visible and not entry.ready:
                 self._hide(entry, dropped)
             elif not entry.visible and entry.pins == 0 and entry.slot >= 0:
                 dropped.append(self._take_back(entry))
