@@ -26,9 +26,9 @@ def cap_options(cap, cap_method) -> dict:
 
 def scalar_options(sm_scale, cap, cap_method, z_loss_weight) -> tuple[dict, float]:
     """(rankattn's scale and cap options, the z-loss weight) from Phoenix's arguments, each a
-    Python number (they select the compiled program, as rankattn's scale does): RA113, RA111
-    or RA129 naming the argument for a string, a bool, None, a traced array or an overflowing
-    int, and RA129 for a z-loss weight that is not finite."""
+    Python number (they select the compiled program, as rankattn's scale does): RA113
+    (sm_scale), RA111 (cap) or RA129 (z_loss_weight) naming the argument for a string, a bool,
+    None, a traced array or an overflowing int; RA129 too for a weight that is not finite."""
     options = dict(scale=static_float("sm_scale (the scale)", sm_scale, "RA113"),
                    **cap_options(cap, cap_method))
     weight = static_float("z_loss_weight", z_loss_weight, "RA129")
