@@ -3,8 +3,8 @@
 ``cached_logits`` is what a ranking service runs per request: the history-only
 forward pass fills one stacked ``rankattn.serving`` cache, a layer axis in front
 (done once per user and history), then the candidate tokens alone go through the
-layers in a ``jax.lax.scan`` over the stacked block weights and the stacked cache,
-each layer attending to its cache and to its own key. With a ``budget`` every
+layers one after another, layer ``l`` attending to its layer of the stacked cache
+(``attend(..., layer=l)``) and to its own key. With a ``budget`` every
 layer keeps only the history pages Quest's bound ranks highest.
 
 ``store_logits`` does the same through a ``rankattn.serving.HistoryStore`` that

@@ -148,7 +148,8 @@ def empty_cache(*, num_users: int, num_pages: int, page_size: int, kv_heads: int
       v_head_dim: Dv of the values (default D).
       max_pages: most pages one user may own (default N); user capacity is
         max_pages * P tokens. The page table costs U * max_pages int32.
-      dtype: float dtype of k_pages / v_pages (min/max are kept in float32).
+      dtype: float dtype of k_pages / v_pages (min/max are kept in float32, float64 for
+        a float64 cache).
       num_layers: L for a stacked cache (every array gains a leading [L] axis, see
         the module docstring); None (default) for one layer's cache.
 

@@ -13,7 +13,7 @@ when a role has no axes). Cache [i, j] is an ordinary cache with its own page po
 
 :func:`attend` with ``sharding=`` runs the single-device code on every shard inside a
 ``shard_map``. With context shards each computes its rows' attention to its part of
-the history as a partial (out, lse); the partials (C x Hq x Dv per row: the keys stay
+the history as a partial (out, lse); the partials (T x Hq x Dv per row: the keys stay
 where they are) are all-gathered over the context axes and merged by
 :func:`rankattn.distributed.merge_partials`, with the self term as one more partial.
 Exact attention only: Quest (``budget=``) runs on batch shards, where every user's
