@@ -40,12 +40,21 @@ def quest_bounds(keys, q_scaled, page_size: int):
 
 
 class CacheMachine(RuleBasedStateMachine):
-    @initialize(page_size=st.sampled_from([1, 3, 4]))
-    def start(self, page_size):
+    @initialize(page_size=st.sampled_from([1, 3, 4]), seed=st.integers(0, 2 ** 16))
+    def start(self, page_size, seed):
+        """An empty cache, then user 0's history of MAX_PAGES whole pages: the random appends
+        alone (a few tokens each, shrunk towards none) left every history under a page, so
+        no attend with a budget ever selected (the first state of every run checks one)."""
         self.p = page_size
         self.cache = serving.empty_cache(num_users=USERS, num_pages=PAGES, page_size=page_size,
                                          kv_heads=HKV, head_dim=D, max_pages=MAX_PAGES)
         self.model = {u: (np.zeros((0, HKV, D), np.float32),) * 2 for u in range(USERS)}
+        rng = np.random.default_rng(seed)
+        k, v = (rng.normal(0, 1, (1, MAX_PAGES * page_size, HKV, D)).astype(np.float32)
+                for _ in range(2))
+        self.cache = serving.append(self.cache, np.array([0]), k, v, np.array([k.shape[1]]))
+        self.model[0] = (k[0], v[0])
+        assert self.check_attend([0, 1], seed, pages=2, gqa="per_head"), "no selection ran"
 
     def pages_held(self):
         return sum(-(-len(k) // self.p) for k, _ in self.model.values())
@@ -73,11 +82,16 @@ class CacheMachine(RuleBasedStateMachine):
           seed=st.integers(0, 2 ** 16), pages=st.none() | st.integers(2, MAX_PAGES),
           gqa=st.sampled_from(serving.GQA_MODES))
     def attend(self, users, seed, pages, gqa):
+        self.check_attend(users, seed, pages, gqa)
+
+    def check_attend(self, users, seed, pages, gqa) -> bool:
         """Exact (pages None) or Quest with a budget of ``pages`` pages (recent_pages=1, no
         sink): fewer pages than a long history holds, so selection runs. The expected value is a
         float64 softmax over the model's tokens on the pages select_pages reports (all pages
         when exact) plus the self key; with gqa='per_head' those pages must also be the recent
-        page plus the best Quest bounds, recomputed here from the model's keys."""
+        page plus the best Quest bounds, recomputed here from the model's keys. Returns
+        whether that order was checked (a history longer than the budget, per_head)."""
+        ordered = False
         rng = np.random.default_rng(seed)
         q = rng.normal(0, 1, (2, 1, HQ, D)).astype(np.float32)
         ks, vs = (rng.normal(0, 1, (2, 1, HKV, D)).astype(np.float32) for _ in range(2))
@@ -109,6 +123,7 @@ class CacheMachine(RuleBasedStateMachine):
                         kept = [j for j in scored if j in picked]
                         dropped = [j for j in scored if j not in picked]
                         assert min(bound[kept]) >= max(bound[dropped]) - 1e-5, (bound, picked)
+                        ordered = True
                     read = np.isin(page_of, sorted(picked))
                 keys = np.concatenate([logits_hist[read],
                                        [ks[b, 0, kv].astype(np.float64) @ q[b, 0, h] / math.sqrt(D)]])
@@ -116,6 +131,7 @@ class CacheMachine(RuleBasedStateMachine):
                 w = np.exp(keys - keys.max())
                 assert_close_f32(got[b, 0, h], w @ vals / w.sum(), f"user {u} head {h} pages {pages}",
                                  tol=FEW_KEYS_TOL)
+        return ordered
 
     @invariant()
     def cache_matches_the_model(self):
