@@ -472,11 +472,28 @@ def test_cpu_kernel_bounds_equal_xlas(seed, pages, rows, d, hkv, bad_pages):
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5 * np.sqrt(d))
 
 
+def quest_bounds(k, q, page_size: int, scale: float):
+    """Quest's page bounds in float64 numpy, apart from the code under test: per query row,
+    head and page, sum_i max(scale q_i max_i, scale q_i min_i), max and min over the page's
+    keys. k [n, Hkv, D] (one user's valid keys), q [T, Hq, D] -> (bounds [T, Hq, pages], and
+    sum_i |scale q_i| max(|max_i|, |min_i|), the size of what float32 rounds)."""
+    n, hkv, d = k.shape
+    pages = -(-n // page_size)
+    # The last key repeated fills the last page: it changes neither its max nor its min.
+    kp = np.pad(k.astype(np.float64), ((0, pages * page_size - n), (0, 0), (0, 0)), mode="edge")
+    kp = np.repeat(kp.reshape(pages, page_size, hkv, d), q.shape[1] // hkv, axis=2)
+    hi, lo = (x.transpose(1, 0, 2)[None] for x in (kp.max(1), kp.min(1)))  # [1, Hq, pages, D]
+    sq = scale * q.astype(np.float64)[:, :, None]                          # [T, Hq, 1, D]
+    return (np.maximum(sq * hi, sq * lo).sum(-1),
+            (np.abs(sq) * np.maximum(np.abs(hi), np.abs(lo))).sum(-1))
+
+
 @given(seed=st.integers(0, 2**31 - 1), page_size=st.sampled_from([1, 4, 16]),
        scale=st.floats(-3, 3).filter(lambda x: abs(x) > 1e-3),
        key_offset=st.floats(-4, 4), key_scale=st.floats(0.01, 10))
 def test_no_logit_exceeds_its_page_bound(seed, page_size, scale, key_offset, key_scale):
-    """Quest's bound holds for every query head, key and page, any scale sign, shifted keys."""
+    """Quest's bound holds for every query head, key and page, any scale sign, shifted keys, and
+    is Quest's formula (a looser bound would hold too, and select worse pages)."""
     rng = np.random.default_rng(seed)
     u, s, hkv, hq, d, t = 2, 37, 2, 6, 8, 3
     k = (key_offset + key_scale * rng.normal(size=(u, s, hkv, d))).astype(np.float32)
@@ -493,7 +510,10 @@ def test_no_logit_exceeds_its_page_bound(seed, page_size, scale, key_offset, key
         bound = bounds[b][..., page_of]                                  # [T, Hq, n]
         slack = 1e-5 * (1 + np.abs(bound))                               # float32 rounding
         assert (logits <= bound + slack).all(), float((logits - bound).max())
-        assert np.isneginf(bounds[b][..., -(-n // page_size):]).all()
+        want, size = quest_bounds(k[b, :n], q[b], page_size, scale)
+        got = bounds[b][..., :want.shape[-1]]
+        assert (np.abs(got - want) <= 1e-6 * size).all(), float(np.abs(got - want).max())
+        assert np.isneginf(bounds[b][..., want.shape[-1]:]).all()
 
 
 def test_passkey_is_selected_among_16k_noise_tokens():
@@ -587,7 +607,8 @@ def planted(request):
                         kv_heads=QUEST_HKV, head_dim=64, avoid=QUEST_P)
     cache = serving.cache_from_history(jnp.asarray(w.k_hist), jnp.asarray(w.v_hist),
                                        jnp.full((2,), 8192), page_size=QUEST_P)
-    bounds = np.asarray(serving.page_bounds(jnp.asarray(w.q), cache, jnp.arange(2)))
+    bounds = np.stack([quest_bounds(w.k_hist[u], w.q[u], QUEST_P, 1 / np.sqrt(64))[0]
+                       for u in range(2)])
     return w, cache, bounds
 
 

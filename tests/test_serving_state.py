@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import rankattn
 from rankattn import serving
-from test_serving import assert_cache_matches
+from test_serving import assert_cache_matches, quest_bounds
 from tolerances import FEW_KEYS_TOL, assert_close_f32
 
 USERS, PAGES, MAX_PAGES, HKV, HQ, D, T = 3, 8, 5, 1, 2, 2, 4
@@ -27,16 +27,6 @@ USERS, PAGES, MAX_PAGES, HKV, HQ, D, T = 3, 8, 5, 1, 2, 2, 4
 # under 1e-38).
 tokens = st.lists(st.floats(-3, 3, allow_nan=False, allow_subnormal=False, width=32), min_size=T * HKV * D,
                   max_size=T * HKV * D).map(lambda x: np.array(x, np.float32).reshape(1, T, HKV, D))
-
-
-def quest_bounds(keys, q_scaled, page_size: int):
-    """Per page: sum_i max(q_i * max_i, q_i * min_i) over the page's keys [n, D] (float64)."""
-    n_pages = -(-len(keys) // page_size)
-    out = np.empty(n_pages)
-    for j in range(n_pages):
-        page = keys[j * page_size:(j + 1) * page_size].astype(np.float64)
-        out[j] = np.maximum(q_scaled * page.max(0), q_scaled * page.min(0)).sum()
-    return out
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -118,7 +108,8 @@ class CacheMachine(RuleBasedStateMachine):
                     if n_pages:
                         assert n_pages - 1 in picked, "the recent page is always kept"
                     if gqa == "per_head" and n_pages > pages:
-                        bound = quest_bounds(hk[:, kv], q[b, 0, h] / math.sqrt(D), self.p)
+                        bound = quest_bounds(hk[:, kv:kv + 1], q[b, :1, h:h + 1], self.p,
+                                             1 / math.sqrt(D))[0][0, 0]
                         scored = [j for j in range(n_pages - 1)]
                         kept = [j for j in scored if j in picked]
                         dropped = [j for j in scored if j not in picked]
