@@ -204,10 +204,6 @@ def compiler_folder() -> str:
     return f"cuda-compiler-{jax.__version__}"
 
 
-def compiler_installed() -> bool:
-    return user_cache.installed(compiler_folder()) is not None
-
-
 def compiler_dir() -> str:
     """The folder holding the CUDA plugin and ptxas, installed there on first use
     (benchmarks/user_cache.py). Raises RuntimeError with pip's last lines when the packages

@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def run_suite(folder: str, env: dict[str, str], timeout: int = 600) -> None:
     """Run ``pytest tests/<folder>`` in a fresh interpreter with ``env`` added; its failures
-    fail the caller, with their output. ``-n 0``: the suite runs in one process, whatever
-    the parent's xdist workers."""
+    fail the caller, with their output, and its skips (pyproject's -rs lines) become warnings
+    in the caller's summary, where CI's log shows them. ``-n 0``: the suite runs in one
+    process, whatever the parent's xdist workers."""
     env = dict(os.environ, **env)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT),
                                          os.environ.get("PYTHONPATH", "")])
@@ -41,6 +43,9 @@ def run_suite(folder: str, env: dict[str, str], timeout: int = 600) -> None:
     assert result.returncode == 0, (f"tests/{folder} failed (exit {result.returncode}):\n"
                                     + result.stdout[-20000:] + result.stderr[-5000:])
     assert " passed" in result.stdout
+    for line in result.stdout.splitlines():
+        if line.startswith("SKIPPED "):
+            warnings.warn(f"tests/{folder}, in its own process: {line}", stacklevel=2)
 
 
 # --- The cpu kernel's build. ---------------------------------------------------------

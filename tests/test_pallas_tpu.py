@@ -628,8 +628,7 @@ def test_one_context_shard_matches_the_reference():
 
     assert SMALL_TPU.takes_shard_mask and not SMALL_TPU.not_supported_reasons(call)
     for name, got, want in zip(FIELDS, results(SMALL_TPU), results(BACKENDS["reference"])):
-        assert_close_f32(np.where(np.isfinite(want), got, 0), np.where(np.isfinite(want), want, 0),
-                         name)
+        assert_close_f32(got, want, name)  # -inf lse where a row sees nothing, in both
 
 
 def test_phoenix_v2_runs_on_it_with_causal_candidates():

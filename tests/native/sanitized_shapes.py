@@ -102,7 +102,7 @@ def context_shard():
     got = jax.jit(lambda: Cpu(BlockSizes(2, 3))(call))()  # one compile each, not one per op
     want = jax.jit(lambda: rankattn.backends.Reference()(call))()
     for x, y in zip(got, want):
-        assert float(jnp.nanmax(jnp.abs(x - y))) < 1e-4
+        assert float(jnp.max(jnp.abs(x - y))) < 1e-4  # every key is seen: no NaN, no inf
 
 
 def paged():
