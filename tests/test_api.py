@@ -212,3 +212,20 @@ def test_impl_list_falls_back_in_order():
         with pytest.raises(rankattn.RankattnValueError, match="RA115") as err:
             rankattn.attention(q, k, v, impl=[PallasTriton(interpret=True)])
         assert "float64" in str(err.value)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs a machine without a GPU/TPU")
+def test_a_listed_name_that_cannot_run_here_is_passed_over_regression():
+    """['pallas_triton', 'xla'] on a CPU runs xla, as a list tried in order should (every
+    name was resolved first, and pallas_triton's RA115 ended the call); plan(impl=) too. A list
+    of names none of which can run here names each one with its reason."""
+    q, k, v, _ = random_qkv(10, B, S, HQ, HKV, D)
+    got = rankattn.attention(q, k, v, segment_ids=PACKED, impl=["pallas_triton", "xla"])
+    want = rankattn.attention(q, k, v, segment_ids=PACKED, impl="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    plan = rankattn.plan(segment_ids=PACKED, impl=["pallas_tpu", "xla"])
+    assert plan.block_sizes == rankattn.plan(segment_ids=PACKED, impl="xla").block_sizes
+    with pytest.raises(rankattn.RankattnValueError, match="RA115") as err:
+        rankattn.attention(q, k, v, impl=["pallas_triton", "mosaic_gpu"])
+    assert "'pallas_triton': pallas_triton needs a GPU" in str(err.value)
+    assert "'mosaic_gpu': mosaic_gpu needs a GPU" in str(err.value)

@@ -166,25 +166,40 @@ def resolve_impls(impl, argument: str = "impl") -> list[Backend]:
     """The backends ``impl`` names: 'auto', a name, a Backend instance, or a list of those.
 
     'auto' (or None, the same at every entry point that takes ``impl``) gives
-    every backend that can run on this machine. A name whose
-    backend cannot run here raises RA115 with the reasons; an instance is
-    taken as it is (it may be lowered for another platform).
+    every backend that can run on this machine. A name whose backend cannot run
+    here is passed over inside a list (an ``["pallas_triton", "xla"]`` that runs
+    anywhere); alone, or where no entry of a list is left, it raises RA115 with the
+    reasons. An instance is taken as it is (it may be lowered for another platform).
     """
+    return _runnable(impl, argument)[0]
+
+
+def _runnable(impl, argument: str) -> tuple[list[Backend], list[str]]:
+    """(the backends ``impl`` names that can run here, why each named one that cannot); RA115
+    where none can."""
+    backends, why = _resolve(impl, argument)
+    if not backends:
+        raise fail("RA115", f"{argument}={impl!r} cannot run on this machine:\n    - "
+                            + "\n    - ".join(why))
+    return backends, why
+
+
+def _resolve(impl, argument: str) -> tuple[list[Backend], list[str]]:
+    """(the backends ``impl`` names that can run here, why each named one that cannot)."""
     if isinstance(impl, (list, tuple)):
         if not impl:  # else RA115 would list no reason at all
             raise fail("RA114", f"{argument}={impl!r} names no backend; use 'auto', one of "
                                 f"{', '.join(map(repr, BACKENDS))} or a non-empty list.")
-        return [b for item in impl for b in resolve_impls(item, argument)]
+        found = [(item, *_resolve(item, argument)) for item in impl]
+        return ([b for _, backends, _ in found for b in backends],
+                [f"{item!r}: {w}" for item, _, why in found for w in why])
     if isinstance(impl, Backend):
-        return [impl]
+        return [impl], []
     if impl is None or (isinstance(impl, str) and impl == "auto"):
-        return [b for b in BACKENDS.values() if not b.platform_reasons()]
+        return [b for b in BACKENDS.values() if not b.platform_reasons()], []
     if isinstance(impl, str) and impl in BACKENDS:
         why = BACKENDS[impl].platform_reasons()
-        if why:
-            raise fail("RA115", f"{argument}={impl!r} cannot run on this machine:\n    - "
-                                + "\n    - ".join(why))
-        return [BACKENDS[impl]]
+        return ([], why) if why else ([BACKENDS[impl]], [])
     raise fail("RA114", f"{argument}={impl!r} is not a backend; use 'auto' or one of "
                         f"{', '.join(map(repr, BACKENDS))}.")
 
@@ -192,8 +207,8 @@ def resolve_impls(impl, argument: str = "impl") -> list[Backend]:
 def select_backend(impl, call: AttentionCall, per_shard: bool = False) -> Backend:
     """The first backend of ``impl`` that can run ``call`` (one device's part of a sharded
     call when ``per_shard``: RA122 instead of RA115 when none can)."""
-    reasons = []
-    for backend in resolve_impls(impl):
+    backends, reasons = _runnable(impl, "impl")
+    for backend in backends:
         why = backend.not_supported_reasons(call)
         if not why and impl in (None, "auto"):
             why = backend.auto_reasons(call)
