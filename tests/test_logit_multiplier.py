@@ -55,6 +55,24 @@ def test_rows_and_heads_forms_agree_and_ints_are_taken():
     np.testing.assert_allclose(np.asarray(rows), want, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64, None])  # None: a Python list of ints
+def test_an_int_multiplier_past_int32_is_its_float32_value_regression(dtype):
+    """An int64 / uint64 multiplier (or a list of ints) past int32 is taken as its float32
+    value: it went through jnp.asarray first, which takes 64-bit ints to 32 bits while x64 is
+    off (2**32 + 2 became 2, 2**40 became 0)."""
+    q, k, v, _, _ = inputs()
+    t = np.ones((B, S), np.int64) * 2
+    t[0, :3] = [2**32 + 2, 2**40, 2**33]
+    given = t.tolist() if dtype is None else t.astype(dtype)
+    got = rankattn.attention(q, k, v, segment_ids=SEG, logit_multiplier=given, impl="xla",
+                             return_lse=True)
+    want = rankattn.attention(q, k, v, segment_ids=SEG, logit_multiplier=t.astype(np.float32),
+                              impl="xla", return_lse=True)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert np.asarray(got[1])[0, :, 0].min() > 1e8  # the huge factors did scale the logits
+
+
 def test_the_multiplier_gets_no_gradient_and_may_be_traced():
     """Phoenix's backward returns zeros for temp; a traced t gives what a concrete one does."""
     q, k, v, w, t = inputs(2)

@@ -155,6 +155,8 @@ def _check_logit_multiplier(x, batch: int, q_len: int, q_heads: int):
                             f"[B, Sq] = ({batch}, {q_len}), one factor per query, or "
                             f"[B, Sq, Hq] = ({batch}, {q_len}, {q_heads}), one per query and "
                             "head.")
+    if isinstance(x, (np.ndarray, np.generic)):  # jnp.asarray would take int64 to int32 first
+        x = x.astype(np.float32)                  # (2**32 + 2 wrapped to 2), as x64 is off
     x = jax.lax.stop_gradient(jnp.asarray(x).astype(jnp.float32))
     return jnp.broadcast_to(x[:, :, None] if x.ndim == 2 else x, (batch, q_len, q_heads))
 
