@@ -162,6 +162,13 @@ def test_ragged_last_query_block_is_full_despite_internal_padding():
     (dict(), "needs segment_ids or bounds"),
     (dict(bounds=np.array([0, 3, 3, 5])), "needs seq_len"),
     (dict(segment_ids=np.ones(5, np.int32)), "needs [B, S]"),
+    # Regression cases (review): ragged lists raised numpy's bare ValueError; zero rows of
+    # bounds made a plan no call could use; both masks without seq_len asked for seq_len.
+    (dict(segment_ids=[[1, 2], [1]]), "[RA107] segment_ids must be an int array [B, S]; got list"),
+    (dict(bounds=[[0, 1, 1], [0, 1, 1, 2]], seq_len=5), "[RA108] bounds [[0, 1, 1], [0, 1, 1, 2]] "
+                                                        "is not a rectangular array"),
+    (dict(bounds=np.zeros((0, 4), int), seq_len=5), "[RA105] plan(bounds=...) got shape (0, 4)"),
+    (dict(segment_ids=np.ones((1, 4), np.int32), bounds=[0, 1, 1, 2]), "[RA110]"),
 ])
 def test_plan_argument_errors(kwargs, fragment):
     with pytest.raises(rankattn.RankattnError, match="RA1") as err:

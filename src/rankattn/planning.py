@@ -26,7 +26,8 @@ import numpy as np
 
 from rankattn.blocks import BlockPlan, BlockSizes, make_block_plan, pad_axis1
 from rankattn.errors import fail
-from rankattn.validate import INT32_MAX, check_mask_args
+from rankattn.validate import (BOUNDS_FORM, INT32_MAX, as_array, check_mask_args,
+                               check_one_mask, segment_ids_array)
 
 
 @jax.tree_util.register_dataclass
@@ -97,13 +98,21 @@ def plan(*, segment_ids=None, bounds=None, seq_len: int | None = None, causal: b
     if segment_ids is None and bounds is None:
         raise fail("RA117", "plan() needs segment_ids or bounds; for unmasked attention pass "
                             "segment_ids=jnp.ones((B, S), jnp.int32).")
-    if segment_ids is not None and np.ndim(segment_ids) != 2:
-        raise fail("RA107", f"segment_ids has shape {np.shape(segment_ids)}; plan() needs [B, S].")
-    if segment_ids is not None and 0 in np.shape(segment_ids):
-        raise fail("RA105", f"plan(segment_ids=...) got shape {np.shape(segment_ids)}; a plan "
-                            "needs at least one row of at least one token (B >= 1, S >= 1), as "
-                            "rankattn.attention does. Skip the call for an empty batch, or pad "
-                            "to length 1 and mask the pad with segment id 0.")
+    check_one_mask(segment_ids, bounds)
+    if bounds is None:
+        segment_ids = segment_ids_array(segment_ids)
+        if np.ndim(segment_ids) != 2:
+            raise fail("RA107", f"segment_ids has shape {np.shape(segment_ids)}; plan() needs "
+                                "[B, S].")
+    else:
+        bounds = as_array("bounds", bounds, "RA108", BOUNDS_FORM)
+    given, shape = (("segment_ids", np.shape(segment_ids)) if bounds is None
+                    else ("bounds", np.shape(bounds)))
+    if 0 in (shape if given == "segment_ids" else shape[:-1]):  # bounds' last axis: the 4
+        raise fail("RA105", f"plan({given}=...) got shape {shape}; a plan needs at least one "
+                            "row of at least one token (B >= 1, S >= 1), as rankattn.attention "
+                            "does. Skip the call for an empty batch, or pad to length 1 and "
+                            "mask the pad with segment id 0.")
     if bounds is not None:
         if seq_len is None:
             raise fail("RA117", "plan(bounds=...) needs seq_len=S, the sequence length.")

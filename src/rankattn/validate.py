@@ -188,13 +188,24 @@ def check_logit_options(scale, softcap, softcap_method, head_dim: int | None):
 def check_mask_args(segment_ids, bounds, causal, batch: int, seq_len: int):
     """(canonical int32 segment ids [B, S] or None, causal) from either spelling of the mask."""
     causal = check_static_bool("causal", causal)
-    if segment_ids is not None and bounds is not None:
-        raise fail("RA110", "segment_ids and bounds were both given; pass only one of them.")
+    check_one_mask(segment_ids, bounds)
     if segment_ids is not None:
         segment_ids = _check_segment_ids(segment_ids, batch, seq_len)
     if bounds is not None:
         segment_ids = semantics.bounds_to_segment_ids(_check_bounds(bounds, batch, seq_len), seq_len)
     return segment_ids, causal
+
+
+def check_one_mask(segment_ids, bounds) -> None:
+    if segment_ids is not None and bounds is not None:
+        raise fail("RA110", "segment_ids and bounds were both given; pass only one of them.")
+
+
+def segment_ids_array(segment_ids):
+    """``segment_ids`` itself if it is an array (RA107 otherwise: a list could be ragged)."""
+    if not hasattr(segment_ids, "shape") or not hasattr(segment_ids, "dtype"):
+        raise fail("RA107", f"segment_ids must be an int array [B, S]; got {type(segment_ids).__name__}.")
+    return segment_ids
 
 
 def static_float(name: str, value, code: str) -> float:
@@ -260,8 +271,7 @@ def int32_array(name: str, x, code: str, what: str) -> jax.Array:
 
 
 def _check_segment_ids(segment_ids, batch: int, seq_len: int):
-    if not hasattr(segment_ids, "shape") or not hasattr(segment_ids, "dtype"):
-        raise fail("RA107", f"segment_ids must be an int array [B, S]; got {type(segment_ids).__name__}.")
+    segment_ids = segment_ids_array(segment_ids)
     if segment_ids.dtype == np.bool_:
         raise fail("RA107", "segment_ids is a bool array; segment ids are integers (0 = padding, "
                             "+s = history of session s, -s = candidate of session s). For a "
