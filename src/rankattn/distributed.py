@@ -41,6 +41,7 @@ reorder its tokens once per batch (``x[:, balanced_order(S, N)]``) and pass
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -515,8 +516,24 @@ def gathered_history(kernel, axes: Axes, n: int, q, mult, seg_q, pos_q, k, v, se
 # --- The sharded call. --------------------------------------------------------------
 
 
+# The arrays of a call; the rest of it (with these None) is static.
+CALL_ARRAYS = ("q", "k", "v", "segment_ids", "plan", "logit_multiplier")
+
+
 def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy: str | None):
-    """(out, lse) of ``call`` on ``sharding``'s mesh, ``backend`` running on every shard."""
+    """(out, lse) of ``call`` on ``sharding``'s mesh, ``backend`` running on every shard.
+
+    Jitted on the call's static part (called eagerly, a shard_map would run its body op by
+    op; and a jit of a closure made here would compile again at every call)."""
+    static = dataclasses.replace(call, **dict.fromkeys(CALL_ARRAYS))
+    return _sharded_attention(*(getattr(call, name) for name in CALL_ARRAYS), backend=backend,
+                              static=static, sharding=sharding, strategy=strategy)
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "static", "sharding", "strategy"))
+def _sharded_attention(*arrays, backend, static: AttentionCall, sharding: Sharding,
+                       strategy: str | None):
+    call = dataclasses.replace(static, **dict(zip(CALL_ARRAYS, arrays)))
     batch, heads, context = sharding.batch, sharding.heads, sharding.context
     qkv_spec = _spec(batch, context, heads, ())
     lse_spec = _spec(batch, heads, context)
@@ -534,8 +551,7 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
         seg_spec = None if call.segment_ids is None else row_spec
         mapped = _shard_map(body, sharding.mesh, (qkv_spec, qkv_spec, qkv_spec, seg_spec,
                                                   plan_spec, mult_spec), (qkv_spec, lse_spec))
-        # jit: called eagerly, a shard_map would run its body op by op.
-        return jax.jit(mapped)(call.q, call.k, call.v, call.segment_ids, call.plan, multiplier)
+        return mapped(call.q, call.k, call.v, call.segment_ids, call.plan, multiplier)
 
     n = sharding.size(context)
     b, s = call.q.shape[:2]
@@ -571,7 +587,7 @@ def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy
     seg_spec = _spec(batch, context)
     mapped = _shard_map(body, sharding.mesh, (qkv_spec, qkv_spec, qkv_spec, seg_spec, mult_spec),
                         (qkv_spec, lse_spec))
-    return jax.jit(mapped)(call.q, call.k, call.v, segment_ids, multiplier)
+    return mapped(call.q, call.k, call.v, segment_ids, multiplier)
 
 
 def add_own_keys(call: AttentionCall, history, q, k, v, segment_ids, multiplier=None):

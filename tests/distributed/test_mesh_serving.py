@@ -70,6 +70,22 @@ def test_exact_attend_matches_one_device(axes, roles, impl):
             assert np.isneginf(np.asarray(got[1])[0]).all()
 
 
+def test_an_eager_sharded_attend_compiles_once_regression():
+    """The same eager call twice compiles at most once: each call jitted a closure made for it, so
+    every call compiled again."""
+    from rankattn.serving import sharded
+    sharding = rankattn.Sharding(mesh(data=2, ctx=4), batch="data", context="ctx")
+    k, v, lengths, q, self_kv = data()
+    users = routed_users(len(q), 2)
+    cache = serving.sharded_cache_from_history(k, v, lengths, sharding=sharding, page_size=P)
+    outs, sizes = [], []
+    for _ in range(2):
+        outs.append(serving.attend(q, cache, users, self_kv=self_kv, sharding=sharding))
+        sizes.append(sharded._attend._cache_size())
+    assert sizes[1] == sizes[0], sizes  # (the first may have been compiled by a test before)
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+
+
 def test_quest_on_batch_shards_matches_one_device():
     sharding = rankattn.Sharding(mesh(data=8), batch="data")
     k, v, lengths, q, self_kv = data(1)

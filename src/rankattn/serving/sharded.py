@@ -26,6 +26,8 @@ sharded cache, and ``attend(..., sharding=, layer=i)`` slices it on every device
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,10 +174,20 @@ def local_users(users, batch: int, users_per_shard: int, sharding: Sharding):
 def attend(plan, query, cache: PagedKVCache, users, sharding: Sharding, layer, attend_partial,
            attend_exact):
     """Sharded scoring: (out [B, T, Hq, Dv] in q's dtype, lse [B, T, Hq]); ``plan`` / ``query``
-    are the checked single-device arguments, ``layer`` the layer of a stacked cache (or None)."""
+    are the checked single-device arguments, ``layer`` the layer of a stacked cache (or None).
+    Jitted on the static arguments: called eagerly, a shard_map would run its body op by op
+    (and a jit of a closure made here compiled again at every call)."""
+    k_self, v_self = query.self_kv
+    return _attend(query.q, users, k_self, v_self, cache, layer, plan=plan, sharding=sharding,
+                   attend_partial=attend_partial, attend_exact=attend_exact)
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "sharding", "attend_partial",
+                                             "attend_exact"))
+def _attend(q, users, k_self, v_self, cache, layer, *, plan, sharding: Sharding, attend_partial,
+            attend_exact):
     batch, context = sharding.batch, sharding.context
     rows, shards = _spec(batch), _spec(batch, context)
-    k_self, v_self = query.self_kv
 
     def body(q, users, k_self, v_self, cache):
         cache = jax.tree.map(lambda x: x[0, 0], cache)
@@ -193,8 +205,5 @@ def attend(plan, query, cache: PagedKVCache, users, sharding: Sharding, layer, a
     specs = (rows, rows, None if k_self is None else rows, None if v_self is None else rows,
              jax.tree.map(lambda _: shards, cache))
     mapped = _shard_map(body, sharding.mesh, specs, (rows, rows))
-
-    def run(q, users, k_self, v_self, cache, layer):  # a stack's layer, sliced on every device
-        return mapped(q, users, k_self, v_self, select_layer(cache, layer))
-
-    return jax.jit(run)(query.q, users, k_self, v_self, cache, layer)
+    # A stack's layer, sliced on every device.
+    return mapped(q, users, k_self, v_self, select_layer(cache, layer))
