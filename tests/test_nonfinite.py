@@ -119,3 +119,32 @@ def test_a_bad_key_in_full_blocks_poisons_its_session_only(impl, tensor):
     np.testing.assert_array_equal(out[0, ~session_1], clean_out[0, ~session_1])
     for g in grads:
         assert np.isfinite(g).all()
+
+
+def test_nan_cotangents_of_rows_that_see_nothing_and_a_lone_candidate_regression(impl):
+    """Two bugs, one call. A row that sees no key (lse -inf, out 0) passes no gradient even when
+    its cotangents are NaN, as ``where(isfinite(lse), lse ** 2, 0)`` hands back (cpu and xla
+    gave NaN to every dk and dv of its blocks). A candidate of a session with no history sees
+    its own key only, so a NaN in its q poisons it (xla checked q before the own key joined,
+    and returned a finite row that passed gradient to its own v)."""
+    seg = np.array([[1] * 6 + [-1] * 2 + [-2] * 2 + [0] * 2], np.int32)  # session 2: no history
+    q, k, v, d_out = random_qkv(15, 1, seg.shape[1], HQ, HKV, D)
+    d_lse = np.random.default_rng(16).normal(0, 1, (1, HQ, seg.shape[1])).astype(np.float32)
+    blind = seg[0] == 0
+    quiet_out, quiet_lse = d_out.copy(), d_lse.copy()  # the padding rows' cotangents 0, and
+    quiet_out[0, blind], quiet_lse[0][:, blind] = 0, 0  # the poisoned query's
+    quiet_out[0, 8, 1], quiet_lse[0, 1, 8] = 0, 0
+    want = attention_vjp(q, k, v, quiet_out, quiet_lse, segment_ids=seg, impl=impl)
+    d_out[0, blind], d_lse[0][:, blind] = np.nan, np.nan
+    q = q.copy()
+    q[0, 8, 1, 3] = np.nan
+    got = attention_vjp(q, k, v, d_out, d_lse, segment_ids=seg, impl=impl)
+    out, lse = np.asarray(got[0]), np.asarray(got[1]).transpose(0, 2, 1)
+    hit = np.zeros(out.shape[:3], bool)
+    hit[0, 8, 1] = True
+    assert np.isnan(out[hit]).all() and np.isnan(lse[hit]).all()
+    for name, x, y in zip(("out", "lse"), (out, lse),
+                          (np.asarray(want[0]), np.asarray(want[1]).transpose(0, 2, 1))):
+        np.testing.assert_array_equal(x[~hit], y[~hit], name)
+    for name, x, y in zip(("dq", "dk", "dv"), got[2:], want[2:]):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), name)

@@ -217,15 +217,18 @@ def backward_rows(out, d_out, lse, d_lse):
     """(lse, d_out, delta) for a flash backward, per row (``lse`` shaped ``out.shape[:-1]``).
 
     delta = rowsum(dO * O) - d lse (d lse / d s = p, so an lse cotangent enters
-    exactly like -delta). Poisoned rows (lse NaN) pass no gradient: their lse
+    exactly like -delta). Two kinds of rows pass no gradient: poisoned ones (lse NaN)
+    and those that see no key (lse -inf, out 0), whose cotangents may be NaN (a loss
+    that masks lse with ``where(isfinite(lse), lse ** 2, 0)`` hands back 2 lse 0 =
+    NaN, and 0 * NaN in ds or dv would reach every key of their blocks). Their lse
     becomes +inf, so every recomputed p is exactly 0, and their d_out and delta 0.
     """
-    poisoned = jnp.isnan(lse)
-    # Of d_out as given (a poisoned row's delta is replaced below): the dot need not wait
+    quiet = jnp.isnan(lse) | (lse == -jnp.inf)
+    # Of d_out as given (a quiet row's delta is replaced below): the dot need not wait
     # for the where.
     delta = row_dot(d_out, out) - d_lse
-    d_out = jnp.where(poisoned[..., None], 0, d_out).astype(d_out.dtype)
-    return jnp.where(poisoned, jnp.inf, lse), d_out, jnp.where(poisoned, 0.0, delta)
+    d_out = jnp.where(quiet[..., None], 0, d_out).astype(d_out.dtype)
+    return jnp.where(quiet, jnp.inf, lse), d_out, jnp.where(quiet, 0.0, delta)
 
 
 # --- Block-level view, used to skip work. -------------------------------------

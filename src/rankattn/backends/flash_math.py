@@ -83,10 +83,10 @@ def logit_grad_factor(st, p, multiplier=None, *, s=None, lse2=None):
 def lse2(lse):
     """The saved lse in base 2, for recomputing p = exp2(s2 - lse2) in a backward kernel.
 
-    Rows that saw nothing (-inf) have every logit masked to -inf: 0 keeps p at 0.
-    Poisoned rows arrive as +inf (semantics.backward_rows): every p is 0.
+    Rows that pass no gradient (poisoned, or seeing nothing) arrive as +inf
+    (semantics.backward_rows): every p is 0.
     """
-    return jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+    return lse * LOG2E
 
 
 def online_softmax_step(s2, v, m, l, acc, dot):

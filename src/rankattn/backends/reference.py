@@ -56,7 +56,10 @@ def reference_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
     l = p.sum(-1, keepdims=True)
     seen = l > 0
     safe_l = jnp.where(seen, l, 1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p / safe_l, vf, precision="highest")
+    # A row that sees nothing is 0 through a where, which drops its cotangent (a NaN one
+    # times p = 0 would reach dv).
+    out = jnp.where(seen.transpose(0, 2, 1, 3), jnp.einsum("bhqk,bkhd->bqhd", p / safe_l, vf,
+                                                           precision="highest"), 0)
     lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)[..., 0]
     # Rows that see a key whose k or v is non-finite (in their kv head) are poisoned.
     key_poison = jnp.repeat(k_poison + v_poison, groups, axis=2).transpose(0, 2, 1)[:, :, None]

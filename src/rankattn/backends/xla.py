@@ -386,7 +386,7 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: 
 
             carry = jax.lax.fori_loop(0, count.max(), body, carry)
         m, l, acc, seen_bad = carry
-        l = jnp.where(seen_bad[:, :, None, None] | (q_bad & (l != 0)), jnp.nan, l)
+        l = jnp.where(seen_bad[:, :, None, None], jnp.nan, l)
 
         if own is not None:  # the own-key logit joins the softmax
             s_own, _, is_cand = _own_logits(static, q, own, seg_q)
@@ -400,6 +400,9 @@ def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: 
             acc = acc * alpha[..., None] + p_own[..., None] * own[1][:, :, None].astype(acc_dtype)
             m = m_new
 
+        # A non-finite query poisons its row if it saw any key: checked after the own key, as
+        # a candidate with no history sees that one only.
+        l = jnp.where(q_bad & (l != 0), jnp.nan, l)
         seen = l != 0  # NaN (a poisoned row) counts as seen
         out = acc / jnp.where(seen, l, 1)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
@@ -420,9 +423,8 @@ def _flash_bwd(static, residuals, cotangents):
     qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, out, lse, multiplier = residuals
     d_out, d_lse = cotangents
     acc_dtype = static.accumulate
+    # Rows that pass no gradient get lse +inf: every p is 0.
     lse, d_out, delta = semantics.backward_rows(out, d_out, lse, d_lse)
-    # Rows that see nothing: every p is masked. Poisoned rows keep lse = +inf: every p is 0.
-    lse_safe = jnp.where(lse == -jnp.inf, 0, lse)
 
     def chunk(carry, xs):
         dk, dv = carry
@@ -460,7 +462,7 @@ def _flash_bwd(static, residuals, cotangents):
                      (p_own[..., None] * d_o.astype(acc_dtype)).sum(2))
         return (dk, dv), (dq, d_own)
 
-    xs = _chunks(static, (qu, own_kv, seg_qu, plan, d_out, delta, lse_safe, multiplier))
+    xs = _chunks(static, (qu, own_kv, seg_qu, plan, d_out, delta, lse, multiplier))
     (dk, dv), (dq, d_own) = jax.lax.scan(chunk, _key_grad_accumulators(static, kb, vb), xs)
     # Cotangents in the primal dtypes (bf16 / f16 operands on the mixed-precision path).
     like = lambda grads, primals: jax.tree.map(lambda g, x: g.astype(x.dtype), grads, primals)
