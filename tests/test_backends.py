@@ -351,3 +351,16 @@ class TestCpuDefaultBlocks(BackendTests):
 
     impl = Cpu()
     configs = CPU_DEFAULT_BLOCK_LENGTHS + CONFIGS[5::3]
+
+
+@pytest.mark.parametrize("dtype, declined", [("float32", False), ("float64", True)])
+def test_the_references_logits_limit_counts_their_bytes_regression(dtype, declined):
+    """24000^2 logits take 2.1 GiB in float32, 4.3 GiB in float64, over the 4 GiB limit: it
+    counted 4 bytes a logit in every dtype."""
+    from rankattn.backends import Reference
+    from rankattn.validate import AttentionCall
+    x = jax.ShapeDtypeStruct((1, 24000, 1, 8), np.dtype(dtype))  # shapes only: no memory
+    call = AttentionCall(x, x, x, None, False, 1.0, None, "tanh")
+    reasons = Reference().not_supported_reasons(call)
+    assert bool(reasons) == declined, reasons
+    assert not declined or "x 8 bytes" in reasons[0]

@@ -75,10 +75,11 @@ class Reference(Backend):
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         b, sq, hq, _ = call.q.shape
-        nbytes = b * hq * sq * call.k.shape[1] * 4
+        size = jnp.dtype(compute_dtype(call.q.dtype)).itemsize  # float64 logits take 8 bytes
+        nbytes = b * hq * sq * call.k.shape[1] * size
         if nbytes > MAX_LOGITS_BYTES:
             return [f"reference: the dense logits would take {nbytes / 2**30:.1f} GiB "
-                    f"(B={b} x Hq={hq} x {sq} x {call.k.shape[1]} x 4 bytes), over its "
+                    f"(B={b} x Hq={hq} x {sq} x {call.k.shape[1]} x {size} bytes), over its "
                     f"{MAX_LOGITS_BYTES / 2**30:.0f} GiB limit; use impl='xla'"]
         return []
 
