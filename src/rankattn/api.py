@@ -58,7 +58,9 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
         rankattn.backends.PallasTriton(interpret=True), or a list of those,
         tried in order (the first that can run the call runs it), as
         rankattn.plan's impl= takes. None means 'auto', here and at every
-        entry point that takes impl= (plan, serving, phoenix, flax).
+        entry point that takes impl= (plan, serving, phoenix, flax). Build an
+        instance once and reuse it: a program compiled for one (a jitted
+        function's, or an eager call's with sharding=) serves that instance only.
       sharding: a rankattn.Sharding(mesh, batch=, heads=, context=, strategy=)
         to run on a device mesh: B over the batch axes, Hq and Hkv over the
         head axes, S (and the segment ids) over the context axes, with the

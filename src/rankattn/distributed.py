@@ -516,8 +516,8 @@ def gathered_history(kernel, axes: Axes, n: int, q, mult, seg_q, pos_q, k, v, se
 # --- The sharded call. --------------------------------------------------------------
 
 
-# The arrays of a call; the rest of it (with these None) is static.
-CALL_ARRAYS = ("q", "k", "v", "segment_ids", "plan", "logit_multiplier")
+# The arrays of a call (pytrees of them, or None); the rest of it, with these None, is static.
+CALL_ARRAYS = ("q", "k", "v", "segment_ids", "plan", "logit_multiplier", "shard_mask")
 
 
 def sharded_attention(backend, call: AttentionCall, sharding: Sharding, strategy: str | None):

@@ -215,7 +215,8 @@ def _fused_fwd(static: _Static, q, k, v, mask, block_plan: BlockPlan):
 def _fused_bwd(static: _Static, residuals, cotangents):
     q, k, v, mask, block_plan, out, lse = residuals
     d_out, d_lse = cotangents
-    # Per query row, [B, Sq, Hq]: poisoned rows get lse +inf (every p is 0), d_out and delta 0.
+    # Per query row, [B, Sq, Hq]: rows that pass no gradient (poisoned, or seeing nothing) get
+    # lse +inf (every p is 0), d_out and delta 0.
     lse_rows, d_out, delta = semantics.backward_rows(out, d_out, lse.transpose(0, 2, 1),
                                                      d_lse.transpose(0, 2, 1))
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))

@@ -471,7 +471,7 @@ def _kv_rows(st: _Static, ref, first, part=slice(None)):
 
 def _d_out_rows(st: _Static, ref, lse_column, part=slice(None)):
     """The rows ``part`` of the dO block as rows [G * rows, Dv], zero in the rows whose
-    saved lse is +inf (poisoned rows and those past the queries' end:
+    saved lse is +inf (rows that pass no gradient and those past the queries' end:
     :func:`_attention_bwd`), so that p = 0 there meets a finite dO."""
     return jnp.where(lse_column == jnp.inf, 0, _rows(ref[:, part, :])).astype(ref.dtype)
 
