@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from conftest import SMALL_BLOCKS, SMALL_CPU, SMALL_TRITON, needs_cpu_kernel
 from helpers import FIELDS, Case, bounds, case_id, check_against_oracle, run, segment_ids
+import rankattn
 from rankattn.backends import BlockSizes, Cpu, PallasTriton, Xla, xla
 
 C = Case
@@ -364,3 +365,16 @@ def test_the_references_logits_limit_counts_their_bytes_regression(dtype, declin
     reasons = Reference().not_supported_reasons(call)
     assert bool(reasons) == declined, reasons
     assert not declined or "x 8 bytes" in reasons[0]
+
+
+def test_an_eager_xla_call_compiles_once_regression():
+    """The xla backend called eagerly (no jax.jit around it) traced and compiled its loops at
+    every call, 0.7 s each at B=2, S=64; the second of two same calls adds no program."""
+    q = jax.numpy.asarray(np.random.default_rng(0).normal(size=(2, 9, 2, 8)), np.float32)
+    seg = np.ones((2, 9), np.int32)
+    outs, sizes = [], []
+    for _ in range(2):
+        outs.append(np.asarray(rankattn.attention(q, q, q, segment_ids=seg, impl="xla")))
+        sizes.append(xla.flash_attention._cache_size())
+    assert sizes[1] == sizes[0], sizes
+    np.testing.assert_array_equal(outs[0], outs[1])
