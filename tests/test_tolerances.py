@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,22 +84,32 @@ LONG_BF16 = Case(batch=1, seq=1031, heads_q=2, heads_kv=1, dim=16, dtype="bfloat
                  mask="bounds_rows", mask_values=((0, 931, 931, 1031),), positive=True)
 
 
+@pytest.fixture
+def patch_xla(monkeypatch, request):
+    """patch_xla(name, value) replaces a function of the xla backend for this test. The
+    backend's programs are jitted on its static options, so JAX's caches are cleared after
+    the patch (else an equal call would reuse a program traced without it) and when the test
+    ends (else a later test's equal call would reuse one traced with it)."""
+    def patch(name, value):
+        monkeypatch.setattr(xla_backend, name, value)
+        jax.clear_caches()
+
+    request.addfinalizer(jax.clear_caches)
+    return patch
+
+
 def assert_fails_on(got_ratios: dict, fields) -> None:
     passed = [name for name in fields if got_ratios[name] <= 1]
     assert not passed, f"the defect passes the rule on {passed}: {got_ratios}"
 
 
 @pytest.mark.filterwarnings("ignore:scatter inputs have incompatible types")
-def test_bf16_key_accumulators_fail(monkeypatch):
-    def impl():  # a new instance each time: traced anew
-        return Xla(BlockSizes(16, 8), mixed_precision=True, step_logits_bytes=1024)
-
-    assert max(ratios(LONG_BF16, run(LONG_BF16, impl())).values()) <= 1, "the correct path fails"
-    monkeypatch.setattr(xla_backend, "_key_grad_accumulators",
-                        lambda static, kb, vb: (jnp.zeros(kb.shape, kb.dtype),
-                                                jnp.zeros(vb.shape, vb.dtype)))
-    mutated = impl()
-    assert_fails_on(ratios(LONG_BF16, run(LONG_BF16, mutated)), ("dk", "dv"))
+def test_bf16_key_accumulators_fail(patch_xla):
+    impl = Xla(BlockSizes(16, 8), mixed_precision=True, step_logits_bytes=1024)
+    assert max(ratios(LONG_BF16, run(LONG_BF16, impl)).values()) <= 1, "the correct path fails"
+    patch_xla("_key_grad_accumulators", lambda static, kb, vb: (jnp.zeros(kb.shape, kb.dtype),
+                                                                jnp.zeros(vb.shape, vb.dtype)))
+    assert_fails_on(ratios(LONG_BF16, run(LONG_BF16, impl)), ("dk", "dv"))
 
 
 @pytest.mark.parametrize("config", [
@@ -108,7 +119,7 @@ def test_low_precision_softmax_fails(config):
     assert_fails_on(ratios(packed(config), run_naive(packed(config))), FIELDS)
 
 
-def test_dropped_own_key_term_fails(monkeypatch):
+def test_dropped_own_key_term_fails(patch_xla):
     case = packed(Case(batch=2, seq=40, heads_q=4, heads_kv=2, dim=16, mask="segment_ids"))
     original = xla_backend._own_logits
 
@@ -116,7 +127,7 @@ def test_dropped_own_key_term_fails(monkeypatch):
         capped, raw, is_cand = original(static, q, own_kv, seg_q)
         return capped, raw, is_cand & False
 
-    monkeypatch.setattr(xla_backend, "_own_logits", no_own_key)
+    patch_xla("_own_logits", no_own_key)
     assert_fails_on(ratios(case, run(case, Xla(BlockSizes(16, 8)))), FIELDS)
 
 

@@ -49,11 +49,12 @@ def test_float64_matches_the_oracle(case, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS[:2])
-def test_float32_math_fails_the_float64_rule(monkeypatch, impl):
+def test_float32_math_fails_the_float64_rule(monkeypatch, request, impl):
     """The defect this module exists for: compute_dtype giving float32 for float64 inputs."""
     for module in ("rankattn.backends.reference", "rankattn.backends.xla"):
         monkeypatch.setattr(f"{module}.compute_dtype", lambda dtype: jnp.float32)
     jax.clear_caches()  # trace anew, with the defect
+    request.addfinalizer(jax.clear_caches)  # and drop what was traced with it
     case = CASES[0]
     got = run(case, impl, check_dtypes=False)  # the defect also makes lse float32
     want = oracle_results(case)
