@@ -182,6 +182,9 @@ ERROR_CASES = [
      lambda: rankattn.phoenix.ranker_attention_v2.mha(x(), x(h=1), x(h=1), np.ones((2, 8)), SEG,
                                                       z_loss_weight=float("nan")),
      ["z_loss_weight=nan", "finite"]),
+    ("grad-of-grad-on-xla", "RA130", V,
+     lambda: jax.grad(lambda q: jax.grad(lambda q: attend(q=q, impl="xla").sum())(q).sum())(
+         x() + 1), ["second derivative", "xla", "impl='reference'", "jax.jvp of jax.grad"]),
     ("phoenix-temp-shape", "RA124", V,
      lambda: rankattn.phoenix.ranker_attention_v2.mha(x(), x(h=1), x(h=1), np.ones((2, 9)), SEG),
      ["temp", "(2, 9)", "(2, 8)"]),

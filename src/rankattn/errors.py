@@ -246,6 +246,17 @@ _KINDS = [
         "dq and dk, if w is not 0 (decided when the call is traced). With w infinite or NaN "
         "every gradient would be NaN.",
         "Pass z_loss_weight=0.0 for no z-loss, or a finite float such as 1e-4."),
+    ErrorKind(
+        "RA130", "a second derivative through a kernel that gives first derivatives only",
+        "attention's gradients (jax.grad, jax.vjp, jax.jacrev) come from a custom VJP whose "
+        "backward is itself a kernel (an FFI call, a Pallas kernel or a loop of dynamic length) "
+        "that JAX cannot differentiate again. The reference backend is plain differentiable "
+        "jnp, so it gives derivatives of any order; the xla backend's loops have a forward-mode "
+        "derivative, so jax.jvp of jax.grad (forward over reverse) runs there, but not "
+        "jax.grad of jax.grad.",
+        "Take second derivatives with impl='reference' (dense: small shapes), or with "
+        "impl='xla' as forward over reverse: hvp = jax.jvp(jax.grad(loss), (x,), (t,))[1] "
+        "computes a Hessian-vector product."),
     # --- The Flax NNX adapter, rankattn.flax (RA3xx). ------------------------------------------
     # Listed here rather than registered by rankattn.flax, which imports flax: the catalog and
     # docs/errors.md must not depend on an optional package being installed.

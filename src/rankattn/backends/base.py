@@ -3,16 +3,53 @@
 from __future__ import annotations
 
 import abc
+import functools
 
+import jax
 import jax.numpy as jnp
 
 from rankattn.blocks import BlockSizes
+from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
 
 def compute_dtype(dtype):
     """The dtype of the math: at least float32 (float64 stays float64)."""
     return jnp.promote_types(dtype, jnp.float32)
+
+
+def first_derivatives_only(backend: str, *, forward_over_reverse: bool = False):
+    """Decorate a kernel function (a static first argument, then arrays) that JAX may not
+    differentiate: a custom VJP's primal kernel or its backward rule.
+
+    The attention's first derivatives come from its custom VJP; a second derivative would
+    differentiate these functions themselves (their FFI calls, Pallas kernels or dynamic
+    loops), which fails deep in JAX. Instead, differentiating one raises RA130 naming
+    ``backend``. With ``forward_over_reverse``, forward mode goes through (``jax.jvp`` of
+    ``jax.grad``: Hessian-vector products; the xla backend's loops have a JVP) and only
+    transposing that JVP, i.e. reverse over reverse, raises.
+    """
+    def refuse(*_):
+        raise fail("RA130", f"a second derivative reached the {backend} backend, whose "
+                            "kernels give first derivatives only. Take second derivatives "
+                            "with impl='reference' (dense, small shapes)"
+                            + (", or on 'xla' as jax.jvp of jax.grad (forward over reverse)."
+                               if forward_over_reverse else "."))
+
+    def decorate(kernel):
+        wrapped = jax.custom_jvp(kernel, nondiff_argnums=(0,))
+
+        @wrapped.defjvp
+        def _jvp(static, primals, tangents):
+            if not forward_over_reverse:
+                refuse()
+            out, tangent = jax.jvp(functools.partial(kernel, static), primals, tangents)
+            # The identity, with a transpose that refuses: traced only if transposed.
+            return out, jax.custom_derivatives.linear_call(lambda _, t: t, refuse, (), tangent)
+
+        return wrapped
+
+    return decorate
 
 
 class Backend(abc.ABC):

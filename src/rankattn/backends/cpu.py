@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rankattn import native, semantics
-from rankattn.backends.base import Backend
+from rankattn.backends.base import Backend, first_derivatives_only
 from rankattn.blocks import BlockPlan, BlockSizes, check_block_sizes, segments_and_plan
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
@@ -198,6 +198,7 @@ def _fused(static: _Static, q, k, v, mask, block_plan: BlockPlan):
     return _forward(static, q, k, v, mask, block_plan)
 
 
+@first_derivatives_only("cpu")
 def _forward(static: _Static, q, k, v, mask, block_plan: BlockPlan):
     b, sq, hq, _ = q.shape
     shapes = (jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), q.dtype),
@@ -212,6 +213,7 @@ def _fused_fwd(static: _Static, q, k, v, mask, block_plan: BlockPlan):
     return (out, lse), (q, k, v, mask, block_plan, out, lse)
 
 
+@first_derivatives_only("cpu")
 def _fused_bwd(static: _Static, residuals, cotangents):
     q, k, v, mask, block_plan, out, lse = residuals
     d_out, d_lse = cotangents

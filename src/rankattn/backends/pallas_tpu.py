@@ -86,7 +86,7 @@ import numpy as np
 
 from rankattn import semantics
 from rankattn.backends import flash_math
-from rankattn.backends.base import Backend
+from rankattn.backends.base import Backend, first_derivatives_only
 from rankattn.blocks import (BlockPlan, BlockSizes, check_block_sizes, pad_axis1, round_up,
                              segments_and_plan)
 from rankattn.errors import fail
@@ -678,6 +678,7 @@ def _forward_kernel(own_ref, visit_ref, code_ref, offset_ref, *refs, st: _Static
         r["lse"][...] = lse.reshape(r["lse"].shape)  # [G * bq, 1] -> rows [G, bq]
 
 
+@first_derivatives_only("pallas_tpu")
 def _forward(st: _Static, q, k, v, seg, grids: Schedules, poison, multiplier):
     """out [B, Hkv, G, Sq, Dv] (q's dtype) and lse float32 [B, Hkv, G, nQ * bq], on
     head-major inputs (see :func:`tpu_attention`); with ``st.count_visits`` also the key
@@ -892,6 +893,7 @@ def _attention_fwd(st, q, k, v, seg, grids, poison, multiplier):
     return (out, lse), (q, k, v, seg, grids, out, lse, multiplier)
 
 
+@first_derivatives_only("pallas_tpu")
 def _attention_bwd(st, residuals, cotangents):
     q, k, v, seg, grids, out, lse, multiplier = residuals
     d_out, d_lse = cotangents

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from rankattn import semantics
 from rankattn.backends import flash_math, gpu_config
-from rankattn.backends.base import Backend
+from rankattn.backends.base import Backend, first_derivatives_only
 from rankattn.backends.gpu_config import (MIN_BLOCK, PORTABLE_TARGET, SHARED_MEMORY_PER_BLOCK,
                                           GpuTarget, KernelConfig, default_config,
                                           next_power_of_2, padded_head_dim)
@@ -485,14 +485,20 @@ TRITON_KERNELS = Kernels(_forward, _dq, _dkv)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
+    return _run_forward(st, q, k, v, seg, plan, poison, multiplier)
+
+
+@first_derivatives_only("pallas_triton or mosaic_gpu")
+def _run_forward(st: _Static, q, k, v, seg, plan: BlockPlan, poison, multiplier):
     return (st.kernels or TRITON_KERNELS).forward(st, q, k, v, seg, plan, poison, multiplier)
 
 
 def _attention_fwd(st, q, k, v, seg, plan, poison, multiplier):
-    out, lse = (st.kernels or TRITON_KERNELS).forward(st, q, k, v, seg, plan, poison, multiplier)
+    out, lse = _run_forward(st, q, k, v, seg, plan, poison, multiplier)
     return (out, lse), (q, k, v, seg, plan, out, lse, multiplier)
 
 
+@first_derivatives_only("pallas_triton or mosaic_gpu")
 def _attention_bwd(st, residuals, cotangents):
     q, k, v, seg, plan, out, lse, multiplier = residuals
     d_out, d_lse = cotangents

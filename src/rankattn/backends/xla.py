@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from rankattn import semantics
-from rankattn.backends.base import Backend, compute_dtype
+from rankattn.backends.base import Backend, compute_dtype, first_derivatives_only
 from rankattn.blocks import (BlockPlan, BlockSizes, check_block_sizes, pad_axis1, pad_positions,
                              round_up, segments_and_plan)
 from rankattn.errors import fail
@@ -351,6 +351,7 @@ def _multiplied(s, multiplier):
     return s if multiplier is None else s * multiplier[..., None]
 
 
+@first_derivatives_only("xla", forward_over_reverse=True)
 def _forward(static: _Static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan: _Units,
              bad: _Bad, multiplier):
     """A row that sees a key flagged in ``bad.key`` / ``bad.own``, or that is flagged in
@@ -423,6 +424,7 @@ def _flash_fwd(static, qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, bad, mu
     return (out, lse), (qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, out, lse, multiplier)
 
 
+@first_derivatives_only("xla", forward_over_reverse=True)
 def _flash_bwd(static, residuals, cotangents):
     qu, kb, vb, own_kv, seg_qu, seg_kb, pos_kb, plan, out, lse, multiplier = residuals
     d_out, d_lse = cotangents

@@ -36,7 +36,7 @@ import numpy as np
 
 from rankattn import distributed, semantics
 from rankattn.api import resolve_impls, select_backend
-from rankattn.backends.base import Backend, compute_dtype
+from rankattn.backends.base import Backend, compute_dtype, first_derivatives_only
 from rankattn.backends.cpu import Cpu, paged_candidates_forward, paged_forward
 from rankattn.backends.cpu import page_bounds as kernel_page_bounds
 from rankattn.errors import fail
@@ -679,6 +679,13 @@ def _paged_cpu(plan: _Plan, backend, q, k_pages, v_pages, table, seen, self_kv, 
     """_attend_rows on the cpu kernel, pages read in place. Its gradients are those of the
     equivalent contiguous call (the kernel's backward takes contiguous keys), whose results it
     returns in the same dtypes (float32 for 16-bit inputs)."""
+    return _paged_cpu_forward((plan, backend), q, k_pages, v_pages, table, seen, self_kv,
+                              seen_lengths)
+
+
+@first_derivatives_only("cpu")
+def _paged_cpu_forward(static, q, k_pages, v_pages, table, seen, self_kv, seen_lengths):
+    plan, backend = static
     options = dict(scale=plan.scale, softcap=plan.softcap, softcap_method=plan.softcap_method,
                    block_sizes=backend.block_sizes)
     if seen_lengths is None:
@@ -693,7 +700,7 @@ def _paged_cpu(plan: _Plan, backend, q, k_pages, v_pages, table, seen, self_kv, 
 
 
 def _paged_cpu_fwd(plan, backend, *args):
-    return _paged_cpu(plan, backend, *args), args[:-1]
+    return _paged_cpu_forward((plan, backend), *args), args[:-1]
 
 
 def _paged_cpu_bwd(plan, backend, args, cotangents):  # none for seen_lengths (integers)
