@@ -254,6 +254,15 @@ def test_attention_fn_of_a_jax_scalar_scale_is_hashable_regression():
     assert (fn.scale, fn.softcap) == (0.5, 30.0)
 
 
+def test_attention_fn_of_an_impl_list_is_hashable_regression():
+    """Regression (review): impl=[...] was kept as a list, so the function, and the GraphDef of
+    every layer built with it, raised TypeError: unhashable type."""
+    fn = rankattn.flax.attention_fn(impl=["xla", "reference"])
+    assert hash(fn) == hash(rankattn.flax.attention_fn(impl=("xla", "reference")))
+    q = np.ones((1, 4, 2, 8), np.float32)
+    np.testing.assert_array_equal(fn(q, q, q), rankattn.attention(q, q, q, impl="xla"))
+
+
 def test_dropout_is_fine_when_deterministic():
     y = dropout_layer(True)
     assert y.shape == (B, S, WIDTH) and bool(jnp.isfinite(y).all())

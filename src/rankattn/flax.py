@@ -63,6 +63,7 @@ def attention_fn(*, scale: float | None = None, softcap: float | None = None,
     # Kept as the checked floats: a jnp scalar would make the function unhashable.
     scale, softcap = check_logit_options(scale, softcap, softcap_method, head_dim=None)
     resolve_impls(impl)
+    impl = tuple(impl) if isinstance(impl, list) else impl  # a list would not hash
     return AttentionFn(scale=scale, softcap=softcap, softcap_method=softcap_method, impl=impl)
 
 

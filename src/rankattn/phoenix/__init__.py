@@ -57,11 +57,13 @@ Conventions shared by the three (Phoenix file and line at 28e414f):
   ``cap * tanh(s / cap)``, ``"soft_sign"`` is ``s / (1 + |s| / cap)``
   (ranker_attention_fa3.py:31-40; v2 and varlen raise for ``"none"`` with a cap,
   which is accepted here);
-* ``z_loss_weight = w`` adds the gradient of ``w / 2 * sum(lse ** 2)`` (natural-log
+* ``z_loss_weight = w > 0`` adds the gradient of ``w / 2 * sum(lse ** 2)`` (natural-log
   lse of every query row and head, summed, independent of the output's
   cotangent) to q and k, and nothing to the outputs (ranker_attention_fa3.py:661-663,
-  890-894; v2:718-719; varlen:809-810). Rows that see nothing add 0, where
-  Phoenix's v2 / varlen kernels give NaN;
+  890-894; v2:718-719; varlen:809-810); ``w <= 0`` adds nothing, as Phoenix's kernels
+  test ``z_loss_weight > 0``. Rows that see nothing add 0, where Phoenix's v2 / varlen
+  kernels give NaN. The masks may be traced, inside ``lax.scan`` and ``jax.checkpoint``
+  too; they get no gradient;
 * v2's ``temp`` [B, S] multiplies each query's logits after the cap, on every key it sees
   (v2:129, 242 and 276: the inference kernel too), as ``rankattn.attention``'s
   ``logit_multiplier``: any values, int or float, concrete or traced, with any cap; lse and

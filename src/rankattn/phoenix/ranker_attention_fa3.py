@@ -100,8 +100,9 @@ def attention(q, k, v, config=None, save_residuals=False, bound=None, sm_scale=1
       sm_scale: multiplies q . k before the cap (default 1.0: no 1 / sqrt(D)).
       cap, cap_method: ``cap <= 0`` or ``"none"``: no cap; ``"tanh"``:
         ``cap * tanh(s / cap)``; ``"soft_sign"``: ``s / (1 + |s| / cap)``.
-      z_loss_weight: w adds the gradient of ``w / 2 * sum(lse ** 2)`` (natural-log lse,
-        every batch row, head and query) to dq and dk (ranker_attention_fa3.py:661-663).
+      z_loss_weight: w > 0 adds the gradient of ``w / 2 * sum(lse ** 2)`` (natural-log lse,
+        every batch row, head and query) to dq and dk (ranker_attention_fa3.py:661-663);
+        w <= 0 adds nothing.
       impl: rankattn's backend choice, as in :func:`rankattn.attention`.
 
     Returns:
@@ -111,12 +112,13 @@ def attention(q, k, v, config=None, save_residuals=False, bound=None, sm_scale=1
     check_tensor("q", q, "[B, Sq, Hq, D]")  # before their lengths clamp the bound
     check_tensor("k", k, "[B, Skv, Hkv, D]")
     scalars, z_loss_weight = scalar_options(sm_scale, cap, cap_method, z_loss_weight)
-    options = dict(bounds=_clamped(bound, q.shape[1], k.shape[1]), impl=impl, **scalars)
+    options = dict(impl=impl, **scalars)
 
-    def outputs(q, k, v):
-        return rankattn_attention(q, k, v, return_lse=True, **options)
+    def outputs(q, k, v, bounds):
+        return rankattn_attention(q, k, v, bounds=bounds, return_lse=True, **options)
 
-    out, lse = with_z_loss(outputs, z_loss_weight, q, k, v)
+    out, lse = with_z_loss(outputs, z_loss_weight, q, k, v,
+                           _clamped(bound, q.shape[1], k.shape[1]))
     if save_residuals:
         return out, (lse * (1 / math.log(2)),)
     return out

@@ -103,12 +103,12 @@ def _attend(q, k, v, temp, segment_ids, sm_scale, cap, cap_method, causal, z_los
     values = concrete(temp)  # all ones, known now: no multiplier (every backend runs that)
     multiplier = None if values is not None and (values == 1).all() else temp
     scalars, z_loss_weight = scalar_options(sm_scale, cap, cap_method, z_loss_weight)
-    options = dict(causal=causal, impl=impl, logit_multiplier=multiplier, **scalars)
+    options = dict(causal=causal, impl=impl, **scalars)
 
-    def outputs(q, k, v):
-        return attend(q, k, v, ids, **options)
+    def outputs(q, k, v, ids, multiplier):
+        return attend(q, k, v, ids, logit_multiplier=multiplier, **options)
 
-    return with_z_loss(outputs, z_loss_weight, q, k, v)[0]
+    return with_z_loss(outputs, z_loss_weight, q, k, v, ids, multiplier)[0]
 
 
 def _check_temp(temp, shape):

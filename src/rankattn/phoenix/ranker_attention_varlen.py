@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from rankattn.api import segment_ids_from_cu_seqlens
 from rankattn.errors import fail
 from rankattn.phoenix._shared import attend, scalar_options, with_z_loss
-from rankattn.validate import concrete
+from rankattn.validate import check_static_bool, concrete
 
 __all__ = ["BLACKWELL_CONFIG", "HOPPER_CONFIG", "TuningConfig", "get_device_tuning_config", "mha"]
 
@@ -96,12 +97,20 @@ def mha(q, k, v, temp, segment_ids, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                             f"{cu_k.tolist()[:8]} differ; Phoenix's varlen mha shares one "
                             "segment_ids array between queries and keys, so pass the same "
                             "cu_seqlens for both.")
+    roles = getattr(segment_ids, "shape", None)  # RA123 below would name segment_ids' roles
+    if (roles is None or tuple(roles) != (q.shape[0],)
+            or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        seen = (f"shape {tuple(roles)} and dtype {segment_ids.dtype}" if roles is not None
+                else type(segment_ids).__name__)
+        raise fail("RA107", f"segment_ids must be an int array [total] = ({q.shape[0]},), one "
+                            f"role per packed token (> 0 history, < 0 candidate, 0 padding); "
+                            f"got {seen}.")
     ids = segment_ids_from_cu_seqlens(cu_seqlens_q, segment_ids)[None]
     scalars, z_loss_weight = scalar_options(sm_scale, cap, cap_method, z_loss_weight)
-    options = dict(causal=causal, impl=impl, **scalars)
+    options = dict(causal=check_static_bool("causal", causal), impl=impl, **scalars)
 
-    def outputs(q, k, v):
+    def outputs(q, k, v, ids):
         out, lse = attend(q[None], k[None], v[None], ids, **options)
         return out[0], lse[0]
 
-    return with_z_loss(outputs, z_loss_weight, q, k, v)[0]
+    return with_z_loss(outputs, z_loss_weight, q, k, v, ids)[0]
