@@ -17,10 +17,12 @@ PyTorch is installed (pip install '.[bench]' torch) torch SDPA with a dense
 boolean mask and compiled FlexAttention with a mask_mod and block mask
 (forward only: its CPU backward is not supported).
 
-"% mm" is the achieved fraction of this machine's fp32 matmul rate, measured
-in the same run on a 2048^3 matmul (the faster of XLA's and torch's; the bf16
-rates are recorded beside it), counting only visible query-key pairs
-(forward 4*D flops per pair and head; forward+backward 3.5x that). "temp MiB"
+"% mm" is the achieved fraction of this machine's fp32 matmul rate: XLA's 2048^3
+float32 matmul, timed in every round of the workload's rounds, the ratio taken per
+round and its median shown (the header's rates, XLA's and torch's, fp32 and bf16,
+are one measurement at the start of the run). It counts only visible query-key
+pairs (forward 4*D flops per pair and head; forward+backward 3.5x that, counting the
+recomputed logits, as FlashAttention's papers do). "temp MiB"
 is XLA's compiled scratch memory for the JAX implementations; the cpu kernel
 allocates its own buffers outside it, so the memory note measures a process
 that runs only rankattn (its peak resident memory).
@@ -214,9 +216,10 @@ def torch_runner(w: Workload, attend, q, k, v, d_out):
     def run():
         out = attend()
         if w.backward:
-            torch.autograd.grad(out, (q, k, v), d_out)
+            out = torch.autograd.grad(out, (q, k, v), d_out)
         if q.is_cuda:
             torch.cuda.synchronize()
+        return out
     return run
 
 
@@ -289,14 +292,65 @@ def cpu_seconds() -> tuple[float, float, float]:
     return busy / tick, sum(os.times()[:2]), fields[7] / tick
 
 
-def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
+MATMUL = "xla float32 matmul"  # timed in every round, for "% mm"; not a row
+
+
+def xla_matmul(size: int, dtype: str = "float32"):
+    """A zero-argument size^3 matmul on XLA (``dtype`` inputs, float32 results)."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (size, size), dtype)
+    mm = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
+    return lambda: mm(a).block_until_ready()
+
+
+# The largest |peer - rankattn| a peer may show, as a fraction of rankattn's largest entry
+# (forward: out; forward + backward: dq, dk, dv), before it is dropped as computing something
+# else: float32 sums in another order differ by ~1e-6, bf16 operands rounded in another place
+# by ~1e-2; a candidate that sees another candidate moves its row by ~1e-1.
+AGREEMENT = {"float32": 1e-3, "bfloat16": 5e-2}
+
+
+def as_arrays(result) -> list[np.ndarray]:
+    """A runner's result (out, or dq, dk, dv) as float32 numpy [B, S, H, D] arrays: torch's
+    tensors are [B, H, S, D]."""
+    parts = result if isinstance(result, (tuple, list)) else [result]
+    if torch is not None and isinstance(parts[0], torch.Tensor):
+        return [x.detach().float().transpose(1, 2).cpu().numpy() for x in parts]
+    return [np.asarray(x, np.float32) for x in parts]
+
+
+def disagreement(results: dict) -> dict[str, float]:
+    """Per implementation, the largest |its result - rankattn's| over rankattn's largest entry,
+    in each of the result's arrays (not OURS_F32's: its float32 inputs are other numbers)."""
+    ours = as_arrays(results[OURS])
+    out = {}
+    for name, result in results.items():
+        if name == OURS_F32:
+            continue
+        theirs = as_arrays(result)
+        out[name] = max(float(np.abs(a - b).max()) / max(float(np.abs(b).max()), 1e-30)
+                        for a, b in zip(theirs, ours))
+    return out
+
+
+def run_workload(w: Workload, repeats: int, gemm_size: int, failures: list[str],
                  dense_limit: int = DENSE_LIMIT_BYTES) -> list[dict]:
-    """One row per implementation: medians, per-round ratios to rankattn and their quartiles."""
+    """One row per implementation: medians, per-round ratios to rankattn and their quartiles,
+    and rankattn's "% mm": its FLOP rate over XLA's float32 gemm_size^3 matmul rate, per round
+    (the matmul is timed in the same rounds, so drift between workloads cannot move it: with
+    one rate per run, nano-fwd at 99.5 and 99.6 ms read 108% and 95% in two runs)."""
     fns, temps = runners(w, dense_limit, failures)
+    fns[MATMUL] = xla_matmul(gemm_size)
     start = time.perf_counter()
-    for fn in fns.values():  # warm-up, and the time one round takes
-        jax.block_until_ready(fn())
-    one_round = time.perf_counter() - start
+    results = {name: jax.block_until_ready(fn()) for name, fn in fns.items()}  # warm-up, and
+    one_round = time.perf_counter() - start  # the time one round takes
+    del results[MATMUL]
+    differences = disagreement(results)
+    for name, difference in differences.items():
+        if difference > AGREEMENT[w.dtype]:
+            del fns[name]
+            failures.append(f"{w.name}: {name} disagrees with rankattn (largest difference "
+                            f"{difference:.2g} of the result's largest entry); not timed")
+            print(failures[-1], flush=True)
     rounds = int(np.clip(ROUND_BUDGET_S // max(one_round, 1e-9), 3, repeats))
     (busy0, own0, steal0), wall0 = cpu_seconds(), time.perf_counter()
     times = peers.interleaved_times(fns, rounds, warm_up=False)
@@ -307,14 +361,17 @@ def run_workload(w: Workload, repeats: int, rate: float, failures: list[str],
     core_seconds = (wall1 - wall0) * os.cpu_count()
     others = max(0.0, (busy1 - busy0) - (own1 - own0)) / core_seconds
     steal = (steal1 - steal0) / core_seconds
+    matmul = times.pop(MATMUL)
     rows = []
     for name, t in times.items():
         ratios = t / times[OURS]
+        mm = w.flops * matmul / (2 * gemm_size ** 3 * t)  # per round: its rate / the matmul's
         rows.append(dict(workload=w.name, impl=name, ms=float(np.median(t)) * 1e3,
                          ratio=float(np.median(ratios)),
                          ratio_q1=float(np.percentile(ratios, 25)),
                          ratio_q3=float(np.percentile(ratios, 75)), rounds=rounds,
-                         mm=w.flops / float(np.median(t)) / rate, others=others, steal=steal,
+                         mm=float(np.median(mm)), others=others, steal=steal,
+                         difference=differences.get(name, 0.0),
                          temp_mib=temps[name] / 2 ** 20 if name in temps else None))
     # Its programs are not run again, and a cached XLA:CPU program keeps memory mappings: a
     # process past vm.max_map_count segfaults in its next compile (README, the tests' note).
@@ -333,11 +390,10 @@ def gemm_rates(repeats: int, torch_dtypes: tuple[str, ...] | None = None,
         torch_dtypes = ("float32", "bfloat16") if bf16_dots else ("float32",)
     fns = {}
     for dtype in ("float32", "bfloat16"):
-        a = jax.random.normal(jax.random.PRNGKey(0), (size, size), dtype)
-        mm = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
-        fns[f"xla {dtype}"] = lambda mm=mm, a=a: mm(a).block_until_ready()
+        fns[f"xla {dtype}"] = xla_matmul(size, dtype)
         if torch is not None and dtype in torch_dtypes:
-            ta = torch.from_numpy(np.asarray(a.astype(jnp.float32))).to(getattr(torch, dtype))
+            a = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (size, size)))
+            ta = torch.from_numpy(a).to(getattr(torch, dtype))
             fns[f"torch {dtype}"] = lambda ta=ta: ta @ ta
     times = peers.interleaved_medians(fns, repeats)
     return {name: 2 * size ** 3 / t for name, t in times.items()}
@@ -588,9 +644,12 @@ def span(values, fmt="{:.2f}") -> str:
 def run_header(run: dict) -> str:
     m = run["meta"]
     rates = ", ".join(f"{name} {r / 1e9:.0f}" for name, r in m.get("gemm_rates", {}).items())
+    # Runs before the per-round matmul divided "% mm" by this one rate, and reversed the
+    # order of every other round.
+    old = "" if m.get("mm_per_round") else "; % mm against this rate, rounds in alternating order"
     return (f"{m['date']}: jax {m['jax']} ({m['backend']}), torch {m['torch']}, "
             f"{m['cpu']} ({m['cores']} cores), fp32 matmul rate {m['rate'] / 1e9:.0f} GFLOP/s"
-            + (f" (2048^3 matmul GFLOP/s: {rates})" if rates else ""))
+            + (f" (2048^3 matmul GFLOP/s: {rates})" if rates else "") + old)
 
 
 def targets(runs: list[dict], sweep: dict | None) -> list[tuple[str, str, bool | None]]:
@@ -627,7 +686,7 @@ def targets(runs: list[dict], sweep: dict | None) -> list[tuple[str, str, bool |
                         f"{span(f32)}x", min(f32) >= need))
     if sweep:
         for direction in ("fwd", "fwdbwd"):
-            cells = [c for c in sweep_table(sweep) if c["direction"] == direction]
+            cells = distinct_cells([c for c in sweep_table(sweep) if c["direction"] == direction])
             rated = [c for c in cells if c["ratio"] is not None]
             if not rated:  # a --direction sweep of the other half only, or no peer ran
                 out.append((f"every sweep cell, {direction}, >= 1.0x the best peer",
@@ -636,10 +695,24 @@ def targets(runs: list[dict], sweep: dict | None) -> list[tuple[str, str, bool |
             met = [c for c in rated if c["ratio"] >= 1.0]
             worst = min(rated, key=lambda c: c["ratio"])
             out.append((f"every sweep cell, {direction}, >= 1.0x the best peer",
-                        f"{len(met)} of {len(cells)} cells; lowest {worst['ratio']:.2f}x "
+                        f"{len(met)} of {len(cells)} shapes (the base cell, in every dimension, "
+                        f"once); lowest {worst['ratio']:.2f}x "
                         f"({worst['dim']}={worst['value']}, {worst['peer']})",
                         len(met) == len(cells)))
     return out
+
+
+def is_base_cell(dim: str, value: str) -> bool:
+    """Whether a sweep cell is SWEEP_BASE itself (each dimension holds it once)."""
+    change = SWEEP_DIMENSIONS.get(dim, {}).get(value)
+    return change is not None and dataclasses.replace(SWEEP_BASE, **change) == SWEEP_BASE
+
+
+def distinct_cells(cells: list[dict]) -> list[dict]:
+    """``cells`` (sweep_table's) with the base cell kept once: every dimension repeats one
+    measurement of it, which would count 7 times."""
+    first = next((c for c in cells if is_base_cell(c["dim"], c["value"])), None)
+    return [c for c in cells if c is first or not is_base_cell(c["dim"], c["value"])]
 
 
 def sweep_table(sweep: dict) -> list[dict]:
@@ -666,10 +739,11 @@ def results_markdown(machines: list[Machine]) -> str:
              f"    {COMMAND} --runs 2   # 2 full runs, each in a fresh process",
              f"    {COMMAND} --sweep    # the shape sweep", "",
              "\"peer / rankattn\" > 1 means rankattn is faster. It is the median over "
-             "rounds of the per-round ratio (each round runs every implementation once, "
-             "alternating the order), shown as the range of that median over the runs. "
-             "\"% mm\" counts only visible query-key pairs, against the machine's own fp32 "
-             "matmul rate (bf16 rows too, so they can pass 100%); \"temp MiB\" is XLA's "
+             "rounds of the per-round ratio (each round runs every implementation once, in "
+             "a shuffled order that never times one right after its own call), shown as "
+             "the range of that median over the runs. \"% mm\" counts only visible "
+             "query-key pairs, against XLA's fp32 2048^3 matmul timed in the same rounds "
+             "(bf16 rows too, so they can pass 100%); \"temp MiB\" is XLA's "
              "compiled scratch memory, which does not hold the buffers the cpu kernel "
              "allocates itself (the peak of a process running it alone is in a machine's "
              "notes, where its runs measured it). \"rankattn, "
@@ -777,9 +851,11 @@ def sweep_base() -> str:
 
 
 def sweep_run_line(sweep: dict) -> str:
+    order = ("" if sweep["meta"].get("mm_per_round")
+             else " Rounds in alternating order (before the shuffled order).")
     return (f"Sweep run: {sweep['meta']['date']}, {SWEEP_REPEATS} rounds per cell (fewer past "
             f"{ROUND_BUDGET_S:.0f} s), dense XLA peers up to {SWEEP_DENSE_LIMIT >> 30} GiB of "
-            f"logits.")
+            f"logits. The base cell is one measurement, shown in every dimension.{order}")
 
 
 def sweep_markdown(machines: list[Machine]) -> str:
@@ -879,6 +955,7 @@ def history_plot(machine: Machine, path: str):
 
 
 README_BEGIN, README_END = "<!-- bench.py results: begin -->", "<!-- bench.py results: end -->"
+SWEEP_BEGIN, SWEEP_END = "<!-- bench.py sweep: begin -->", "<!-- bench.py sweep: end -->"
 HEADLINE = ("nano-fwd", "nano-fwdbwd", "prod-heads-fwd", "short-fwd", "packed-fwd",
             "packed-fwdbwd", "long-history-fwd")
 
@@ -907,6 +984,47 @@ def readme_block(machines: list[Machine]) -> str:
     return "\n".join(lines)
 
 
+def readme_sweep_block(machines: list[Machine]) -> str:
+    """The README's sweep summary, per machine swept (the most recent first): the shapes at or
+    past the best peer in each direction, the lowest, and bf16's speed-up over float32 in the
+    bf16 cell, as measured: the per-round float32 / bf16 ratio of that cell's own rows."""
+    swept = sorted((m for m in machines if m.sweep), key=lambda m: m.swept, reverse=True)
+    lines = [SWEEP_BEGIN, f"From [benchmarks/SWEEP.md](benchmarks/SWEEP.md) (`{COMMAND} "
+             f"--sweep`); {sweep_base()[len('Base cell: '):]} Per machine, the shapes at or past "
+             "the best peer (the base cell counted once), the lowest best peer / rankattn, and "
+             "how much faster bf16 runs the base cell than float32 (the median of per-round "
+             "float32 / bf16 times):", "",
+             "| machine | swept | forward | forward + backward "
+             "| bf16 over float32 (fwd, fwd+bwd) |",
+             "|---|---|---|---|---|"]
+    for m in swept:
+        cells, speedups = [], []
+        for direction in ("fwd", "fwdbwd"):
+            shapes = [c for c in distinct_cells(sweep_table(m.sweep))
+                      if c["direction"] == direction]
+            rated = [c for c in shapes if c["ratio"] is not None]
+            met = sum(c["ratio"] >= 1.0 for c in rated)
+            worst = min(rated, key=lambda c: c["ratio"], default=None)
+            missing = len(shapes) - len(rated)
+            unrated = f" ({missing} with no peer)" if missing else ""
+            cells.append(f"{met} of {len(shapes)}{unrated}; lowest {worst['ratio']:.2f}x "
+                         f"({worst['dim']}={worst['value']})" if worst else "no peer ran")
+            f32 = [r["ratio"] for c in m.sweep["cells"] if c["direction"] == direction
+                   and c["dim"] == "dtype" and c["value"] == "bfloat16"
+                   for r in c["rows"] if r["impl"] == OURS_F32]
+            speedups.append(f"{f32[0]:.2f}x" if f32 else "not run")
+        lines.append(f"| {m.name} | {m.swept} | {cells[0]} | {cells[1]} | "
+                     f"{', '.join(speedups)} |")
+    lines.append(SWEEP_END)
+    return "\n".join(lines)
+
+
+def replace_block(text: str, begin: str, end: str, block: str) -> str:
+    """``text`` with what lies between the markers ``begin`` and ``end`` replaced by ``block``
+    (which holds them)."""
+    return re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+
+
 def write_reports(results_dir: str = RESULTS_DIR, out_dir: str = HERE, readme: str = README,
                   draw: bool = True):
     """RESULTS.md, SWEEP.md, the README's results block and (``draw``) the PNGs, from the
@@ -916,13 +1034,15 @@ def write_reports(results_dir: str = RESULTS_DIR, out_dir: str = HERE, readme: s
         with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
             f.write(results_markdown(machines))
         text = open(readme).read()
-        pattern = re.escape(README_BEGIN) + ".*?" + re.escape(README_END)
         with open(readme, "w") as f:
-            f.write(re.sub(pattern, lambda _: readme_block(machines), text, flags=re.S))
+            f.write(replace_block(text, README_BEGIN, README_END, readme_block(machines)))
     swept = sorted((m for m in machines if m.sweep), key=lambda m: m.swept, reverse=True)
     if swept:
         with open(os.path.join(out_dir, "SWEEP.md"), "w") as f:
             f.write(sweep_markdown(machines))
+        text = open(readme).read()
+        with open(readme, "w") as f:
+            f.write(replace_block(text, SWEEP_BEGIN, SWEEP_END, readme_sweep_block(machines)))
         if draw:
             sweep_heatmap(swept[0], os.path.join(out_dir, "sweep.png"))
             history_plot(swept[0], os.path.join(out_dir, "time_vs_history.png"))
@@ -945,7 +1065,7 @@ def meta(rates: dict[str, float], notes: list[str]) -> dict:
                 machine=peers.machine_description(), jax=jax.__version__,
                 backend=jax.default_backend(), torch=torch.__version__ if torch else "not installed",
                 cpu=cpu, cores=os.cpu_count(), rate=matmul_rate(rates), gemm_rates=rates,
-                notes=notes)
+                mm_per_round=True, notes=notes)
 
 
 def print_rows(rows: list[dict]) -> str:
@@ -962,15 +1082,15 @@ def print_rows(rows: list[dict]) -> str:
 def full_run(chosen: list[Workload], repeats: int, save: str | None, smoke: bool = False):
     """Time ``chosen``; with ``save``, also the profile, the load sensitivity and the peak RSS,
     and save the run there. ``smoke``: workloads(smoke=True) and a tiny matmul."""
-    rates = gemm_rates(repeats, size=SMOKE_GEMM_SIZE if smoke else GEMM_SIZE)
-    rate = matmul_rate(rates)
+    gemm_size = SMOKE_GEMM_SIZE if smoke else GEMM_SIZE
+    rates = gemm_rates(repeats, size=gemm_size)
     print(f"jax {jax.__version__} on {jax.default_backend()}, torch "
           f"{torch.__version__ if torch else 'not installed'}, matmul GFLOP/s "
           + ", ".join(f"{n} {r / 1e9:.0f}" for n, r in rates.items()) + "\n", flush=True)
     notes, rows = [], []
     for w in chosen:
         start = time.perf_counter()
-        new = run_workload(w, repeats, rate, notes)
+        new = run_workload(w, repeats, gemm_size, notes)
         rows += new
         print(print_rows(new), f"\n({time.perf_counter() - start:.0f} s)\n", flush=True)
     if save:
@@ -997,14 +1117,15 @@ def sweep_run(repeats: int, direction: str | None = None, results_dir: str = RES
     """The sweep; with ``direction`` ("fwd" / "fwdbwd") only its cells, replacing them in
     sweep.json (this machine's, under ``results_dir``). ``smoke``: sweep_cells(smoke=True)
     and a tiny matmul."""
-    rates = gemm_rates(repeats, size=SMOKE_GEMM_SIZE if smoke else GEMM_SIZE)
-    rate = matmul_rate(rates)
+    gemm_size = SMOKE_GEMM_SIZE if smoke else GEMM_SIZE
+    rates = gemm_rates(repeats, size=gemm_size)
     notes, cells, measured = [], [], {}
     for dim, value, w in sweep_cells((direction,) if direction else ("fwd", "fwdbwd"), smoke):
         start = time.perf_counter()
         shape = dataclasses.replace(w, name="")  # the base cell recurs in every dimension
         if shape not in measured:
-            measured[shape] = run_workload(w, repeats, rate, notes, dense_limit=SWEEP_DENSE_LIMIT)
+            measured[shape] = run_workload(w, repeats, gemm_size, notes,
+                                           dense_limit=SWEEP_DENSE_LIMIT)
         rows = [dict(r, workload=w.name) for r in measured[shape]]
         cells.append(dict(dim=dim, value=value, direction="fwdbwd" if w.backward else "fwd",
                           workload=w.name, rows=rows))

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
@@ -86,8 +87,68 @@ def test_rankattn_in_float32_and_its_xla_backend_are_not_peers_but_the_bf16_chec
 def test_sweep_target_counts_cells_and_names_the_worst():
     got = verdicts([run(1.0)], sweep())
     assert got["every sweep cell, fwd, >= 1.0x the best peer"] == (
-        f"1 of 2 cells; lowest 0.70x (head dim=64, {SDPA})", False)
+        f"1 of 2 shapes (the base cell, in every dimension, once); lowest 0.70x "
+        f"(head dim=64, {SDPA})", False)
     assert got["every sweep cell, fwdbwd, >= 1.0x the best peer"][1] is True
+
+
+def test_the_sweeps_base_cell_counts_once_regression():
+    """Review: every dimension repeats the one measurement of the base cell (head dim 128,
+    4/2 heads, batch 2, ...), so a miss there counted 7 times among "30 of 30 cells"."""
+    cells = [dict(dim=dim, value=value, direction="fwd")
+             for dim, values in bench.SWEEP_DIMENSIONS.items() for value in values]
+    base = [c for c in cells if bench.is_base_cell(c["dim"], c["value"])]
+    assert [(c["dim"], c["value"]) for c in base] == [
+        ("head dim", "128"), ("q/kv heads", "4/2"), ("batch", "2"), ("history", "1024"),
+        ("candidates", "64"), ("row", "1 session"), ("dtype", "float32")]
+    kept = bench.distinct_cells(cells)
+    assert len(kept) == len(cells) - 6 and base[0] in kept
+
+
+def test_round_orders_never_time_a_function_right_after_its_own_call_regression():
+    """Review: reversing every other round timed the first and last names (rankattn among
+    them) right after their own calls in half the rounds, the others never. Each round now
+    holds every name once, no round starts with the name the last ended with, and every name
+    comes after each of the others."""
+    names = ["rankattn", "xla", "dense", "jax.nn", "sdpa", "flex"]
+    orders = bench.peers.round_orders(names, 40)
+    assert all(sorted(order) == sorted(names) for order in orders)
+    calls = [name for order in orders for name in order]
+    assert all(a != b for a, b in zip(calls, calls[1:]))
+    for name in names:
+        before = {calls[i - 1] for i in range(1, len(calls)) if calls[i] == name}
+        assert before == set(names) - {name}, (name, before)
+    pair = bench.peers.round_orders(["a", "b"], 3)
+    assert pair[0] == pair[1] == pair[2]  # two names alternate
+    seen = []
+    bench.peers.interleaved_times({n: (lambda n=n: seen.append(n)) for n in names}, 5,
+                                  warm_up=False, settle_s=0.0)
+    assert seen == [name for order in bench.peers.round_orders(names, 5) for name in order]
+
+
+@pytest.mark.parametrize("sessions", [((1024, 128),), ((960, 64),) * 3, ((5, 0), (1, 7))])
+def test_visible_pairs_count_the_oracles_mask(sessions):
+    """The FLOP count behind "% mm": visible (query, key) pairs of candidate isolation,
+    against the float64 oracle's mask of the same segment ids."""
+    import oracle
+
+    w = bench.Workload("w", 2, sessions, 4, 2, 64)
+    assert w.visible_pairs * w.batch == oracle.mask_dense(w.segment_ids(), False).sum()
+    assert w.flops == 4 * 64 * 4 * w.visible_pairs * w.batch
+
+
+def test_a_peer_that_computes_something_else_is_caught():
+    """Review: nothing compared a peer's output with rankattn's. disagreement() measures it
+    (torch's [B, H, S, D] results transposed), and run_workload drops a peer past AGREEMENT."""
+    rng = np.random.default_rng(0)
+    out = rng.normal(size=(2, 8, 4, 16)).astype(np.float32)
+    off = out.copy()
+    off[0, 3] += 0.5  # one row another mask would move
+    results = {bench.OURS: out, "same": out + 1e-7, "other": off,
+               bench.OURS_F32: rng.normal(size=out.shape)}
+    got = bench.disagreement(results)
+    assert got["same"] < 1e-6 and got["other"] > bench.AGREEMENT["float32"]
+    assert bench.OURS_F32 not in got  # other inputs: not compared
 
 
 def write_records(folder, runs=(), sweep_=None) -> None:
@@ -103,7 +164,8 @@ def test_reports_are_written_from_the_saved_runs_only(tmp_path):
     write_records(results / "test-cpu-avx2-2-cores",
                   [run(ratio, note=f"note {i}") for i, ratio in enumerate((0.8, 0.9))], sweep())
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{bench.README_BEGIN}\nstale numbers\n{bench.README_END}\nend\n")
+    readme.write_text(f"intro\n{bench.README_BEGIN}\nstale numbers\n{bench.README_END}\n"
+                      f"{bench.SWEEP_BEGIN}\nstale sweep\n{bench.SWEEP_END}\nend\n")
     bench.write_reports(str(results), str(tmp_path), str(readme), draw=False)
 
     text = (tmp_path / "RESULTS.md").read_text()
@@ -117,6 +179,9 @@ def test_reports_are_written_from_the_saved_runs_only(tmp_path):
     block = readme.read_text()
     assert "stale numbers" not in block and block.startswith("intro\n") and block.endswith("end\n")
     assert f"| Test CPU (AVX2), 2 cores | nano-fwd | 100 | {SDPA} | 0.80-0.90 |" in block
+    assert "stale sweep" not in block and ("| Test CPU (AVX2), 2 cores | 2026-11-30 01:00 | "
+                                           "1 of 2; lowest 0.70x (head dim=64) | 1 of 1; lowest "
+                                           "1.10x (head dim=32) | not run, not run |") in block
 
     sweep_md = (tmp_path / "SWEEP.md").read_text()
     assert f"| head dim | 64 | fwd | 100.0 | {SDPA} | 100.0 | 0.70 | 0.69-0.71 |" in sweep_md

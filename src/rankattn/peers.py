@@ -23,15 +23,32 @@ def jax_nn_attention(q, k, v, segment_ids, causal: bool = False, implementation:
 SETTLE_S = 0.02
 
 
+def round_orders(names: list[str], rounds: int, seed: int = 0) -> list[list[str]]:
+    """The order of each round of :func:`interleaved_times`: every name once per round, the
+    rounds shuffled (seeded, so a run can be repeated) so that each name follows every other
+    alike, and no round starts with the name the previous one ended with: a name timed
+    right after its own call would find its data in cache and its threads awake. (Reversing
+    every other round, as before, did that for the first and last names only, rankattn
+    among them.) Two names simply alternate."""
+    rng = np.random.default_rng(seed)
+    orders = []
+    for _ in range(rounds):
+        order = [names[i] for i in rng.permutation(len(names))]
+        if orders and len(order) > 1 and order[0] == orders[-1][-1]:
+            order[0], order[-1] = order[-1], order[0]
+        orders.append(order)
+    return orders
+
+
 def interleaved_times(fns: dict, repeats: int, warm_up: bool = True,
                       settle_s: float = SETTLE_S, warm_calls: int = 0) -> dict[str, np.ndarray]:
     """Wall times (s) per round of each zero-argument function, run round-robin.
 
     Each function is called once first to compile and warm up (unless the
-    caller already did: ``warm_up=False``). Every round
-    runs each function once, in the reverse order of the previous round, so
-    drift and whatever one function leaves behind (a peer's spinning thread
-    pool, a freed heap) hit all alike. Results are waited for with
+    caller already did: ``warm_up=False``). Every round runs each function once, in
+    the order :func:`round_orders` gives, so that drift and whatever one function
+    leaves behind (a peer's spinning thread pool, a freed heap, warm caches) hit all
+    alike. Results are waited for with
     block_until_ready. Before each call the machine idles ``settle_s``: torch's
     OpenMP threads spin for milliseconds after a call, and on 2 cores they took
     the cores of whatever ran next (short-fwdbwd: rankattn 13.1 ms right after
@@ -52,9 +69,8 @@ def interleaved_times(fns: dict, repeats: int, warm_up: bool = True,
         for fn in fns.values():
             jax.block_until_ready(fn())
     times = {name: [] for name in fns}
-    names = list(fns)
-    for round_ in range(repeats):
-        for name in names if round_ % 2 == 0 else names[::-1]:
+    for order in round_orders(list(fns), repeats):
+        for name in order:
             time.sleep(settle_s)
             for _ in range(warm_calls):
                 jax.block_until_ready(fns[name]())
