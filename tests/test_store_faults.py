@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from rankattn import serving
+from rankattn.serving import store as store_module
 from rankattn.serving import store_device
 from test_serving_errors import raises
 from test_store import check_rows, write_rows
@@ -296,6 +297,35 @@ def test_an_interrupted_acquire_leaves_no_pin_and_an_interrupted_warmup_no_turn(
         write_rows(store, lease, CONFIG)
         check_rows(store, lease, CONFIG)
         store.release(lease)
+
+
+def interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["placing its rows", "building its lease"])
+def test_an_acquire_interrupted_before_its_lease_exists_unpins_and_drops_what_it_placed(
+        store, monkeypatch, where):
+    """Regression (review): an acquire pinned its rows and built its lease before its
+    cleanup began, so Ctrl-C there (or while it placed them) left the rows pinned, or its
+    entry and the spill it began never ready: every later acquire of them waited for good
+    (RA222 after its timeout)."""
+    fill(store)
+    with monkeypatch.context() as patch:
+        if where == "placing its rows":  # the policy hears of the new entries last
+            patch.setattr(store._policy, "inserted", interrupt)
+        else:
+            patch.setattr(store_module, "Lease", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            store.acquire([9], [0], [8])  # evicts user 0 (spilled), places user 9
+    assert_settled(store, 3, 0)  # user 0's spill was never copied: dropped
+    for user in (9, 0):  # nothing left to wait for: both are misses at once
+        lease = store.acquire([user], [0], [8], timeout=0)
+        assert lease.source == ["miss"]
+        write_rows(store, lease, CONFIG)
+        check_rows(store, lease, CONFIG)
+        store.release(lease)
+    assert_settled(store, 4, 1)  # the second miss spilled user 1
 
 
 # --- compiled_programs counts compilations. ----------------------------------------------------

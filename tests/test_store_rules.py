@@ -65,9 +65,64 @@ def test_a_failed_acquire_changes_nothing(store):
     for lease in held:
         check_rows(store, lease, CONFIG)
         store.release(lease)
+    evictions = store.stats()["evictions"]  # a count since the module's store was built
     lease = acquired(store, [(9, 0, 4)])
-    assert lease.source == ["miss"] and store.stats()["evictions"] == 1
+    assert lease.source == ["miss"] and store.stats()["evictions"] - evictions == 1
     store.release(lease)
+
+
+def test_a_call_larger_than_the_store_is_refused_as_such_at_once(store):
+    """Regression (review): a call that could never fit, even in an empty store (more
+    distinct users than slots, or more pages than the device has), was RA222's "retry once
+    leases are released", whose free counts were what the call's earlier rows would have
+    left, naming 0 pinned entries. Now RA222 says the call is larger than the store and must
+    be split, before it waits for anything; a store that is full gives its real counts."""
+    writer = store.acquire([0], [0], [4])  # unwritten: a call that could fit would wait
+    before = store.stats()
+    for rows, fragment in ((([0, 1, 2, 3, 4], [0] * 5, [4] * 5), "5 distinct users"),
+                           (([0, 1, 2], [0] * 3, [4, 16, 16]), "9 pages of 4 tokens")):
+        with raises("RA222", "larger than the whole store", "a retry will not help",
+                    "max_users = 4", "device_pages = 8", "Split the rows", fragment):
+            store.acquire(*rows, timeout=5)
+    assert store.stats() == before
+    store.release(writer)
+    held = [acquired(store, [(u, 0, 8)]) for u in range(3)]  # 3 slots and 6 pages pinned
+    with raises("RA222", "2 of 8 pages and 1 of 4 slots are free", "3 entries are pinned"):
+        store.acquire([7, 8], [0, 0], [4, 4])  # 2 slots: the second row finds none
+    for lease in held:
+        store.release(lease)
+
+
+def test_a_spilled_history_holds_only_its_own_pages_in_host_memory(store):
+    """Regression (review): the host tier kept a view of the spill's gather, padded to a
+    power-of-two bucket of pages, so it kept up to twice the pages it counts alive."""
+    for user, length in ((1, 12), (2, 16), (3, 8)):  # 3 + 4 + 2 of 8 pages: user 1 spilled
+        with acquired(store, [(user, 0, length)]):
+            pass
+    assert store.stats()["host_pages_used"] == 3
+    for x in store._index[1].snapshot:  # the arrays the host tier keeps (bucket: 4 pages)
+        assert x.shape[1] == 3 and x.base is None, (x.shape, type(x.base))
+    with store.acquire([1], [0], [12]) as lease:
+        assert lease.source == ["host"]
+        check_rows(store, lease, CONFIG)
+
+
+def test_pinned_entries_counts_leases_held_on_replaced_and_cleared_entries(store):
+    """Regression (review): stats()["pinned_entries"] counted the device's current entries
+    only, so a lease still held on an entry a newer version or clear() replaced (whose
+    pages stay taken until it is released) was invisible to a leak check."""
+    replaced = acquired(store, [(1, 0, 8)])
+    with acquired(store, [(1, 1, 4)]):  # user 1's next version
+        pass
+    cleared = acquired(store, [(2, 0, 4)])
+    store.clear()
+    stats = store.stats()
+    assert (stats["pinned_entries"], stats["device_entries"], stats["device_pages_used"]) == (
+        2, 0, 3), stats
+    for lease in (replaced, cleared):
+        store.release(lease)
+    stats = store.stats()
+    assert (stats["pinned_entries"], stats["device_pages_used"]) == (0, 0), stats
 
 
 def test_one_user_twice_in_a_call(store):
@@ -145,7 +200,22 @@ def test_unwritten_names_the_rows_an_acquire_would_wait_for(store):
         store.release(writer)
 
 
-def test_an_acquire_waits_for_the_write_it_matches(store):
+class Waiting:
+    """``event`` is set once another thread's acquire waits for an unwritten entry (the only
+    wait on the store's policy lock), so a test goes on when it has blocked, not after a
+    sleep. It is set under that lock: whoever takes the lock next finds the acquire
+    waiting."""
+
+    def __init__(self, store, patch):
+        self.event, self._wait = threading.Event(), store._lock.wait
+        patch.setattr(store._lock, "wait", self)
+
+    def __call__(self, *args, **kwargs):
+        self.event.set()
+        return self._wait(*args, **kwargs)
+
+
+def test_an_acquire_waits_for_the_write_it_matches(store, monkeypatch):
     writer = store.acquire([5], [0], [6])
     got = {}
 
@@ -153,9 +223,10 @@ def test_an_acquire_waits_for_the_write_it_matches(store):
         got["lease"] = store.acquire([5], [0], [6])
         got["at"] = time.monotonic()
 
+    waiting = Waiting(store, monkeypatch)
     thread = threading.Thread(target=reader)
     thread.start()
-    time.sleep(0.3)
+    assert waiting.event.wait(10), "the acquire never waited for the unwritten entry"
     assert "lease" not in got, "an acquire saw an entry that was not written yet"
     written = time.monotonic()
     write_rows(store, writer, CONFIG)
@@ -167,6 +238,32 @@ def test_an_acquire_waits_for_the_write_it_matches(store):
         store.acquire([6], [0], [3], timeout=0.05)
     for lease in (writer, got["lease"], other):
         store.release(lease)
+
+
+def test_a_waiting_acquire_wakes_when_another_acquire_replaces_its_entry(store, monkeypatch):
+    """Regression (review): an acquire waiting for an unwritten entry was not woken when
+    another acquire replaced that entry (a new version of the user), and waited its whole
+    timeout for an entry it could no longer get."""
+    writer = store.acquire([1], [0], [8])  # placed, not yet written
+    got = {}
+
+    def reader():
+        start = time.monotonic()
+        got["lease"] = store.acquire([1], [0], [8], timeout=6)
+        got["waited"] = time.monotonic() - start
+
+    waiting = Waiting(store, monkeypatch)
+    thread = threading.Thread(target=reader)
+    thread.start()
+    assert waiting.event.wait(10), "the acquire never waited for the unwritten entry"
+    newer = store.acquire([1], [1], [8])  # hides the entry the reader waits for
+    thread.join(10)
+    assert got["waited"] < 3, got  # woken at once, not at its timeout
+    assert got["lease"].source == ["miss"]  # its version again, in a fresh slot
+    for lease in (writer, newer, got["lease"]):
+        store.release(lease)
+    stats = store.stats()
+    assert (stats["pinned_entries"], stats["device_pages_used"]) == (0, 0), stats
 
 
 def test_leases_are_released_once_and_written_once(store):
@@ -262,6 +359,11 @@ def test_threads_acquire_write_and_release_overlapping_users(store):
     assert stats["pinned_entries"] == 0 and len(done) == 8 * 6 and refused
     sources = {s for row in done for s in row}
     assert {"device", "miss"} <= sources, sources
+    # clear() frees every entry no lease pins: a pin leaked on any entry, a replaced one
+    # included, would keep its pages.
+    store.clear()
+    stats = store.stats()
+    assert (stats["device_pages_used"], stats["host_pages_used"]) == (0, 0), stats
 
 
 def test_write_takes_only_the_rows_that_miss(store):

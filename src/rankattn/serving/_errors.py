@@ -171,12 +171,15 @@ register(
         "Cut the history to its newest tokens, or build the store with a larger "
         "max_pages_per_user (and device_pages)."),
     ErrorKind(
-        "RA222", "the store has no room right now",
+        "RA222", "the store has no room for the call",
         "Every page or slot that could make room belongs to an entry pinned by a lease that "
         "has not been released (or acquire waited past its timeout for another lease's "
-        "write). Nothing was changed; the condition passes as leases are released.",
+        "write): the condition passes as leases are released. Or the call's rows together "
+        "need more slots (one per distinct user) or pages than the whole store has: that "
+        "never passes, and the message says so. Nothing was changed.",
         "Retry after releasing leases (a server answers 503 with Retry-After), acquire fewer "
-        "rows at once, or build a store with more device_pages / max_users."),
+        "rows at once (a call larger than the store must be split), or build a store with "
+        "more device_pages / max_users."),
     ErrorKind(
         "RA223", "a lease or a store method was misused",
         "A Lease is released once and written at most once, by the store that made it, with "

@@ -38,7 +38,8 @@ The rules (docs/serving.md, "The history store", says the same with an example):
 * Written before visible: an acquire that matches an entry another lease has yet to write
   (or restore) waits for it; a release without a write drops the unwritten entries.
 * All or nothing: a row that cannot be placed (RA221: longer than a user's capacity; RA222:
-  every entry pinned) fails the whole call and changes nothing.
+  every entry pinned, or the call's rows together larger than the store) fails the whole
+  call and changes nothing.
 * A failed copy or update (RA224): a spill, restore or device update that raises (an
   allocation failure) drops the entries it was for; a failed acquire unpins its rows and
   returns no lease, a failed write leaves the lease held with those rows no longer shared.
@@ -201,6 +202,7 @@ class HistoryStore:
         self._lock = threading.Condition()
         self._index: dict[int, _Entry] = {}             # user -> its visible entry
         self._device_entries: dict[int, _Entry] = {}   # id -> visible entry on the device
+        self._pinned: dict[int, _Entry] = {}   # id -> entry a lease pins, visible or hidden
         self.policy = policy
         self._policy = EVICTION_POLICIES[policy](max_users, device_pages)
         self._host: collections.OrderedDict[int, _Entry] = collections.OrderedDict()  # by spill
@@ -260,9 +262,10 @@ class HistoryStore:
         bring (``lease.missing``). Waits for entries another lease is writing or restoring
         (at most ``timeout`` seconds, then RA222). Raises RA220 for malformed rows, RA221 for
         a history longer than a user's capacity, RA222 when the store cannot make room
-        because what it holds is pinned; a call that raises these changes nothing. RA224 when
-        a spill, a restore or a device update failed: the entries it was for are dropped, the
-        rows unpinned, and no lease is returned (evictions it made stand).
+        because what it holds is pinned, or at once when the call's rows need more slots or
+        pages than the whole store has (split it); a call that raises these changes nothing.
+        RA224 when a spill, a restore or a device update failed: the entries it was for are
+        dropped, the rows unpinned, and no lease is returned (evictions it made stand).
         """
         self._not_reading("acquire")
         users, versions, lengths = self._check_rows(user_ids, versions, lengths, "acquire")
@@ -275,46 +278,79 @@ class HistoryStore:
         if timeout is not None and timeout >= 1e9:  # past any wait: as None (and time_t's range)
             timeout = None
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._check_fits(keys)
         with self._every_turn_taken():
             return self._acquire(keys, users, versions, lengths, timeout, deadline)
 
+    def _check_fits(self, keys) -> None:
+        """RA221 for a history longer than a user's capacity, RA222 for a call whose rows
+        together need more slots or pages than the whole store has: neither could be placed
+        even in an empty store, so the call raises before it waits for anything."""
+        p = self.page_size
+        needs = [-(-length // p) for _, _, length in keys]
+        for (user, _, length), need in zip(keys, needs):
+            if need > self.max_pages:
+                raise fail("RA221", f"user {user}'s history of {length} tokens needs {need} "
+                                    f"pages of {p}; a user holds at most max_pages_per_user = "
+                                    f"{self.max_pages} pages ({self.max_pages * p} tokens). "
+                                    "Cut the history to its newest tokens, or build the store "
+                                    "with a larger max_pages_per_user.")
+        # A lease holds every row's history on the device at once, one slot per user (keys
+        # are one per user: RA220). RA222, not RA221: no history is too long, and splitting
+        # the call (what a server does on RA222) places it.
+        if len(keys) > self.num_users or sum(needs) > self.num_pages:
+            raise fail("RA222", f"acquire: this call is larger than the whole store, so it "
+                                "can never be placed, not even in an empty store (a retry "
+                                f"will not help): user_ids holds {len(keys)} distinct users, "
+                                f"one slot each, of max_users = {self.num_users} slots, and "
+                                f"their lengths need {sum(needs)} pages of {p} tokens in all, "
+                                f"of device_pages = {self.num_pages}. Split the rows into "
+                                "calls that fit, or build a larger store.")
+
     def _acquire(self, keys, users, versions, lengths, timeout, deadline) -> Lease:
-        with self._lock:
-            while True:
-                pending = [self._index[u] for u, v, n in keys if self._awaits_write(u, v, n)]
-                if not pending:
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise fail("RA222", f"acquire waited {timeout} s for user "
-                                        f"{pending[0].user}'s entry, which another lease has "
-                                        "yet to write or restore; retry later, or release that "
-                                        "lease.")
-                self._lock.wait(left)
-            steps, evictions = self._plan(keys)
-            placed, updates, spills, restores, emptied = self._apply(steps, evictions)
-            rows = [placed[key] for key in zip(users.tolist(), versions.tolist(),
-                                               lengths.tolist())]
-            for entry, source, _ in rows:
-                entry.pins += 1
-                self._policy.requested(entry, hit=source in ("device", "prefix"))
-            for _, source, _ in rows:
-                self._counts[_COUNTER[source]] += 1
-            lease = Lease(self, users, versions, lengths, [r[0] for r in rows],
-                          [r[1] for r in rows], [r[2] for r in rows])
+        placed, spills, pinned = {}, {}, []  # filled as they happen: what an interrupt undoes
         try:
+            with self._lock:
+                while True:
+                    pending = [self._index[u] for u, v, n in keys if self._awaits_write(u, v, n)]
+                    if not pending:
+                        break
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise fail("RA222", f"acquire waited {timeout} s for user "
+                                            f"{pending[0].user}'s entry, which another lease "
+                                            "has yet to write or restore; retry later, or "
+                                            "release that lease.")
+                    self._lock.wait(left)
+                steps, evictions = self._plan(keys)
+                updates, restores, emptied = self._apply(steps, evictions, placed, spills)
+                # An entry other acquires wait for may be gone (replaced, or dropped from the
+                # host tier before its spill was copied): they look again.
+                self._lock.notify_all()
+                rows = [placed[key] for key in zip(users.tolist(), versions.tolist(),
+                                                   lengths.tolist())]
+                for entry, source, _ in rows:
+                    entry.pins += 1
+                    pinned.append(entry)
+                    self._pinned[id(entry)] = entry
+                    self._policy.requested(entry, hit=source in ("device", "prefix"))
+                for _, source, _ in rows:
+                    self._counts[_COUNTER[source]] += 1
+                lease = Lease(self, users, versions, lengths, [r[0] for r in rows],
+                              [r[1] for r in rows], [r[2] for r in rows])
             failures = []
             failed = self._dispatch(updates)
             if failed and not failed.reads:  # a spill's gather is reported with its spill
                 failures.append(("emptying evicted entries' slots and pages", failed.error))
-            failures += self._finish_spills(spills)
+            failures += self._finish_spills(spills.values())
             failures += self._finish_restores(restores)
-        except BaseException:  # an interrupt: no lease goes out, so none may stay pinned
-            with self._lock:  # nor a spill that will never be copied wait to be
-                for entry, _, _ in spills:
+        except BaseException:  # an interrupt: no lease goes out, so nothing may stay pinned,
+            with self._lock:   # nor what it placed or a spill never copied wait to be ready
+                for entry, _, _ in spills.values():
                     if id(entry) in self._host and not entry.ready:
                         self._hide(entry, [])
-                self._unpin(lease)  # its updates' turns are skipped as it ends
+                # Its updates' turns are skipped as it ends (_every_turn_taken).
+                self._let_go(pinned, [entry for entry, _, _ in placed.values()])
             raise
         if failures:
             with self._lock:
@@ -348,8 +384,9 @@ class HistoryStore:
 
     def _plan(self, keys):
         """The steps that place ``keys`` (unique (user, version, length), in row order),
-        decided on counts alone: RA221 / RA222 leave the store as it was. Returns (steps, the
-        eviction policy's plan, which _apply commits).
+        decided on counts alone: RA222 leaves the store as it was (_check_fits has refused
+        what could never fit). Returns (steps, the eviction policy's plan, which _apply
+        commits).
 
         Order: device hits (pinned first), then every entry of these users this call replaces
         dropped (stale ones, and causal prefixes another lease pins: invalidations free room
@@ -360,14 +397,6 @@ class HistoryStore:
         pages), ("miss", key, None, pages), in the order they apply.
         """
         p = self.page_size
-        for user, _, length in keys:
-            need = -(-length // p)
-            if need > self.max_pages:
-                raise fail("RA221", f"user {user}'s history of {length} tokens needs {need} "
-                                    f"pages of {p}; a user holds at most max_pages_per_user = "
-                                    f"{self.max_pages} pages ({self.max_pages * p} tokens). "
-                                    "Cut the history to its newest tokens, or build the store "
-                                    "with a larger max_pages_per_user.")
         steps, placing, stale, keep = [], [], [], set()
         for key in keys:
             entry = self._index.get(key[0])
@@ -385,6 +414,7 @@ class HistoryStore:
             else:
                 placing.append((key, entry))
             keep.add(id(entry))  # reused: never evicted by this call
+        total = sum(-(-length // p) for _, _, length in keys)
         free_slots, free_pages, host_used = (len(self._free_slots), len(self._free_pages),
                                              self._host_used)
         gone = keep | set(map(id, stale))  # ids no device eviction may pick
@@ -407,14 +437,18 @@ class HistoryStore:
             nonlocal free_slots, free_pages, host_used
             while free_slots < slots or free_pages < pages:
                 victim = evictions.next()
-                if victim is None:
-                    pinned = sum(1 for e in self._device_entries.values() if e.pins)
-                    raise fail("RA222", f"the store cannot make room for {pages} pages and "
-                                        f"{slots} slot(s): {free_pages} of {self.num_pages} "
-                                        f"pages and {free_slots} of {self.num_users} slots are "
-                                        f"free, and the rest belong to {pinned} pinned "
-                                        "entries. Retry once leases are released, acquire "
-                                        "fewer rows at once, or build a larger store.")
+                if victim is None:  # the store's counts now: free_* are what this
+                    # call's earlier rows would leave, which no caller could check
+                    raise fail("RA222", f"acquire: the store cannot make room for this "
+                                        f"call's {len(keys)} users ({total} pages of {p} "
+                                        "tokens in all, hits included): "
+                                        f"{len(self._free_pages)} of {self.num_pages} pages "
+                                        f"and {len(self._free_slots)} of {self.num_users} "
+                                        f"slots are free, {len(self._pinned)} entries are "
+                                        "pinned by leases not yet released, and no other "
+                                        "entry can be evicted for it. Retry once leases are "
+                                        "released, acquire fewer rows at once, or build a "
+                                        "larger store.")
                 gone.add(id(victim))
                 size = len(victim.pages)
                 free_slots, free_pages = free_slots + 1, free_pages + size
@@ -448,16 +482,22 @@ class HistoryStore:
                 steps.append(("miss", key, None, need))
         return steps, evictions
 
-    def _apply(self, steps, evictions):
+    def _apply(self, steps, evictions, placed: dict, spills: dict):
         """Carry out a plan under the lock: the policy state, and the device programs in
-        the same order (a spill's gather before the drop of its pages), issued here and run
-        by the caller after the lock. The eviction policy takes its plan's outcome first and
-        hears of the new entries last (its plan chose the victims before they came).
-        Returns ({key: (entry, source, cached)}, the device updates, spills, restores, empty
-        histories); the spills' and restores' copies finish outside the lock, and the empty
-        histories are ready once the updates that empty their slots have run."""
-        placed, updates, spills, restores, dropped, arrived = {}, [], {}, [], [], []
-        emptied = []
+        the same order (the spills' gathers first, before the drop of any page), issued here
+        and run by the caller after the lock. The eviction policy takes its plan's outcome
+        first and hears of the new entries last (its plan chose the victims before they
+        came). Fills ``placed`` ({key: (entry, source, cached)}) and ``spills`` ({id: (entry,
+        pages, its gather)}) as it goes, so that an interrupted call knows what to undo.
+        Returns (the device updates, restores, empty histories); the spills' and restores'
+        copies finish outside the lock, and the empty histories are ready once the updates
+        that empty their slots have run."""
+        restores, dropped, arrived, emptied = [], [], [], []
+        # Issued before anything changes: an interrupt while they are issued leaves the
+        # store as it was (their turns are skipped).
+        gathers = {id(entry): self._gather(entry.pages)
+                   for kind, _, entry, *more in steps if kind == "evict" and more[0]}
+        updates = list(gathers.values())
         self._policy.commit(evictions)
         for kind, key, entry, *more in steps:
             if kind == "hit":
@@ -469,9 +509,8 @@ class HistoryStore:
                 self._counts["evictions"] += 1
                 del self._device_entries[id(entry)]
                 del self._index[entry.user]
-                if more[0]:  # gathered in this turn, copied to host memory after the lock
-                    spills[id(entry)] = (entry, len(entry.pages), self._gather(entry.pages))
-                    updates.append(spills[id(entry)][2])
+                if more[0]:  # gathered above, copied to host memory after the lock
+                    spills[id(entry)] = (entry, len(entry.pages), gathers[id(entry)])
                     size = len(entry.pages)
                     dropped.append(self._take_back(entry))
                     entry.tier, entry.ready, entry.host_size = "host", False, size
@@ -486,13 +525,13 @@ class HistoryStore:
                 self._drop_host(entry)
             elif kind == "restore":
                 snapshot = entry.snapshot
+                placed[key] = (entry, "host", entry.length)
                 self._drop_host(entry)
                 entry.tier, entry.ready, entry.target = "device", False, key[2]
                 entry.slot, entry.pages = self._take_slot(), self._take_pages(more[0])
                 self._index[entry.user] = entry
                 arrived.append(entry)
                 restores.append((entry, snapshot))
-                placed[key] = (entry, "host", entry.length)
             elif kind == "prefix":
                 entry.pages += self._take_pages(more[0])
                 entry.target, entry.ready = key[2], False
@@ -500,17 +539,17 @@ class HistoryStore:
             else:  # miss
                 entry = _Entry(key[0], key[1], 0, key[2], "device", slot=self._take_slot(),
                                pages=self._take_pages(more[0]))
+                placed[key] = (entry, "miss", 0)
                 if key[2] == 0:  # never written: its slot is emptied here, in case the drop
                     dropped.append((entry.slot, []))  # of its last holder failed or was skipped
                     emptied.append(entry)  # ready once that has run
                 self._index[entry.user] = entry
                 arrived.append(entry)
-                placed[key] = (entry, "miss", 0)
         for entry in arrived:
             self._device_entries[id(entry)] = entry
             self._policy.inserted(entry)
         updates += self._drop_device(dropped)
-        return placed, updates, list(spills.values()), restores, emptied
+        return updates, restores, emptied
 
     # --- Write and release. ---------------------------------------------------------------
 
@@ -626,16 +665,23 @@ class HistoryStore:
             self._dropped(updates, "release")
 
     def _unpin(self, lease: Lease) -> list:
-        """Release ``lease`` (under the lock): unpin its rows, drop the entries it was to
-        bring and did not (unwritten, a failed restore, or an empty history whose slot was
-        not emptied), and free the entries a newer version replaced once unpinned. Returns
-        the device updates that empty their slots."""
+        """Release ``lease`` (under the lock); the device updates that empty the slots of
+        the entries it lets go (see _let_go)."""
         lease.released = True
+        return self._let_go(lease._entries)
+
+    def _let_go(self, pinned, placed=()) -> list:
+        """Under the lock: unpin ``pinned`` (an entry once per pin); drop those of them and
+        of ``placed`` that were to be brought and were not (unwritten, a failed restore, or
+        an empty history whose slot was not emptied), and free the entries a newer version
+        replaced once unpinned. Returns the device updates that empty their slots."""
         dropped = []
-        for entry in lease._entries:
+        for entry in pinned:
             entry.pins -= 1
+            if not entry.pins:
+                self._pinned.pop(id(entry), None)
             self._policy.released(entry)
-        for entry in {id(e): e for e in lease._entries}.values():
+        for entry in {id(e): e for e in [*pinned, *placed]}.values():
             if entry.visible and not entry.ready:
                 self._hide(entry, dropped)
             elif not entry.visible and entry.pins == 0 and entry.slot >= 0:
@@ -683,7 +729,8 @@ class HistoryStore:
         """Counters since the store was built: rows by source (hits, host_hits, prefix_hits,
         misses), invalidations (stale entries dropped), evictions (device, by the policy),
         host_evictions, clears; and now: device_pages_used, host_pages_used, entries on the
-        device and in the host tier, pinned entries, device_updates_waiting (issued, not yet
+        device and in the host tier, pinned entries (every entry a lease holds, including
+        those a newer version or clear() replaced), device_updates_waiting (issued, not yet
         run: behind another update, or waiting for readers to leave ``reading()``), and
         compiled_programs (the programs JAX built for this store's calls: the device updates,
         per shape and input dtype, and the row takes of jax inputs to write; one this process
@@ -703,7 +750,7 @@ class HistoryStore:
                        host_pages_used=self._host_used,
                        device_entries=len(self._device_entries),
                        host_entries=len(self._host),
-                       pinned_entries=sum(1 for e in self._device_entries.values() if e.pins),
+                       pinned_entries=len(self._pinned),
                        device_updates_waiting=waiting, compiled_programs=built)
             return out
 
@@ -890,7 +937,9 @@ class HistoryStore:
             error, snapshot = gather.error, None
             if error is None:
                 try:
-                    snapshot = tuple(np.asarray(x)[:, :n] for x in gather.result)
+                    # Copied: a view would keep the whole padded bucket alive (up to
+                    # twice the pages the host tier counts).
+                    snapshot = tuple(np.asarray(x)[:, :n].copy() for x in gather.result)
                 except Exception as e:  # noqa: BLE001 - host memory: raised as RA224
                     error = e
             with self._lock:

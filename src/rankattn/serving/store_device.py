@@ -130,7 +130,7 @@ def drop(cache: PagedKVCache, slots, pages) -> PagedKVCache:
 @jax.jit
 def gather(cache: PagedKVCache, pages):
     """(k [L, n, Hkv, P, D], v, k_min [L, n, Hkv, D], k_max) of pages ``pages`` (int32 [n];
-    padding entries read page 0, which the caller drops)."""
+    padding entries, N, read page N - 1, which the caller drops)."""
     at = jnp.clip(pages, 0, cache.k_pages.shape[1] - 1)
     return cache.k_pages[:, at], cache.v_pages[:, at], cache.k_min[:, at], cache.k_max[:, at]
 
