@@ -286,11 +286,25 @@ class TestPallasTriton(BackendTests):
 
 
 class TestPallasTritonDefaultBlocks(BackendTests):
-    """Default tiles (64 x 64): one tile for short calls, several for the long one."""
+    """Default tiles, which interpret mode takes from PORTABLE_TARGET (no GPU to read):
+    16 x 16 in float32 (dk and dv apart), 32 x 32 in 16-bit dtypes up to D = 128, each cut
+    to the sequence's next power of two: one tile for the bf16 call of 16 tokens, several
+    for the float32 ones and the long one."""
 
     impl = PallasTriton(interpret=True)
     configs = TRITON_CONFIGS[5::6]
     long_configs = TRITON_LONG_CONFIGS
+
+
+class TestPallasTritonUnequalTiles(BackendTests):
+    """sm_90's 16-bit tiles, 64 queries x 32 keys with q k^T logits in dk / dv (the spill-free
+    rules'), where every other class runs square tiles: 70 tokens are 2 ragged query tiles
+    over 3 key tiles."""
+
+    impl = PallasTriton(target="sm_90", tuned=False, interpret=True)
+    configs = [C(batch=1, seq=70, heads_q=4, heads_kv=2, dim=64, dtype="bfloat16", mask=SEG,
+                 causal=True, softcap=2.0)]
+    test_long_sequence_matches_oracle = None
 
 
 class TestPallasTritonSplitGrads(BackendTests):

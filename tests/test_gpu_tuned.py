@@ -128,11 +128,22 @@ def test_a_missing_table_is_silent(tmp_path, monkeypatch):
     (json.dumps({"schema": 1, "entries": [dict(ENTRY, backend="mosaic_gpu", config=dict(
         ENTRY["config"], num_stages=1))]}),
      "mosaic_gpu entry must be null or one of (2, 3, 4), not 1"),
+    # Regressions: a table that is not UTF-8 or nests past the recursion limit raised on every
+    # call, and num_warps 4.0 or true passed as 4 or 1 (then failed in Triton's lowering).
+    pytest.param('{"schema": 1, "entries": []}'.encode("utf-16"),
+                 "'utf-8' codec can't decode", id="utf-16"),
+    pytest.param("[" * 100_000, "maximum recursion depth", id="nested-past-the-limit"),
+    pytest.param(json.dumps({"schema": 1, "entries": [dict(ENTRY, config=dict(
+        ENTRY["config"], num_warps=4.0))]}),
+        "config.num_warps must be 1, 2, 4, 8 or 16, not 4.0", id="num_warps-4.0"),
+    pytest.param(json.dumps({"schema": 1, "entries": [dict(ENTRY, config=dict(
+        ENTRY["config"], num_warps=True))]}),
+        "config.num_warps must be 1, 2, 4, 8 or 16, not True", id="num_warps-true"),
 ])
 def test_a_malformed_table_falls_back_with_one_warning(tmp_path, monkeypatch, text,
                                                                     reason):
     path = tmp_path / "t.json"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     monkeypatch.setenv(gpu_config.TUNED_TABLE_ENV, str(path))
     builtin = PallasTriton(target="sm_90", tuned=False).config(jnp.bfloat16, 128, 5)
     with warnings.catch_warnings(record=True) as caught:

@@ -103,6 +103,10 @@ def test_by_name_it_needs_a_hopper_gpu():
     (dict(block_sizes=BlockSizes(128, 32)), "block_sizes=BlockSizes(block_q=128, block_k=32)"),
     (dict(pipeline_depth=1), "pipeline_depth=1"),
     (dict(pipeline_depth=True), "pipeline_depth=True"),
+    # Regressions: these named PallasTriton (the one it makes), or raised ValueError.
+    (dict(tuned=True), "MosaicGpu tuned=True; pass None"),
+    (dict(target="h100"), "MosaicGpu target='h100' names no GPU; pass one of 'sm_80'"),
+    (dict(target="sm_75"), "MosaicGpu target='sm_75': compute capability (7, 5)"),
 ])
 def test_options_are_checked(options, fragment):
     with pytest.raises(rankattn.RankattnTypeError, match="RA116") as error:
@@ -151,6 +155,17 @@ def test_auto_takes_it_only_where_the_gpu_check_timed_it_fastest(tmp_path, monke
         assert api.select_backend([mosaic, "xla"], call) is mosaic
     (reason,) = mosaic.auto_reasons(call)
     assert "gpu.py --tune" in reason and "impl='mosaic_gpu'" in reason
+
+
+@pytest.mark.parametrize("impl", ["auto", None, ["auto"], ["auto", "xla"], [None, "xla"]])
+def test_auto_inside_a_list_passes_it_over_as_auto_alone_does(tmp_path, monkeypatch, impl):
+    """Regression: auto_reasons were consulted for impl='auto' (or None) alone, so ["auto"] or
+    ["auto", "xla"] took mosaic_gpu on a Hopper GPU whose table has no entry for it. Named
+    (an instance), it runs whatever the table says, in a list with 'auto' too."""
+    mosaic = MosaicGpu(tuned=table(tmp_path), target="sm_90", interpret=True)
+    monkeypatch.setattr(api, "BACKENDS", {"mosaic_gpu": mosaic, "xla": Xla()})
+    assert api.select_backend(impl, call_of()).name == "xla"
+    assert api.select_backend([mosaic, impl], call_of()) is mosaic
 
 
 def test_interpret_mode_is_declined_where_the_interpreter_fixes_do_not_apply(monkeypatch):

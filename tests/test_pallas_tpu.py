@@ -152,6 +152,7 @@ def test_only_a_block_list_over_the_smem_budget_is_declined():
     (dict(block_sizes=BlockSizes(16, 24)), "(16, 24)"),
     (dict(interpret="yes"), "interpret='yes'"),
     (dict(target="v4"), "target='v4'"),
+    (dict(target=["v5e"]), "target=['v5e']; pass one of 'v5e'"),  # regression: TypeError
     (dict(max_visits=0), "max_visits=0"),
     (dict(max_visits=2.5), "max_visits=2.5"),
     (dict(dma_block=100), "dma_block=100"),
@@ -333,9 +334,30 @@ def test_no_kernel_product_contracts_a_transposed_lhs():
 
 def test_lowering_catches_what_interpret_mode_accepts():
     """The lowering tests have teeth: 16 x 16 blocks (fine in interpret mode) break the (8,
-    128) rule on keys once a sequence spans several blocks."""
+    128) rule on keys once a sequence spans several blocks. Regression: the backend took
+    such a call off interpret mode and Pallas failed inside; it declines it now (RA115),
+    and takes what fits one block, what interpret mode runs and DMA blocks of any size."""
+    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16)
+              for s in ((1, 64, 2, 128), (1, 64, 1, 128), (1, 64, 1, 128))]
+    kernels = functools.partial(tpu_attention, segment_ids=None, causal=False, scale=1.0,
+                                softcap=None, softcap_method="tanh",
+                                block_sizes=BlockSizes(16, 16))
     with pytest.raises(ValueError, match="divisible by 8 and 128"):
+        jax.jit(kernels).trace(*shapes).lower(lowering_platforms=("tpu",))
+    with pytest.raises(rankattn.RankattnValueError, match="RA115") as err:
         lower_for_tpu(PallasTpu(BlockSizes(16, 16)), 1, 64, 2, 1, 128, jnp.bfloat16)
+    assert "span several blocks of 16 x 16" in str(err.value)
+
+    def reasons(impl, seq):
+        q, kv = (jax.ShapeDtypeStruct((1, seq, h, 128), jnp.bfloat16) for h in (2, 1))
+        return impl.not_supported_reasons(AttentionCall(
+            q=q, k=kv, v=kv, segment_ids=None, causal=False, scale=1.0, softcap=None,
+            softcap_method="tanh"))
+
+    assert len(reasons(PallasTpu(BlockSizes(64, 192)), 100)) == 1  # 2 query blocks of 64
+    for impl, seq in [(PallasTpu(BlockSizes(16, 16)), 16), (SMALL_TPU, 64),
+                      (PallasTpu(BlockSizes(128, 128), dma_block=200), 600)]:
+        assert reasons(impl, seq) == [], (impl, seq)
 
 
 # --- Block skipping and the TPU simulator. -------------------------------------------
@@ -374,29 +396,48 @@ def test_a_prepared_plan_runs_a_grid_of_its_visits():
     16 tokens) plus one per own block with an empty list, for its longest batch row (issue
     37's target: at most 1.25x the visits plus one per own block); passed as a jit argument
     (traced) it keeps the worst case, 5 own blocks x 2 DMA blocks. Results and gradients are
-    the same bits either way."""
+    the same bits either way. Regression: a plan of one row broadcast over the batch, and a
+    batch run one row a call (an SMEM budget of 100 bytes, a row's lists taking 60), were
+    sliced or broadcast as traced arrays under jit and took the worst case too; their grids
+    are read from the jaxpr (no kernel runs)."""
     impl = PallasTpu(BlockSizes(16, 16), interpret=True, dma_block=64)
     q, k, v, w = random_qkv(17, 2, 70, 4, 2, 8)
     seg = jnp.asarray(random_segments(18, 2, 70, "packed"))
     plan = rankattn.plan(segment_ids=seg, causal=True, impl=impl)
-    lists = plan.block_plan(BlockSizes(16, 16))
-    visits = [dma_visits(lists.kv_index, lists.count), dma_visits(lists.q_index, lists.q_count)]
-    assert (visits[0] < np.asarray(lists.count)).any()  # some DMA blocks hold several visits
+
+    def dma_steps(plan):
+        """Per direction (forward and dq; dk / dv), each batch row's steps over DMA blocks."""
+        lists = plan.block_plan(BlockSizes(16, 16))
+        visits = [dma_visits(lists.kv_index, lists.count),
+                  dma_visits(lists.q_index, lists.q_count)]
+        assert (visits[0] < np.asarray(lists.count)).any()  # DMA blocks of several visits
+        return visits
+
+    visits = dma_steps(plan)
     want = {int(np.maximum(n, 1).sum(1).max()) for n in visits}
 
-    def results(q, k, v, plan):
+    def results(q, k, v, plan, impl=impl):
         def f(q, k, v):
             return rankattn.attention(q, k, v, plan=plan, impl=impl, return_lse=True)
         (out, lse), pullback = jax.vjp(f, q, k, v)
         return [out, lse, *pullback((jnp.asarray(w), jnp.ones_like(lse)))]
 
+    def grids(f, *args):
+        return {int(n) for n in re.findall(r"grid=\(\d+, \d+, (\d+)\)",
+                                           str(jax.make_jaxpr(f)(q, k, v, *args)))}
+
     prepared = functools.partial(results, plan=plan)
-    grids = [{int(n) for n in re.findall(r"grid=\(\d+, \d+, (\d+)\)", str(jaxpr))}
-             for jaxpr in (jax.make_jaxpr(prepared)(q, k, v),
-                           jax.make_jaxpr(results)(q, k, v, plan))]
-    assert grids == [want, {10}], (grids, want)
+    assert [grids(prepared), grids(results, plan)] == [want, {10}], want
     for n in visits:
         assert max(want) <= 1.25 * int(n.sum(1).max()) + n.shape[1]
+    one_row = rankattn.plan(segment_ids=seg[:1], causal=True, impl=impl)
+    assert grids(functools.partial(results, plan=one_row)) == {
+        int(np.maximum(n, 1).sum(1).max()) for n in dma_steps(one_row)}
+    row_a_call = PallasTpu(interpret=True, target=TpuTarget(
+        "row a call", BlockSizes(16, 16), smem_budget=100, dma_block=64))
+    per_row = {int(x) for n in visits for x in np.maximum(n, 1).sum(1)}
+    assert grids(functools.partial(results, plan=plan, impl=row_a_call)) == per_row
+    assert max(per_row) < 10
     for name, a, b in zip(FIELDS, jax.jit(prepared)(q, k, v), jax.jit(results)(q, k, v, plan)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
 

@@ -108,6 +108,10 @@ def test_lowering_catches_what_triton_rejects():
     (dict(block_sizes=BlockSizes(64, 8)), "block_k=8"),
     (dict(num_warps=0), "num_warps=0"),
     (dict(num_stages=2.0), "num_stages=2.0"),
+    # Regressions: warps that Triton refuses (a power of two) or that are not ints.
+    (dict(num_warps=3), "num_warps=3; pass 1, 2, 4, 8 or 16"),
+    (dict(num_warps=4.0), "num_warps=4.0"),
+    (dict(num_warps=True), "num_warps=True"),
 ])
 def test_options_are_checked(kwargs, fragment):
     with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
@@ -215,6 +219,18 @@ def test_an_unknown_target_says_what_to_pass():
     with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
         PallasTriton(target="sm_75")
     assert "(7, 5)" in str(err.value) and "GpuTarget(" in str(err.value)
+
+
+@pytest.mark.parametrize("target", ["h100", "sm_9", "sm90", "sm_8x", "9.0.1", 90, (9, 0, 1),
+                                    (9.0, 0)])
+def test_a_target_that_names_no_gpu_is_ra116(target):
+    """Regression: these raised ValueError or TypeError from the parsing. RA116 names the
+    class, the value and the spellings (MosaicGpu's: tests/test_mosaic_gpu.py)."""
+    with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
+        PallasTriton(target=target)
+    message = str(err.value)
+    assert f"PallasTriton target={target!r} names no GPU" in message
+    assert "'sm_90'" in message and "'9.0'" in message and "GpuTarget(" in message
 
 
 def test_a_plan_prepares_every_tile_pair_a_call_may_use():

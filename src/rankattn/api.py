@@ -173,12 +173,12 @@ def resolve_impls(impl, argument: str = "impl") -> list[Backend]:
     anywhere); alone, or where no entry of a list is left, it raises RA115 with the
     reasons. An instance is taken as it is (it may be lowered for another platform).
     """
-    return _runnable(impl, argument)[0]
+    return [backend for backend, _ in _runnable(impl, argument)[0]]
 
 
-def _runnable(impl, argument: str) -> tuple[list[Backend], list[str]]:
-    """(the backends ``impl`` names that can run here, why each named one that cannot); RA115
-    where none can."""
+def _runnable(impl, argument: str) -> tuple[list[tuple[Backend, bool]], list[str]]:
+    """(the backends ``impl`` names that can run here, each with whether 'auto' named it; why
+    each named one that cannot); RA115 where none can."""
     backends, why = _resolve(impl, argument)
     if not backends:
         raise fail("RA115", f"{argument}={impl!r} cannot run on this machine:\n    - "
@@ -186,8 +186,9 @@ def _runnable(impl, argument: str) -> tuple[list[Backend], list[str]]:
     return backends, why
 
 
-def _resolve(impl, argument: str) -> tuple[list[Backend], list[str]]:
-    """(the backends ``impl`` names that can run here, why each named one that cannot)."""
+def _resolve(impl, argument: str) -> tuple[list[tuple[Backend, bool]], list[str]]:
+    """(the backends ``impl`` names that can run here, each with whether 'auto' (or None)
+    named it, inside a list too; why each named one that cannot)."""
     if isinstance(impl, (list, tuple)):
         if not impl:  # else RA115 would list no reason at all
             raise fail("RA114", f"{argument}={impl!r} names no backend; use 'auto', one of "
@@ -196,12 +197,12 @@ def _resolve(impl, argument: str) -> tuple[list[Backend], list[str]]:
         return ([b for _, backends, _ in found for b in backends],
                 [f"{item!r}: {w}" for item, _, why in found for w in why])
     if isinstance(impl, Backend):
-        return [impl], []
+        return [(impl, False)], []
     if impl is None or (isinstance(impl, str) and impl == "auto"):
-        return [b for b in BACKENDS.values() if not b.platform_reasons()], []
+        return [(b, True) for b in BACKENDS.values() if not b.platform_reasons()], []
     if isinstance(impl, str) and impl in BACKENDS:
         why = BACKENDS[impl].platform_reasons()
-        return ([], why) if why else ([BACKENDS[impl]], [])
+        return ([], why) if why else ([(BACKENDS[impl], False)], [])
     raise fail("RA114", f"{argument}={impl!r} is not a backend; use 'auto' or one of "
                         f"{', '.join(map(repr, BACKENDS))}.")
 
@@ -210,9 +211,9 @@ def select_backend(impl, call: AttentionCall, per_shard: bool = False) -> Backen
     """The first backend of ``impl`` that can run ``call`` (one device's part of a sharded
     call when ``per_shard``: RA122 instead of RA115 when none can)."""
     backends, reasons = _runnable(impl, "impl")
-    for backend in backends:
+    for backend, by_auto in backends:
         why = backend.not_supported_reasons(call)
-        if not why and impl in (None, "auto"):
+        if not why and by_auto:  # 'auto' inside a list too: ["auto", "xla"] is auto first
             why = backend.auto_reasons(call)
         if not why:
             return backend

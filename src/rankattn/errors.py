@@ -134,9 +134,10 @@ _KINDS = [
         "causal and return_lse are Python bools; block sizes are positive ints (for "
         "pallas_triton, powers of two >= 16; for pallas_tpu, multiples of 8, one dividing the "
         "other; for mosaic_gpu, 64 or 128 each, with a pipeline depth of 2 to 4) and Triton "
-        "launch options positive ints or None; a PallasTriton target is a GPU "
-        "whose compute capability rankattn knows (sm_80, sm_86, sm_87, sm_89, sm_90, sm_100, "
-        "sm_120), a PallasTpu target a TPU generation ('v5e', 'v6e', 'tpu7x') and its "
+        "launch options positive ints (num_warps 1, 2, 4, 8 or 16) or None; a PallasTriton "
+        "or MosaicGpu target is a GPU whose compute capability rankattn knows (sm_80, sm_86, "
+        "sm_87, sm_89, sm_90, sm_100, sm_120, as 'sm_90' or '9.0'), a PallasTpu target a TPU "
+        "generation ('v5e', 'v6e', 'tpu7x') and its "
         "interpret a bool or a pltpu.InterpretParams. They select the compiled program, so they "
         "cannot be traced arrays.",
         "Pass Python values (True/False, ints), not jax arrays; for PallasTriton tiles, "

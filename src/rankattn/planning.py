@@ -50,7 +50,11 @@ class Plan:
         [1, S]) broadcasts over any batch, as [4] bounds do in ``attention``."""
         if self.shape[0] == batch:
             return self
-        return jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape[1:])), self)
+        # Broadcast now: under jit, a broadcast of a prepared (known) plan would be traced,
+        # and a backend that sizes its grid from known lists (pallas_tpu) would take the
+        # worst case.
+        with jax.ensure_compile_time_eval():
+            return jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape[1:])), self)
 
     def block_plan(self, sizes: BlockSizes) -> BlockPlan:
         """The visit lists for ``sizes``: prepared ones if the plan has them, else made now."""

@@ -85,6 +85,22 @@ MORE = [
 ]
 
 
+def test_a_race_in_any_kernel_of_a_call_is_reported(monkeypatch):
+    """Regression: the interpreter makes a race detector per kernel launch and keeps only the
+    latest, so races_found() saw dk / dv's alone. Three launches as the interpreter makes
+    them, a race planted in the first (the forward's): reported after the third, once."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    mosaic_gpu_interpret.interpret_params()  # rankattn's fixes, as a kernel call applies them
+    launches = []
+    for _ in range(3):  # each launch's _initialize_shared_memory
+        launches.append(gpu_callbacks.RaceDetectionState(num_cores=3))
+        monkeypatch.setattr(gpu_callbacks, "_races", launches[-1])
+    launches[0].races_found = True
+    assert mosaic_gpu_interpret.races_found()
+    assert not mosaic_gpu_interpret.races_found()
+
+
 def test_forward_and_gradients_match_the_oracle():
     check_interpreted(dataclasses.replace(COMPACT, mask_values=segments(COMPACT, 5)))
 

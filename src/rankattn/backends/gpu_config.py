@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -46,18 +47,22 @@ class GpuTarget:
     shared_memory_per_block: int  # bytes one block may opt into
 
     @classmethod
-    def of(cls, spec) -> "GpuTarget":
-        """A GpuTarget from itself, "sm_90", "9.0" or (9, 0) (shared memory by architecture)."""
+    def of(cls, spec, owner: str = "PallasTriton") -> "GpuTarget":
+        """A GpuTarget from itself, "sm_90" ("sm_90a"), "9.0" or (9, 0) (shared memory by
+        architecture); RA116 naming ``owner``, the class whose ``target=`` it is, otherwise."""
         if isinstance(spec, GpuTarget):
             return spec
-        if isinstance(spec, str):
-            digits = spec.removeprefix("sm_").rstrip("a")
-            major, minor = digits.split(".") if "." in digits else (digits[:-1], digits[-1])
-            spec = (int(major), int(minor))
-        capability = tuple(spec)
+        capability = _capability(spec)
+        if capability is None:
+            names = ", ".join(f"'sm_{major}{minor}'"
+                              for major, minor in SHARED_MEMORY_PER_BLOCK)
+            raise fail("RA116", f"{owner} target={spec!r} names no GPU; pass one of {names} "
+                                "(or the compute capability as '9.0' or (9, 0)), or "
+                                "GpuTarget(compute_capability, shared_memory_per_block) for "
+                                "another GPU.")
         known = SHARED_MEMORY_PER_BLOCK.get(capability)
         if known is None:
-            raise fail("RA116", f"PallasTriton target {spec!r}: compute capability {capability} "
+            raise fail("RA116", f"{owner} target={spec!r}: compute capability {capability} "
                                 f"is not one of {sorted(SHARED_MEMORY_PER_BLOCK)}; pass "
                                 "GpuTarget(compute_capability, shared_memory_per_block) for "
                                 "another GPU.")
@@ -66,6 +71,18 @@ class GpuTarget:
     @property
     def name(self) -> str:
         return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
+
+
+def _capability(spec) -> tuple[int, int] | None:
+    """(major, minor) of a target spelled "sm_90" / "sm_90a" (NVIDIA's names: the last digit
+    the minor), "9.0" (JAX's compute_capability) or (9, 0); None for anything else."""
+    if isinstance(spec, str):
+        named = re.fullmatch(r"sm_(\d+)(\d)a?|(\d+)\.(\d+)", spec)
+        return None if named is None else tuple(int(x) for x in named.groups() if x is not None)
+    if (isinstance(spec, (tuple, list)) and len(spec) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in spec)):
+        return tuple(spec)
+    return None
 
 
 # Opt-in shared memory per block (CUDA programming guide, compute capabilities table).
@@ -163,6 +180,16 @@ def padded_head_dim(size: int) -> int:
 def _is_tile(value) -> bool:
     return (isinstance(value, int) and not isinstance(value, bool) and value >= MIN_BLOCK
             and not value & (value - 1))
+
+
+NUM_WARPS = (1, 2, 4, 8, 16)  # warps per Triton program: Triton needs a power of two
+NUM_WARPS_TEXT = f"{', '.join(map(str, NUM_WARPS[:-1]))} or {NUM_WARPS[-1]}"
+
+
+def is_num_warps(value) -> bool:
+    """Whether ``value`` is a warp count Triton takes: an int (not a bool, not 4.0, which
+    ``in NUM_WARPS`` alone would pass) of :data:`NUM_WARPS`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value in NUM_WARPS
 
 
 # --- The tuned table. ----------------------------------------------------------------
@@ -269,8 +296,8 @@ def _parse_entry(index: int, entry) -> TunedEntry:
                       f"{config[key]!r}")
         if not _is_tile(config[key]):
             raise bad(f"config.{key} must be a power of two >= {MIN_BLOCK}, not {config[key]!r}")
-    if config["num_warps"] not in (1, 2, 4, 8, 16):
-        raise bad(f"config.num_warps must be 1, 2, 4, 8 or 16, not {config['num_warps']!r}")
+    if not is_num_warps(config["num_warps"]):
+        raise bad(f"config.num_warps must be {NUM_WARPS_TEXT}, not {config['num_warps']!r}")
     stages = config["num_stages"]
     if stages is not None and not (isinstance(stages, int) and not isinstance(stages, bool)
                                    and 1 <= stages <= 8):
@@ -286,6 +313,16 @@ def _parse_entry(index: int, entry) -> TunedEntry:
                       KernelConfig(BlockSizes(config["block_q"], config["block_k"]),
                                    config["split_dkv"], config["num_warps"], config["key_major"],
                                    stages), backend)
+
+
+def check_tuned(tuned, owner: str):
+    """``tuned`` (a backend's option: which table it reads) if it is one, else RA116 naming
+    ``owner``, the backend's class."""
+    if not (tuned is None or tuned is False or isinstance(tuned, (str, os.PathLike))):
+        raise fail("RA116", f"{owner} tuned={tuned!r}; pass None (the shipped table), a path "
+                            "to a table written by benchmarks/gpu.py --tune, or False (the "
+                            "built-in configurations only).")
+    return tuned
 
 
 def table_path() -> Path:
@@ -315,14 +352,16 @@ def load_table(path: Path) -> tuple[TunedEntry, ...]:
 def _parsed_table(path: Path, mtime_ns: int, size: int, inode: int) -> tuple[TunedEntry, ...]:
     """The table at ``path`` in the version the last three arguments name (the cache key)."""
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:  # removed since its stat
         return ()
     except OSError as error:
         return _ignored(path, f"it cannot be read: {error}")
-    try:
-        return parse_table(json.loads(text))
-    except ValueError as error:  # json.JSONDecodeError is one
+    try:  # decoded here, so a table that is not UTF-8 is malformed like any other
+        return parse_table(json.loads(data.decode("utf-8")))
+    # UnicodeDecodeError and json.JSONDecodeError are ValueErrors; json.loads raises
+    # RecursionError on arrays or objects nested past the interpreter's recursion limit.
+    except (ValueError, RecursionError) as error:
         return _ignored(path, str(error))
 
 

@@ -659,8 +659,11 @@ class MosaicGpu(Backend):
         self.block_sizes = block_sizes
         self.pipeline_depth = pipeline_depth
         self.interpret = interpret
-        # Its GPU, table and platform checks are pallas_triton's (one table for both).
-        self.triton = PallasTriton(tuned=tuned, target=target, interpret=interpret)
+        # Its GPU, table and platform checks are pallas_triton's (one table for both), its
+        # options' errors this class's.
+        self.triton = PallasTriton(
+            tuned=gpu_config.check_tuned(tuned, "MosaicGpu"), interpret=interpret,
+            target=None if target is None else gpu_config.GpuTarget.of(target, "MosaicGpu"))
 
     def tuned_entry(self, dtype, head_dim: int, group: int, backend: str | None = "mosaic_gpu"):
         """The tuned table's first entry for a call (``backend``'s; None: any), or None."""

@@ -19,6 +19,11 @@ read (``gpu_callbacks._get``), so the race detector sees wgmma reading a K / V s
 stock callback reads without recording): a missing "consumed" barrier before the memory
 warpgroup refills a slot is then reported.
 
+The interpreter makes a fresh race detector for each kernel launch and its ``get_races``
+returns the latest only, so after a call's forward, dq and dk / dv kernels the first two
+verdicts would be gone: the detectors rankattn's calls make also report to this module
+(:func:`races_found`).
+
 The kernel avoids two more gaps instead of patching them: ``pl.run_state`` /
 ``plgpu.ACC.init`` ("Higher-order primitive run_state" is not interpreted; p v goes into
 a fresh accumulator and is added), and ``plgpu.layout_cast`` (Warpgroup semantics infers
@@ -37,7 +42,6 @@ try:  # JAX's private interpreter modules, as of 0.10.2
     from jax._src import callback
     from jax._src.pallas.mosaic.interpret import utils as interpret_utils
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gcb
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
     from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret as ji
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     from jax._src.state import indexing
@@ -54,6 +58,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed JAX
     IMPORT_ERROR = str(error)
 
 _APPLIED = False
+_RACED = False  # a launch's detector found a race since the last races_found()
 
 
 def _read_operand(token, device_id, grid_point_coords, thread_id, key, transforms,
@@ -123,17 +128,38 @@ def _interpret_wgmma_ref_p(self, eqn, token, get_invals):
         ordered=True), []
 
 
+def _reporting(detector_class):
+    """``detector_class`` whose instances set :data:`_RACED` when they find a race (the
+    interpreter keeps only the latest launch's detector)."""
+
+    class Reporting(detector_class):
+        @property
+        def races_found(self) -> bool:
+            return self.__dict__.get("_races_found", False)
+
+        @races_found.setter
+        def races_found(self, value: bool) -> None:
+            global _RACED
+            self.__dict__["_races_found"] = value
+            _RACED = _RACED or bool(value)
+
+    return Reporting
+
+
 def interpret_params():
     """The interpreter's parameters for rankattn's kernels (race detection on), with the
     fixes above applied (once)."""
     global _APPLIED
     if not _APPLIED:
         ji.JaxprInterpreter._interpret_wgmma_ref_p = _interpret_wgmma_ref_p
+        gcb.RaceDetectionState = _reporting(gcb.RaceDetectionState)
         _APPLIED = True
     return InterpretGPUParams(detect_races=True)
 
 
 def races_found() -> bool:
-    """Whether the race detector has reported a race since the last interpreted kernel
-    started (tests read it after a call)."""
-    return bool(interpret_pallas_call.get_races().races_found)
+    """Whether any kernel launch since the last call found a race: every launch of a call
+    (forward, dq, dk / dv), not only the latest (tests read it after a call)."""
+    global _RACED
+    raced, _RACED = _RACED, False
+    return raced

@@ -105,6 +105,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed JAX
     IMPORT_ERROR = str(error)
 
 SUBLANES = 8  # a TPU block's second-to-last dim: a multiple of 8 (or the whole axis)
+LANES = 128  # a TPU block's last dim: a multiple of 128 (or the whole axis)
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -161,7 +162,7 @@ def target_of(spec) -> TpuTarget:
     """A TpuTarget from itself or its name ("v5e", "v6e", "tpu7x")."""
     if isinstance(spec, TpuTarget):
         return spec
-    if spec not in TARGETS:
+    if not isinstance(spec, str) or spec not in TARGETS:  # a list is not even hashable
         raise fail("RA116", f"PallasTpu target={spec!r}; pass one of "
                             f"{', '.join(map(repr, TARGETS))} or a TpuTarget(name, "
                             "block_sizes, smem_budget) for another generation.")
@@ -994,9 +995,11 @@ def tpu_attention(q, k, v, segment_ids, *, causal: bool, scale: float, softcap: 
         if positions:
             seg += (positions[0][rows, None, :], positions[1][rows, None, :])
         mult = None if multiplier is None else multiplier[rows]
-        plan = jax.tree.map(lambda x: x[rows], block_plan)
         # The schedules are made here, where a prepared plan's lists are still known (inside
-        # the custom VJP every operand is traced): their lengths are the grids'.
+        # the custom VJP every operand is traced): their lengths are the grids'. Under jit a
+        # slice of a known list would be traced, so the rows are sliced now.
+        with jax.ensure_compile_time_eval():
+            plan = jax.tree.map(lambda x: x[rows], block_plan)
         grids, q_ranges, k_ranges = schedules(plan, smem_budget, max_visits, q_sub, k_sub)
         st_rows = dataclasses.replace(st, q_ranges=q_ranges, k_ranges=k_ranges)
         core = _forward if count_visits else _attention
@@ -1017,8 +1020,9 @@ class PallasTpu(Backend):
     the device on a TPU machine and uses ``PORTABLE_TARGET`` (v5e's) elsewhere; or "v5e",
     "v6e", "tpu7x", a :class:`TpuTarget`. ``block_sizes`` overrides the target's blocks
     (block_q a multiple of 8, block_k of 8, one dividing the other; on a TPU both must be
-    multiples of 128, since both index lane-dense rows, unless a call fits one block): the
-    compute blocks. ``dma_block`` overrides the target's DMA block (tokens): the visited
+    multiples of 128, since both index lane-dense rows, unless a call fits one block, and
+    a call spanning several blocks of other sizes is declined there, RA115): the compute
+    blocks. ``dma_block`` overrides the target's DMA block (tokens): the visited
     blocks (keys in the forward and dq, queries in dk / dv) are fetched that many tokens at
     a time and computed block by block, each step skipping the compute blocks its plan
     skips (:func:`sub_blocks`: up to 4 compute blocks a DMA block).
@@ -1115,6 +1119,16 @@ class PallasTpu(Backend):
         seq = max(call.q.shape[1], call.k.shape[1])
         sizes = self.sizes(seq)
         n_q, n_k = -(-seq // sizes.block_q), -(-seq // sizes.block_k)
+        # Interpret mode takes any multiple of 8; Mosaic takes a lane-dense row's block (the
+        # per-position rows: segment ids, lse, ...) only as the whole row or a multiple of 128
+        # tokens, and fails inside Pallas otherwise. DMA blocks are whole compute blocks
+        # (sub_blocks), so they are multiples of 128 where the compute blocks are.
+        if (self.interpret is False and max(n_q, n_k) > 1
+                and (sizes.block_q % LANES or sizes.block_k % LANES)):
+            return [f"pallas_tpu: {seq} tokens span several blocks of {sizes.block_q} x "
+                    f"{sizes.block_k}, and on a TPU blocks that do not cover a call must be "
+                    f"multiples of {LANES} tokens; pass block_sizes of multiples of {LANES} "
+                    "(e.g. BlockSizes(128, 256)), interpret=True, or use impl='xla'"]
         visits = max(-(-n_k // sub_blocks(self.dma(), sizes.block_k, n_k)),
                      -(-n_q // sub_blocks(self.dma(), sizes.block_q, n_q)))
         one_block = list_bytes(1, min(visits, self.max_visits or visits), list_dtype(n_q, n_k))

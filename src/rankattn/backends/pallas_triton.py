@@ -632,11 +632,14 @@ class PallasTriton(Backend):
             if value is not None and (value < MIN_BLOCK or value & (value - 1)):
                 raise fail("RA116", f"PallasTriton block_sizes.{field}={value}; Triton tiles must "
                                     f"be powers of two >= {MIN_BLOCK}, e.g. 32, 64 or 128.")
-        for option, value in (("num_warps", num_warps), ("num_stages", num_stages)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
-                raise fail("RA116", f"PallasTriton {option}={value!r}; pass a positive int "
-                                    "or None for the default.")
+        if num_warps is not None and not gpu_config.is_num_warps(num_warps):
+            raise fail("RA116", f"PallasTriton num_warps={num_warps!r}; pass "
+                                f"{gpu_config.NUM_WARPS_TEXT} (Triton takes a power of two), "
+                                "or None for the default.")
+        if num_stages is not None and (not isinstance(num_stages, int)
+                                       or isinstance(num_stages, bool) or num_stages < 1):
+            raise fail("RA116", f"PallasTriton num_stages={num_stages!r}; pass a positive int "
+                                "or None for the default.")
         if precision not in F32_DOTS:
             raise fail("RA116", f"PallasTriton precision={precision!r}; pass one of "
                                 f"{', '.join(map(repr, F32_DOTS))}.")
@@ -647,11 +650,7 @@ class PallasTriton(Backend):
         self.key_major = key_major
         self.precision = precision
         self.target = None if target is None else GpuTarget.of(target)
-        if not (tuned is None or tuned is False or isinstance(tuned, (str, os.PathLike))):
-            raise fail("RA116", f"PallasTriton tuned={tuned!r}; pass None (the shipped table), "
-                                "a path to a table written by benchmarks/gpu.py --tune, or False "
-                                "(the built-in configurations only).")
-        self.tuned = tuned
+        self.tuned = gpu_config.check_tuned(tuned, "PallasTriton")
         self.interpret = bool(interpret)
 
     def gpu_target(self) -> GpuTarget:
