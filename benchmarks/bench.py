@@ -7,7 +7,9 @@
     .venv/bin/python benchmarks/bench.py --smoke [--sweep] --out DIR  # the same, tiny (CI)
 
 Every implementation of a workload runs in this process, round-robin, each
-round in the reverse order of the last (rankattn.peers.interleaved_times).
+round in a shuffled order that never times one right after its own call
+(rankattn.peers.interleaved_times); a peer whose result differs from rankattn's
+by more than AGREEMENT is dropped with a note.
 The ratio "peer / rankattn" (> 1 means rankattn is faster) is taken per round
 and its median over rounds reported, with the quartiles: both sides of a
 ratio ran under the same machine state, so the ratio is much steadier than
@@ -327,7 +329,10 @@ def disagreement(results: dict) -> dict[str, float]:
         if name == OURS_F32:
             continue
         theirs = as_arrays(result)
+        # A NaN anywhere is an infinite disagreement (np.max would return NaN, which no
+        # tolerance test catches).
         out[name] = max(float(np.abs(a - b).max()) / max(float(np.abs(b).max()), 1e-30)
+                        if np.isfinite(a).all() and np.isfinite(b).all() else np.inf
                         for a, b in zip(theirs, ours))
     return out
 

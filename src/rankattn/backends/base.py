@@ -7,6 +7,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from rankattn.blocks import BlockSizes
 from rankattn.errors import fail
@@ -18,6 +20,27 @@ def compute_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def _refuse(backend: str, forward_over_reverse: bool):
+    raise fail("RA130", f"a second derivative reached the {backend} backend, whose kernels "
+                        "give first derivatives only. Take second derivatives with "
+                        "impl='reference' (dense, small shapes)"
+                        + (", or on 'xla' as jax.jvp of jax.grad (forward over reverse)."
+                           if forward_over_reverse else "."))
+
+
+# The identity on a tangent, linear, whose transpose raises RA130: forward over reverse runs
+# through it (under jvp, vmap and jit it is x itself), reverse over reverse reaches its
+# transpose. (jax.custom_derivatives.linear_call does the same but has no batching rule, so
+# jax.hessian and vmapped Hessian-vector products failed.)
+_no_transpose_p = Primitive("rankattn_tangent_without_transpose")
+_no_transpose_p.def_impl(lambda x, *, backend: x)
+_no_transpose_p.def_abstract_eval(lambda x, *, backend: x)
+mlir.register_lowering(_no_transpose_p, lambda ctx, x, *, backend: [x])
+batching.primitive_batchers[_no_transpose_p] = (
+    lambda args, dims, *, backend: (_no_transpose_p.bind(args[0], backend=backend), dims[0]))
+ad.deflinear2(_no_transpose_p, lambda ct, x, *, backend: _refuse(backend, True))
+
+
 def first_derivatives_only(backend: str, *, forward_over_reverse: bool = False):
     """Decorate a kernel function (a static first argument, then arrays) that JAX may not
     differentiate: a custom VJP's primal kernel or its backward rule.
@@ -26,26 +49,19 @@ def first_derivatives_only(backend: str, *, forward_over_reverse: bool = False):
     differentiate these functions themselves (their FFI calls, Pallas kernels or dynamic
     loops), which fails deep in JAX. Instead, differentiating one raises RA130 naming
     ``backend``. With ``forward_over_reverse``, forward mode goes through (``jax.jvp`` of
-    ``jax.grad``: Hessian-vector products; the xla backend's loops have a JVP) and only
-    transposing that JVP, i.e. reverse over reverse, raises.
+    ``jax.grad``: Hessian-vector products, ``jax.hessian``; the xla backend's loops have a
+    JVP) and only transposing that JVP, i.e. reverse over reverse, raises.
     """
-    def refuse(*_):
-        raise fail("RA130", f"a second derivative reached the {backend} backend, whose "
-                            "kernels give first derivatives only. Take second derivatives "
-                            "with impl='reference' (dense, small shapes)"
-                            + (", or on 'xla' as jax.jvp of jax.grad (forward over reverse)."
-                               if forward_over_reverse else "."))
-
     def decorate(kernel):
         wrapped = jax.custom_jvp(kernel, nondiff_argnums=(0,))
 
         @wrapped.defjvp
         def _jvp(static, primals, tangents):
             if not forward_over_reverse:
-                refuse()
+                _refuse(backend, False)
             out, tangent = jax.jvp(functools.partial(kernel, static), primals, tangents)
-            # The identity, with a transpose that refuses: traced only if transposed.
-            return out, jax.custom_derivatives.linear_call(lambda _, t: t, refuse, (), tangent)
+            return out, jax.tree.map(lambda t: _no_transpose_p.bind(t, backend=backend),
+                                     tangent)
 
         return wrapped
 

@@ -498,6 +498,8 @@ class HistoryStore:
         gathers = {id(entry): self._gather(entry.pages)
                    for kind, _, entry, *more in steps if kind == "evict" and more[0]}
         updates = list(gathers.values())
+        # (An interrupt between this commit and the evict steps below, a few bytecodes, would
+        # leave entries the policy has forgotten, evictable again only after clear().)
         self._policy.commit(evictions)
         for kind, key, entry, *more in steps:
             if kind == "hit":
