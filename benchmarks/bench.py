@@ -1005,8 +1005,8 @@ def readme_sweep_block(machines: list[Machine]) -> str:
     for m in swept:
         cells, speedups = [], []
         for direction in ("fwd", "fwdbwd"):
-            shapes = [c for c in distinct_cells(sweep_table(m.sweep))
-                      if c["direction"] == direction]
+            shapes = distinct_cells([c for c in sweep_table(m.sweep)
+                                     if c["direction"] == direction])
             rated = [c for c in shapes if c["ratio"] is not None]
             met = sum(c["ratio"] >= 1.0 for c in rated)
             worst = min(rated, key=lambda c: c["ratio"], default=None)

@@ -103,6 +103,19 @@ def test_the_sweeps_base_cell_counts_once_regression():
         ("candidates", "64"), ("row", "1 session"), ("dtype", "float32")]
     kept = bench.distinct_cells(cells)
     assert len(kept) == len(cells) - 6 and base[0] in kept
+    # The README's block counts each direction's base cell once too (it counted the forward
+    # one only, so fwd+bwd lost its base cell: "20 of 23" for 21 of 24).
+    rows = []
+    for direction in ("fwd", "fwdbwd"):
+        for dim, value, ratio in (("head dim", "128", 0.9), ("batch", "2", 0.9),
+                                  ("head dim", "64", 1.2)):
+            name = f"{dim}={value} {direction}"
+            rows.append(dict(dim=dim, value=value, direction=direction, workload=name,
+                             rows=[row(name, bench.OURS, 1.0), row(name, SDPA, ratio)]))
+    machine = bench.Machine("M", [], dict(meta=dict(date="2026-12-07 00:00"), cells=rows))
+    block = bench.readme_sweep_block([machine])
+    assert ("| M | 2026-12-07 00:00 | 1 of 2; lowest 0.90x (head dim=128) | 1 of 2; lowest "
+            "0.90x (head dim=128) | not run, not run |") in block, block
 
 
 def test_round_orders_never_time_a_function_right_after_its_own_call_regression():
