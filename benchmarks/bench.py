@@ -7,8 +7,9 @@
     .venv/bin/python benchmarks/bench.py --smoke [--sweep] --out DIR  # the same, tiny (CI)
 
 Every implementation of a workload runs in this process, round-robin, each
-round in a shuffled order that never times one right after its own call
-(rankattn.peers.interleaved_times); a peer whose result differs from rankattn's
+round in a shuffled order that never times one right after its own call,
+each call after a pause and then until the process is quiet
+(rankattn.peers.interleaved_times, settle); a peer whose result differs from rankattn's
 by more than AGREEMENT is dropped with a note.
 The ratio "peer / rankattn" (> 1 means rankattn is faster) is taken per round
 and its median over rounds reported, with the quartiles: both sides of a
@@ -649,12 +650,23 @@ def span(values, fmt="{:.2f}") -> str:
 def run_header(run: dict) -> str:
     m = run["meta"]
     rates = ", ".join(f"{name} {r / 1e9:.0f}" for name, r in m.get("gemm_rates", {}).items())
-    # Runs before the per-round matmul divided "% mm" by this one rate, and reversed the
-    # order of every other round.
-    old = "" if m.get("mm_per_round") else "; % mm against this rate, rounds in alternating order"
+    # Runs before the per-round matmul divided "% mm" by this one rate.
+    old = "" if m.get("mm_per_round") else "; % mm against this rate"
     return (f"{m['date']}: jax {m['jax']} ({m['backend']}), torch {m['torch']}, "
             f"{m['cpu']} ({m['cores']} cores), fp32 matmul rate {m['rate'] / 1e9:.0f} GFLOP/s"
-            + (f" (2048^3 matmul GFLOP/s: {rates})" if rates else "") + old)
+            + (f" (2048^3 matmul GFLOP/s: {rates})" if rates else "") + old
+            + older_method(m, "; "))
+
+
+def older_method(meta: dict, sep: str) -> str:
+    """What a run's timing did that the current method does not ("" for a current run)."""
+    if not meta.get("mm_per_round"):
+        return f"{sep}rounds in alternating order (before the shuffled order)"
+    if not meta.get("settled"):
+        return (f"{sep}each call after a fixed {peers.SETTLE_S * 1e3:.0f} ms pause, before "
+                "waiting for a quiet process (a call after the dense reference shared a core "
+                "with its memory's return)")
+    return ""
 
 
 def targets(runs: list[dict], sweep: dict | None) -> list[tuple[str, str, bool | None]]:
@@ -745,7 +757,9 @@ def results_markdown(machines: list[Machine]) -> str:
              f"    {COMMAND} --sweep    # the shape sweep", "",
              "\"peer / rankattn\" > 1 means rankattn is faster. It is the median over "
              "rounds of the per-round ratio (each round runs every implementation once, in "
-             "a shuffled order that never times one right after its own call), shown as "
+             "a shuffled order that never times one right after its own call, each call "
+             f"after a {peers.SETTLE_S * 1e3:.0f} ms pause and then until the process is quiet: "
+             "rankattn.peers.settle), shown as "
              "the range of that median over the runs. \"% mm\" counts only visible "
              "query-key pairs, against XLA's fp32 2048^3 matmul timed in the same rounds "
              "(bf16 rows too, so they can pass 100%); \"temp MiB\" is XLA's "
@@ -856,11 +870,11 @@ def sweep_base() -> str:
 
 
 def sweep_run_line(sweep: dict) -> str:
-    order = ("" if sweep["meta"].get("mm_per_round")
-             else " Rounds in alternating order (before the shuffled order).")
+    older = older_method(sweep["meta"], " ")
     return (f"Sweep run: {sweep['meta']['date']}, {SWEEP_REPEATS} rounds per cell (fewer past "
             f"{ROUND_BUDGET_S:.0f} s), dense XLA peers up to {SWEEP_DENSE_LIMIT >> 30} GiB of "
-            f"logits. The base cell is one measurement, shown in every dimension.{order}")
+            f"logits. The base cell is one measurement, shown in every dimension."
+            + (f" Timed with{older}." if older else ""))
 
 
 def sweep_markdown(machines: list[Machine]) -> str:
@@ -1070,7 +1084,7 @@ def meta(rates: dict[str, float], notes: list[str]) -> dict:
                 machine=peers.machine_description(), jax=jax.__version__,
                 backend=jax.default_backend(), torch=torch.__version__ if torch else "not installed",
                 cpu=cpu, cores=os.cpu_count(), rate=matmul_rate(rates), gemm_rates=rates,
-                mm_per_round=True, notes=notes)
+                mm_per_round=True, settled=True, notes=notes)
 
 
 def print_rows(rows: list[dict]) -> str:

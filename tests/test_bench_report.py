@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -137,6 +138,38 @@ def test_round_orders_never_time_a_function_right_after_its_own_call_regression(
     bench.peers.interleaved_times({n: (lambda n=n: seen.append(n)) for n in names}, 5,
                                   warm_up=False, settle_s=0.0)
     assert seen == [name for order in bench.peers.round_orders(names, 5) for name in order]
+
+
+def test_settle_waits_for_work_left_running_after_a_call_regression():
+    """Stop 72: the dense reference's memory was returned on a background thread for up to
+    half a second after its call, which ran into the next call's time. settle() waits past
+    its pause until the process is quiet (a thread spinning 0.3 s here), gives up after its
+    limit (a thread that spins on), and waits for nothing without a pause."""
+    import threading
+
+    def spin(stop):
+        while not stop.is_set():
+            pass
+
+    stop = threading.Event()
+    busy = threading.Thread(target=spin, args=(stop,))
+    threading.Timer(0.3, stop.set).start()
+    busy.start()
+    bench.peers.settle(0.01)
+    assert not busy.is_alive()
+    stop = threading.Event()
+    busy = threading.Thread(target=spin, args=(stop,))
+    busy.start()
+    try:
+        start = time.perf_counter()
+        bench.peers.settle(0.01, limit_s=0.1)
+        assert busy.is_alive() and time.perf_counter() - start >= 0.1
+        start = time.perf_counter()
+        bench.peers.settle(0.0)
+        assert time.perf_counter() - start < 0.05
+    finally:
+        stop.set()
+        busy.join()
 
 
 @pytest.mark.parametrize("sessions", [((1024, 128),), ((960, 64),) * 3, ((5, 0), (1, 7))])

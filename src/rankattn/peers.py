@@ -21,6 +21,28 @@ def jax_nn_attention(q, k, v, segment_ids, causal: bool = False, implementation:
 
 
 SETTLE_S = 0.02
+# settle()'s test for a quiet process: under QUIET_SHARE of one core's time used in a window of
+# QUIET_WINDOW_S, waited for QUIET_LIMIT_S at most.
+QUIET_WINDOW_S, QUIET_SHARE, QUIET_LIMIT_S = 0.005, 0.1, 5.0
+
+
+def settle(pause_s: float, limit_s: float = QUIET_LIMIT_S) -> None:
+    """Idles ``pause_s``, then until this process is quiet: under QUIET_SHARE of one core's
+    time used (by any of its threads) in a QUIET_WINDOW_S window, or ``limit_s`` at most. A
+    call's cleanup can outlive it: after the dense reference's 4 GB of XLA scratch, 0.36-0.52
+    s of the process's system time followed on a background thread (returning the pages), and
+    on 2 cores the call timed next ran up to 1.5x as long (packed-fwdbwd's rankattn call 615
+    ms 20 ms after the dense reference, 446 ms after 1.5 s, 400 ms after itself). No pause
+    (0) waits for nothing: back-to-back timing."""
+    if pause_s <= 0:
+        return
+    time.sleep(pause_s)
+    deadline = time.perf_counter() + limit_s
+    while time.perf_counter() < deadline:
+        used = time.process_time()
+        time.sleep(QUIET_WINDOW_S)
+        if time.process_time() - used < QUIET_SHARE * QUIET_WINDOW_S:
+            return
 
 
 def round_orders(names: list[str], rounds: int, seed: int = 0) -> list[list[str]]:
@@ -49,11 +71,13 @@ def interleaved_times(fns: dict, repeats: int, warm_up: bool = True,
     the order :func:`round_orders` gives, so that drift and whatever one function
     leaves behind (a peer's spinning thread pool, a freed heap, warm caches) hit all
     alike. Results are waited for with
-    block_until_ready. Before each call the machine idles ``settle_s``: torch's
+    block_until_ready. Before each call the machine idles ``settle_s``, then until the
+    process is quiet (:func:`settle`): torch's
     OpenMP threads spin for milliseconds after a call, and on 2 cores they took
     the cores of whatever ran next (short-fwdbwd: rankattn 13.1 ms right after
     torch, 11.4 ms after a 20 ms pause; torch itself 9.4 -> 10.2 ms, as it lost
-    its warm threads). Returns one array of ``repeats`` times per name; the
+    its warm threads); a call's memory is returned after it, for up to half a
+    second. Returns one array of ``repeats`` times per name; the
     ratio of two functions is best taken per round (same machine state), then
     its median over rounds.
 
@@ -71,7 +95,7 @@ def interleaved_times(fns: dict, repeats: int, warm_up: bool = True,
     times = {name: [] for name in fns}
     for order in round_orders(list(fns), repeats):
         for name in order:
-            time.sleep(settle_s)
+            settle(settle_s)
             for _ in range(warm_calls):
                 jax.block_until_ready(fns[name]())
             start = time.perf_counter()
