@@ -700,7 +700,7 @@ too), then each candidate's own key merged by log-sum-exp. Ratio = torch time /
 rankattn time, the median of per-round ratios, from two runs of the whole table (the
 first at the start of this benchmark, the second at its end); times are from the
 first. Every timed call follows a {peers.SETTLE_S * 1e3:.0f} ms pause, in which torch's spinning
-threads stop; "back to back" times each call after {WARM_CALLS} untimed calls of the same
+threads stop, and then waits until the process is quiet (rankattn.peers.settle); "back to back" times each call after {WARM_CALLS} untimed calls of the same
 function (its threads awake and its data in cache, as at a busy server). GFLOP/s
 counts the visible (query, key) pairs only (4 D flops each); "of GEMM
 rate" divides it by this run's 2048^3 matmul rate of the same dtype (the faster of

@@ -6,8 +6,8 @@ kernel's pool workers moved off their caller's CPU (the default) and left there
     .venv/bin/python benchmarks/call_costs.py   # CALL_COSTS.md, results/<machine>/call_costs.json
     .venv/bin/python benchmarks/call_costs.py --smoke --out DIR   # tiny shapes, 2 processes
 
-"After a pause": the machine idles 20 ms before each timed call, as bench.py times every call
-(torch's threads stop spinning). "Back to back": 2 untimed calls of the same function come
+"After a pause": the machine idles 20 ms before each timed call, and then until the process is
+quiet, as bench.py times every call (torch's threads stop spinning). "Back to back": 2 untimed calls of the same function come
 first, as at a busy server. Each process times every call both ways, round-robin; the times
 are medians over all rounds of a setting's processes, "stayed / moved" the median over pairs
 of consecutive processes (one of each setting) of the ratio of their medians.
