@@ -166,7 +166,7 @@ def test_compiles_once_then_loads_from_the_cache(tiny_source):
     assert first.handle is not None, first.reasons
     assert first.compile_seconds is not None and first.handle.rankattn_probe() == 42
     assert stat.S_IMODE(first.path.stat().st_mode) == 0o755
-    lock = native.lock_path(first.path)
+    lock = native.users_file(first.path, ".lock")
     assert lock.name == f"{first.path.stem}.user{os.getuid()}.lock" and lock.exists()
     second = load_uncached("probe")
     assert second.compile_seconds is None and second.path == first.path
@@ -240,8 +240,89 @@ def test_a_library_that_does_not_load_is_rebuilt_once(tiny_source, monkeypatch):
     garbage = stand_in(tiny_source, "garbage", after='echo "not a library" > "$out"')
     monkeypatch.setattr(native, "compilers", lambda: [garbage])
     never = load_uncached("probe")
-    assert never.handle is None and "does not load" in never.reasons[0], never.reasons
+    assert never.handle is None and "damaged after a rebuild" in never.reasons[0], never.reasons
     assert compiles(tiny_source, "garbage") == 2  # built, then rebuilt once
+
+
+@needs_compiler
+def test_a_library_that_loads_nowhere_is_a_reason_not_a_rebuild_regression(tiny_source,
+                                                                          monkeypatch):
+    """Review (stop 72): every dlopen failure counted as a damaged file, so a cache folder on a
+    filesystem mounted noexec ("failed to map segment from shared object") had every process
+    build the kernel again, and the first twice, before falling back to xla. Only a damaged
+    file is rebuilt now; any other failure is a reason naming RANKATTN_CACHE_DIR."""
+    cxx = stand_in(tiny_source, "cxx")
+    monkeypatch.setattr(native, "compilers", lambda: [cxx])
+    assert load_uncached("probe").handle is not None
+    real = native.ctypes.CDLL
+
+    def noexec(path, *args, **kwargs):
+        if "probe-" in str(path):
+            raise OSError(f"{path}: failed to map segment from shared object")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(native.ctypes, "CDLL", noexec)
+    cached = load_uncached("probe")
+    assert cached.handle is None and "failed to map segment" in cached.reasons[0]
+    assert "noexec" in cached.reasons[0] and "RANKATTN_CACHE_DIR" in cached.reasons[0]
+    for library in (tiny_source / "cache").glob("probe-*.so"):
+        library.unlink()
+    fresh = load_uncached("probe")  # built into the folder, then refused the same way
+    assert fresh.handle is None and "RANKATTN_CACHE_DIR" in fresh.reasons[0], fresh.reasons
+    assert compiles(tiny_source, "cxx") == 2  # the first build, then one: never a rebuild
+
+
+@needs_compiler
+@pytest.mark.parametrize("output", [
+    "cc1plus: internal compiler error: Killed signal terminated program cc1plus",
+    "probe.cc:1:10: fatal error: header.h: No such file or directory",
+    "probe.cc:1:1: error: cannot write: No space left on device"])
+def test_a_failure_of_the_machine_is_not_recorded_regression(tiny_source, monkeypatch, output):
+    """Review (stop 72): any failed compile with a positive exit was recorded for good, so a
+    compiler killed for memory (g++ exits 4), a full disk or a missing header kept every
+    later process (and every user) off the kernel after the cause was gone. Only a rejection
+    of the source is recorded, and per user."""
+    cause = tiny_source / "cause"
+    cause.touch()
+    flaky = stand_in(tiny_source, "flaky",
+                     before=f'[ -e {cause} ] && {{ echo "{output}" >&2; exit 4; }}')
+    monkeypatch.setattr(native, "compilers", lambda: [flaky])
+    failed = load_uncached("probe")
+    assert failed.handle is None and output.split(": ", 1)[1] in failed.reasons[0]
+    assert not list((tiny_source / "cache").glob("*.failed"))
+    cause.unlink()  # the same compiler, the cause gone: it builds
+    assert load_uncached("probe").handle is not None
+
+
+def test_the_first_error_is_the_compilers_located_one_regression():
+    """Review (stop 72): GCC's context line before an error in a function returning
+    ffi::Error ("In function 'xla::ffi::Error ...'") was taken for the error."""
+    text = ("cpu_attention.cc: In function 'xla::ffi::Error {anonymous}::forward(int)':\n"
+            "cpu_attention.cc:42:7: error: 'Foo' was not declared in this scope\n")
+    assert native.first_error(text).startswith("cpu_attention.cc:42:7: error: 'Foo'")
+    assert native.first_error("ld: error: something\n") == "ld: error: something"
+    assert native.rejects_source(text)
+    assert not native.rejects_source("collect2: error: ld returned 1 exit status")
+
+
+@pytest.mark.parametrize("name, value", [
+    ("RANKATTN_CPU_THREADS", "auto"), ("RANKATTN_CPU_THREADS", "0"),
+    ("RANKATTN_CPU_MOVE_WORKERS", "yes"), ("RANKATTN_CPU_BACKWARD_MB", "1G"),
+    ("RANKATTN_CPU_BACKWARD_PASS", "row"), ("RANKATTN_CPU_TRACE", "on"),
+    ("RANKATTN_CPU_KERNEL", "disable")])
+def test_a_setting_the_kernel_would_misread_is_a_reason_and_a_warning_regression(
+        tiny_source, monkeypatch, name, value):
+    """Review (stop 72): the kernel's C++ read its settings with strtoll, so THREADS=auto ran
+    one thread, MOVE_WORKERS=yes turned moving off, BACKWARD_MB=1G kept 1 MiB, and a
+    misspelled word was ignored. Such a value now keeps the kernel off, saying which and what
+    it takes."""
+    monkeypatch.setenv(name, value)
+    with pytest.warns(UserWarning, match=name):
+        library = load_uncached("probe")
+    assert library.handle is None and f"{name}={value!r} is not" in library.reasons[0]
+    monkeypatch.setenv(name, {"RANKATTN_CPU_BACKWARD_PASS": "rows",
+                              "RANKATTN_CPU_KERNEL": "on"}.get(name, "1"))
+    assert native.bad_settings() == []
 
 
 # --- Compilers. ----------------------------------------------------------------------------

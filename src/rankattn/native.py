@@ -38,12 +38,17 @@ runs its code, so whoever can write a shared folder is trusted by all its users.
 
 Failing to build is not an error here: :func:`load` returns the reasons, which
 the ``cpu`` backend reports through ``not_supported_reasons`` while ``auto``
-falls back to ``xla``. A compiler that rejects the source (a non-zero exit) is
-recorded in ``<library>.failed`` so that no process tries it on that key again
-(its message stays in the reasons; delete the file to retry). A cached library
-that does not load (a truncated file) is rebuilt once. A cache folder that
-cannot be written (read-only, another user's, a full disk) or no home directory
-is a reason too.
+falls back to ``xla``. A compiler that rejects the source (an error at a line of
+it, or of a header it includes) is recorded in ``<library>.user<uid>.failed`` so that
+none of this user's processes tries it on that key again (its message stays in the
+reasons; delete the file to retry); a failure the machine caused is not recorded
+(the compiler killed, say for memory, a full disk, a header missing or unreadable).
+A cached library that is damaged (truncated, not ELF) is rebuilt once; one that does
+not load for another reason (a cache folder on a filesystem mounted ``noexec``) is a
+reason, as a rebuild would not load either. A cache folder that cannot be written
+(read-only, another user's, a full disk) or no home directory is a reason too, and
+so is a setting below with a value it does not take (with a warning, as ``auto``
+then runs ``xla``).
 
 Environment:
   RANKATTN_CPU_KERNEL=0     do not build or use the kernel (``impl='auto'`` takes ``xla``).
@@ -76,12 +81,14 @@ import functools
 import hashlib
 import importlib.util
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -114,8 +121,35 @@ class BuildFailed(Exception):
     """One compiler could not give a library that loads; the message is the reason."""
 
 
+OFF, ON = ("0", "off", "false", "no"), ("1", "on", "true", "yes")
+
+
 def disabled() -> bool:
-    return os.environ.get("RANKATTN_CPU_KERNEL", "1").strip().lower() in ("0", "off", "false", "no")
+    return os.environ.get("RANKATTN_CPU_KERNEL", "1").strip().lower() in OFF
+
+
+# The kernel's own settings, which its C++ reads (cpu_kernel/runtime.h, Settings): what each
+# takes, checked here because C++'s strtoll reads "auto" as 0 and a misspelled word as unset.
+def _whole(low: int):
+    return lambda text: text.strip().isdigit() and int(text) >= low
+
+
+SETTINGS = {
+    "RANKATTN_CPU_KERNEL": (lambda text: text.strip().lower() in OFF + ON,
+                            "one of " + ", ".join(OFF + ON)),
+    "RANKATTN_CPU_THREADS": (_whole(1), "a whole number >= 1"),
+    "RANKATTN_CPU_BACKWARD_MB": (_whole(0), "a whole number of MiB >= 0"),
+    "RANKATTN_CPU_BACKWARD_PASS": (lambda text: text in ("rows", "blocks"), "rows or blocks"),
+    "RANKATTN_CPU_MOVE_WORKERS": (lambda text: text in ("0", "1"), "0 or 1"),
+    "RANKATTN_CPU_TRACE": (lambda text: text in ("0", "1"), "0 or 1"),
+}
+
+
+def bad_settings() -> list[str]:
+    """A sentence for each of SETTINGS set to a value it does not take."""
+    return [f"{name}={os.environ[name]!r} is not {takes}: set {takes}, or unset it"
+            for name, (valid, takes) in SETTINGS.items()
+            if name in os.environ and not valid(os.environ[name])]
 
 
 def sanitized() -> bool:
@@ -170,10 +204,27 @@ def build_command(cxx: list[str], source: Path, output: Path) -> list[str]:
                                               "-o", str(output)]
 
 
+# A compiler's error at a line of a file ("probe.cc:1:1: error: ...", "x.h:12: fatal error:");
+# GCC first prints a context line ("cpu_attention.cc: In function '...':") that names no error.
+LOCATED_ERROR = re.compile(r":\d+(?::\d+)?: (?:fatal )?error:")
+# What the machine, not the source, made a compile fail with: the compiler proper killed (the
+# OOM killer: g++ exits 4 with "internal compiler error: Killed signal"), a full disk, a
+# header missing or unreadable. It may not recur, so it is not recorded.
+MACHINE_FAILURE = re.compile(r"internal compiler error|\bKilled\b|No space left|"
+                             r"No such file or directory|Permission denied|out of memory", re.I)
+
+
 def first_error(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
+    located = [line for line in lines if LOCATED_ERROR.search(line)]
     errors = [line for line in lines if "error" in line.lower()]
-    return (errors or lines or ["(no output)"])[0][:300]
+    return (located or errors or lines or ["(no output)"])[0][:300]
+
+
+def rejects_source(text: str) -> bool:
+    """Whether a failed compile's output says the source is wrong for this compiler (which
+    recurs), not that the machine failed it."""
+    return bool(LOCATED_ERROR.search(text)) and not MACHINE_FAILURE.search(text)
 
 
 def _ask(cxx: list[str], *args: str) -> str:
@@ -214,16 +265,21 @@ def target_path(source: Path, cxx: list[str], digest: str) -> Path:
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
 
 
-def lock_path(target: Path) -> Path:
-    """This user's lock on building ``target``: one per user, since another user's lock file
-    cannot be opened for writing (nor, in a sticky folder, created)."""
+def users_file(target: Path, suffix: str) -> Path:
+    """This user's ``suffix`` file beside ``target``: its build lock (``.lock``; another user's
+    lock file cannot be opened for writing, nor, in a sticky folder, created) and its record of
+    a failed build (``.failed``; another user's could not be deleted to retry)."""
     user = os.getuid() if hasattr(os, "getuid") else "any"
-    return target.with_name(f"{target.stem}.user{user}.lock")
+    return target.with_name(f"{target.stem}.user{user}{suffix}")
 
 
 @functools.cache
 def load(name: str) -> Library:
     """The library built from ``backends/<name>.cc``: from the cache, or compiled now."""
+    if bad_settings():
+        warnings.warn(f"rankattn: the cpu kernel is not used: {'; '.join(bad_settings())} "
+                      "(impl='auto' runs xla instead)", stacklevel=2)
+        return Library(None, tuple(bad_settings()))
     if disabled():
         return Library(None, ("the C++ kernel is turned off (RANKATTN_CPU_KERNEL=0)",))
     try:
@@ -250,49 +306,71 @@ def load(name: str) -> Library:
 def _load(source: Path, digest: str, candidates: list[list[str]]) -> Library:
     """The first candidate's cached library that loads, else the first that builds and loads.
     Raises OSError when the cache folder cannot be used."""
-    targets = []
+    targets, reasons = [], []
     for cxx in candidates:
         target = target_path(source, cxx, digest)
-        broken = False
-        if target.exists():
-            try:
-                return Library(ctypes.CDLL(str(target)), (), target)
-            except OSError:
-                broken = True  # e.g. truncated by a full disk: rebuilt below
-        targets.append((cxx, target, broken))
-    reasons = []
-    for cxx, target, broken in targets:
+        if not target.exists():
+            targets.append((cxx, target, False))
+            continue
         try:
-            return _build_and_load(cxx, source, target, rebuild=broken)
+            handle = _open(cxx, target)
+        except BuildFailed as e:
+            reasons.append(str(e))
+            continue
+        if handle is not None:
+            return Library(handle, (), target)
+        targets.append((cxx, target, True))  # e.g. truncated by a full disk: rebuilt below
+    for cxx, target, damaged in targets:
+        try:
+            return _build_and_load(cxx, source, target, rebuild=damaged)
         except BuildFailed as e:
             reasons.append(str(e))
     return Library(None, tuple(reasons))
 
 
-def _build_and_load(cxx: list[str], source: Path, target: Path, rebuild: bool) -> Library:
-    """Build ``target`` (again, with ``rebuild``) and load it; one that does not load is
-    rebuilt once."""
-    seconds = _build(cxx, source, target, rebuild)
+# dlopen's words for a file that is not a whole library (a build or copy cut short).
+DAMAGED = re.compile(r"invalid ELF header|file too short|ELF load command|ELF file")
+
+
+def _open(cxx: list[str], target: Path) -> ctypes.CDLL | None:
+    """The library at ``target``, or None when the file is damaged (to be rebuilt). Raises
+    BuildFailed when it does not load for a reason a rebuild would not change."""
     try:
-        return Library(ctypes.CDLL(str(target)), (), target, seconds)
+        return ctypes.CDLL(str(target))
     except OSError as e:
-        if rebuild:
-            raise BuildFailed(f"the kernel {shlex.join(cxx)} built, {target}, does not load: "
-                              f"{e}") from e
+        if DAMAGED.search(str(e)):
+            return None
+        raise BuildFailed(
+            f"the kernel {shlex.join(cxx)} built, {target}, does not load: {e}. A rebuild would "
+            "not load either; where the cache folder is on a filesystem mounted noexec, set "
+            "RANKATTN_CACHE_DIR to a folder on one that allows running code") from e
+
+
+def _build_and_load(cxx: list[str], source: Path, target: Path, rebuild: bool) -> Library:
+    """Build ``target`` (again, with ``rebuild``) and load it; one that is damaged is rebuilt
+    once."""
+    seconds = _build(cxx, source, target, rebuild)
+    handle = _open(cxx, target)
+    if handle is not None:
+        return Library(handle, (), target, seconds)
+    if rebuild:
+        raise BuildFailed(f"the kernel {shlex.join(cxx)} built, {target}, is damaged after a "
+                          "rebuild: is the cache folder's disk full?")
     return _build_and_load(cxx, source, target, rebuild=True)
 
 
-def _build(cxx: list[str], source: Path, target: Path, rebuild: bool) -> float:
+def _build(cxx: list[str], source: Path, target: Path, rebuild: bool) -> float | None:
     """Compile ``source`` into ``target`` unless another process did meanwhile (unless
-    ``rebuild``); the seconds taken. Raises BuildFailed, and a compiler's rejection is
-    recorded in ``<target>.failed`` so that no process runs this compiler on this key again."""
-    failed = target.with_suffix(".failed")
+    ``rebuild``: then None); the seconds taken. Raises BuildFailed, and a compiler's rejection
+    of the source is recorded (:func:`rejects_source`) so that none of this user's processes
+    runs this compiler on this key again."""
+    failed = users_file(target, ".failed")
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(lock_path(target)):
+    with _locked(users_file(target, ".lock")):
         if failed.exists():
             raise BuildFailed(f"{failed.read_text()} (recorded in {failed}; delete it to retry)")
         if target.exists() and not rebuild:
-            return 0.0
+            return None
         # A private folder: the compiler and linker may write files of their own beside the output.
         with tempfile.TemporaryDirectory(prefix=f".{target.stem}-", dir=target.parent) as scratch:
             built = Path(scratch) / target.name
@@ -307,7 +385,7 @@ def _build(cxx: list[str], source: Path, target: Path, rebuild: bool) -> float:
             if result.returncode != 0:
                 message = (f"compiling {source.name} with {shlex.join(cxx)} failed: "
                            f"{first_error(result.stderr + result.stdout)}")
-                if result.returncode > 0:  # the compiler's verdict; a kill (< 0) may not recur
+                if result.returncode > 0 and rejects_source(result.stderr + result.stdout):
                     note = Path(scratch) / failed.name
                     note.write_text(message)
                     _publish(note, failed, 0o644)
