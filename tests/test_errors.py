@@ -323,6 +323,32 @@ def test_explain_nothing():
     assert errors.explain("") is None
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["explain"], "give an error code"),
+    (["explain", "--markdown", "RA103"], "--markdown prints every entry"),
+    (["demo", "--batch", "0"], "--batch: '0' is not a whole number >= 1"),
+    (["demo", "--repeats", "-1"], "--repeats: '-1' is not a whole number >= 1"),
+    (["demo", "--batch", "two"], "'two' is not a whole number >= 1")])
+def test_the_command_refuses_bad_arguments_with_usage_regression(capsys, argv, said):
+    """Review (stop 72): `rankattn demo --batch 0` ended in a trace naming q, --repeats 0 printed
+    NaN times and exited 0; `explain` with no query or beside --markdown said nothing useful."""
+    from rankattn import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_explain_names_a_code_that_does_not_exist_regression(capsys):
+    """Review (stop 72): "RA999 softcap" answered RA111's entry without saying RA999 is none."""
+    from rankattn import cli
+
+    assert cli.main(["explain", "RA999", "softcap"]) == 1
+    assert "RA999: no such rankattn error code" in capsys.readouterr().err
+    assert cli.main(["explain", "[RA111]", "softcap"]) == 0
+    assert capsys.readouterr().out.startswith("RA111")
+
+
 def test_every_code_has_a_raise_site():
     """explain reads each code's message templates from the fail(...) calls in the source; RA126
     comes from the C++ kernel (its message starts with the code)."""
