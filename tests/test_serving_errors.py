@@ -161,6 +161,8 @@ def test_integer_query(cache):
     (dict(budget=7, sink_pages=4, recent_pages=4), "budget >= 32"),
     (dict(budget=0), "budget=0"),
     (dict(budget=2.5), "budget=2.5"),
+    (dict(budget=512.0), "budget=512.0 (float): the budget is a token count"),  # was "buys 0"
+    (dict(budget=-5), "buys 0 pages"),
     (dict(budget=64, sink_pages=-1), "sink_pages=-1"),
     (dict(budget=64, recent_pages=True), "recent_pages=True"),
     (dict(budget=64, recent_pages=1.0), "recent_pages=1.0"),
@@ -434,3 +436,15 @@ def test_stack_caches_needs_equal_single_layer_caches(cache, caches, fragments):
 def test_malformed_stacked_history_or_layout(call, fragment):
     with raises("RA212", fragment):
         call()
+
+
+def test_a_sharded_cache_outside_attend_says_how_to_take_one_shard(cache):
+    """Review (stop 72): select_pages and page_bounds said a sharded cache "needs sharding=",
+    an argument they do not have, and a stack of sharded caches with layer= had "no layer
+    axis"."""
+    with raises("RA201", "select_pages and page_bounds score one shard's cache"):
+        serving.select_pages(q4(), jax.tree.map(lambda x: x[None, None], cache), USERS,
+                             budget=64)
+    with raises("RA218", "a stack of sharded caches"):
+        serving.page_bounds(q4(), jax.tree.map(lambda x: x[None, None, None], cache), USERS,
+                            layer=0)

@@ -66,8 +66,9 @@ register(
         "gqa is 'per_head' (each query head picks its pages), 'group' (one page set per kv "
         "head, the default) or 'mean' (the group's mean query is scored, as SGLang does). "
         "selection is 'per_query' (each candidate picks its pages, the default) or "
-        "'per_request' (a request's candidates share them). group_rule picks how 'group' "
-        "merges its heads' page scores.",
+        "'per_request' (a request's candidates share them). group_rule picks how page scores "
+        "are merged where queries share a page set: a kv head's query heads under 'group', a "
+        "request's rows under 'per_request'.",
         "Pass one of the listed names."),
     ErrorKind(
         "RA210", "append does not fit in the cache",

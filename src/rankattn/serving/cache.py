@@ -366,7 +366,9 @@ def check_cache(cache) -> None:
     if len(cache.k_pages.shape) != 4:
         raise fail("RA201", f"cache.k_pages has shape {tuple(cache.k_pages.shape)}; one layer's "
                             "cache holds k_pages [N, Hkv, P, D]. A sharded cache [nb, nc, ...] "
-                            "needs sharding=, a stacked one [L, ...] layer=.")
+                            "needs attend's sharding= (select_pages and page_bounds score one "
+                            "shard's cache: jax.tree.map(lambda x: x[i, j], cache) takes batch "
+                            "shard i, context shard j), a stacked one [L, ...] layer=.")
     n, h, p, d = cache.k_pages.shape
     want = {"v_pages": (n, h, p, cache.v_head_dim), "k_min": (n, h, d), "k_max": (n, h, d),
             "page_table": (cache.num_users, cache.max_pages), "lengths": (cache.num_users,),
@@ -438,6 +440,12 @@ def layer_view(cache, layer, where: str, *, lead: int = 0):
                                 "or a traced int32 scalar such as a fori_loop index), or scan over "
                                 "the stack: jax.lax.scan hands its body one layer's cache.")
         return cache, None
+    if len(shape) > 5 + lead:
+        raise fail("RA218", f"{where}: cache has k_pages {shape}, a stack of sharded caches "
+                            f"[L, nb, nc, N, Hkv, P, D], which {where} does not take: pass one "
+                            "shard's stack, jax.tree.map(lambda x: x[:, i, j], cache) (batch "
+                            "shard i, context shard j), with layer=; attend takes the whole "
+                            "stack with sharding=.")
     if not stacked:
         raise fail("RA218", f"{where}: layer={layer!r} was given but cache has no layer axis "
                             f"(k_pages {shape}; a stack of layers has k_pages {layout}). Drop "

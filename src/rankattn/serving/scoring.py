@@ -141,8 +141,11 @@ def attend(q, cache: PagedKVCache, users, *, self_kv=None, budget=None, gqa="gro
         every query keeps (they count against the budget).
       scale: logit scale (default 1 / sqrt(D)); softcap, softcap_method: as
         :func:`rankattn.attention` (the cap applies to history and self logits).
-      group_rule: the 'group' merge rule, a key of GROUP_RULES (default chosen
-        by measurement, see benchmarks/SERVING.md); kept for comparison.
+      group_rule: how page scores are merged where several queries share a page set:
+        the query heads of a kv head under gqa='group', and under
+        selection='per_request' a request's rows (with any gqa). A key of
+        GROUP_RULES (default chosen by measurement, see benchmarks/SERVING.md); the
+        others kept for comparison.
       sharding: a rankattn.Sharding(mesh, batch=..., context=...) to score on a
         device mesh, with ``cache`` a sharded cache (arrays [nb, nc, ...]: batch
         shards of users x context shards of each history; see
@@ -222,8 +225,11 @@ def select_pages(q, cache: PagedKVCache, users, *, budget, gqa="group", selectio
     Returns int32 [B, T, Hq, n] (or [B, Hq, n] for 3-D / 2-D queries), n =
     min(budget // P, max_pages): logical page numbers (page j holds tokens
     [j*P, (j+1)*P) of the user's history), -1 where the user has fewer pages
-    than n. Order is by score, the kept sink/recent pages first. With
-    selection='per_request' the rows of a request hold the same pages.
+    than n. Order is by score: first, by index, the kept sink / recent pages and
+    the pages whose key stats are not finite (whose rows are NaN anyway), then
+    the rest. With selection='per_request' the rows of a request hold the same
+    pages. The pages are those ``attend`` reads with the same ``impl`` (bounds
+    rounded apart could break a near-tie differently).
     """
     if budget is None:
         raise fail("RA208", "select_pages needs budget=<tokens>; budget=None means no selection.")
@@ -242,8 +248,9 @@ def page_bounds(q, cache: PagedKVCache, users, *, scale=None, layer=None, impl="
     Arguments as :func:`attend` (``layer`` for a stacked cache, ``impl`` as in
     :func:`select_pages`). Returns float32
     [B, T, Hq, max_pages] (or [B, Hq, max_pages] for 3-D / 2-D queries): entry j
-    bounds ``scale * q . k`` for every key k of the user's page j, and is -inf
-    where the user has no page j. A soft cap is monotone, so capped logits are
+    bounds ``scale * q . k`` for every key k of the user's page j, is -inf
+    where the user has no page j, and +inf where the page's key stats are not
+    finite (a key holding inf or NaN: attend keeps such a page). A soft cap is monotone, so capped logits are
     bounded by the capped bound.
     """
     view, layer = layer_view(cache, layer, "page_bounds")
@@ -349,8 +356,13 @@ def _check(where, q, cache, users, self_kv, *, budget, gqa, selection, sink_page
         # Exactly the kept pages is StreamingLLM's window (sink + recent), which users run on
         # purpose; fewer would drop a page that is always kept.
         least = max(sink_pages + recent_pages, 1)
-        if not _positive_int(budget) or budget // p < least:
-            raise fail("RA208", f"budget={budget!r} tokens buys {budget // p if _positive_int(budget) else 0} "
+        if not isinstance(budget, (int, np.integer)) or isinstance(budget, bool):
+            raise fail("RA208", f"budget={budget!r} ({type(budget).__name__}): the budget is a "
+                                "token count fixed at trace time; pass a Python int "
+                                f"(int(budget), static under jit) of at least {least * p}, or "
+                                "budget=None for exact attention.")
+        if budget // p < least:
+            raise fail("RA208", f"budget={budget!r} tokens buys {max(budget // p, 0)} "
                                 f"pages of P={p}, but sink_pages={sink_pages} + recent_pages="
                                 f"{recent_pages} are always kept (and at least one page is "
                                 f"attended). Pass budget >= {least * p}, or budget=None for "
