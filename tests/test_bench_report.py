@@ -144,7 +144,8 @@ def test_settle_waits_for_work_left_running_after_a_call_regression():
     """Stop 72: the dense reference's memory was returned on a background thread for up to
     half a second after its call, which ran into the next call's time. settle() waits past
     its pause until the process is quiet (a thread spinning 0.3 s here), gives up after its
-    limit (a thread that spins on), and waits for nothing without a pause."""
+    limit (a thread that spins on), waits for nothing without a pause, and off the CPU
+    backend for the pause only."""
     import threading
 
     def spin(stop):
@@ -167,6 +168,12 @@ def test_settle_waits_for_work_left_running_after_a_call_regression():
         start = time.perf_counter()
         bench.peers.settle(0.0)
         assert time.perf_counter() - start < 0.05
+        # On an accelerator the pause alone: a GPU runtime's host threads need never be idle.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(bench.peers.jax, "default_backend", lambda: "gpu")
+            start = time.perf_counter()
+            bench.peers.settle(0.01, limit_s=2.0)
+            assert time.perf_counter() - start < 1.0
     finally:
         stop.set()
         busy.join()
