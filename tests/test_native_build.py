@@ -294,6 +294,17 @@ def test_a_failure_of_the_machine_is_not_recorded_regression(tiny_source, monkey
     assert load_uncached("probe").handle is not None
 
 
+def test_a_sanitized_build_without_its_runtime_preloaded_is_a_reason_regression(tiny_source,
+                                                                                 monkeypatch):
+    """Review (stop 72): RANKATTN_CPU_KERNEL_SANITIZE=1 without libasan in LD_PRELOAD built the
+    library, and loading it ended the process (ASan's runtime must come first)."""
+    monkeypatch.setenv("RANKATTN_CPU_KERNEL_SANITIZE", "1")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    library = load_uncached("probe")
+    assert library.handle is None and "LD_PRELOAD" in library.reasons[0], library.reasons
+    assert not (tiny_source / "cache").exists()  # refused before building
+
+
 def test_the_first_error_is_the_compilers_located_one_regression():
     """Review (stop 72): GCC's context line before an error in a function returning
     ffi::Error ("In function 'xla::ffi::Error ...'") was taken for the error."""

@@ -282,6 +282,12 @@ def load(name: str) -> Library:
         return Library(None, tuple(bad_settings()))
     if disabled():
         return Library(None, ("the C++ kernel is turned off (RANKATTN_CPU_KERNEL=0)",))
+    if sanitized() and "asan" not in os.environ.get("LD_PRELOAD", ""):
+        # Loading a sanitized library into a process whose ASan runtime was not loaded first
+        # ends the process ("ASan runtime does not come first"), with no reason to return.
+        return Library(None, ("RANKATTN_CPU_KERNEL_SANITIZE=1 needs AddressSanitizer's runtime "
+                              "preloaded: LD_PRELOAD=\"$(g++ -print-file-name=libasan.so)\" "
+                              "(tests only; unset it for the fast kernel)",))
     try:
         candidates = compilers()
         words("RANKATTN_CXXFLAGS")  # every build command parses it again
