@@ -62,7 +62,7 @@ def kernel_not_first_compilers() -> str | None:
     first = native.target_path(source, native.compiler(), native.source_digest(source))
     if cpu.library().path == first:
         return None
-    failed = first.with_suffix(".failed")
+    failed = native.users_file(first, ".failed")
     return (failed.read_text() if failed.exists()
             else f"loaded {cpu.library().path}, not {first}: {cpu.library().reasons}")
 

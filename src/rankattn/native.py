@@ -38,11 +38,11 @@ runs its code, so whoever can write a shared folder is trusted by all its users.
 
 Failing to build is not an error here: :func:`load` returns the reasons, which
 the ``cpu`` backend reports through ``not_supported_reasons`` while ``auto``
-falls back to ``xla``. A compiler that rejects the source (an error at a line of
-it, or of a header it includes) is recorded in ``<library>.user<uid>.failed`` so that
-none of this user's processes tries it on that key again (its message stays in the
-reasons; delete the file to retry); a failure the machine caused is not recorded
-(the compiler killed, say for memory, a full disk, a header missing or unreadable).
+falls back to ``xla``. A compiler that fails (on the source, or its assembler or
+linker on this host) is recorded in ``<library>.user<uid>.failed`` so that none of
+this user's processes tries it on that key again (its message stays in the reasons;
+delete the file to retry); a failure the machine caused is not recorded (the
+compiler killed, say for memory, a full disk, a header missing or unreadable).
 A cached library that is damaged (truncated, not ELF) is rebuilt once; one that does
 not load for another reason (a cache folder on a filesystem mounted ``noexec``) is a
 reason, as a rebuild would not load either. A cache folder that cannot be written
@@ -131,15 +131,16 @@ def disabled() -> bool:
 # The kernel's own settings, which its C++ reads (cpu_kernel/runtime.h, Settings): what each
 # takes, checked here because C++'s strtoll reads "auto" as 0 and a misspelled word as unset.
 def _whole(low: int):
-    return lambda text: text.strip().isdigit() and int(text) >= low
+    return lambda text: bool(re.fullmatch(r"\s*[0-9]+\s*", text)) and int(text) >= low
 
 
 SETTINGS = {
-    "RANKATTN_CPU_KERNEL": (lambda text: text.strip().lower() in OFF + ON,
+    "RANKATTN_CPU_KERNEL": (lambda text: text.strip().lower() in OFF + ON + ("",),
                             "one of " + ", ".join(OFF + ON)),
     "RANKATTN_CPU_THREADS": (_whole(1), "a whole number >= 1"),
     "RANKATTN_CPU_BACKWARD_MB": (_whole(0), "a whole number of MiB >= 0"),
-    "RANKATTN_CPU_BACKWARD_PASS": (lambda text: text in ("rows", "blocks"), "rows or blocks"),
+    "RANKATTN_CPU_BACKWARD_PASS": (lambda text: text in ("auto", "rows", "blocks"),
+                                   "auto, rows or blocks"),
     "RANKATTN_CPU_MOVE_WORKERS": (lambda text: text in ("0", "1"), "0 or 1"),
     "RANKATTN_CPU_TRACE": (lambda text: text in ("0", "1"), "0 or 1"),
 }
@@ -209,7 +210,8 @@ def build_command(cxx: list[str], source: Path, output: Path) -> list[str]:
 LOCATED_ERROR = re.compile(r":\d+(?::\d+)?: (?:fatal )?error:")
 # What the machine, not the source, made a compile fail with: the compiler proper killed (the
 # OOM killer: g++ exits 4 with "internal compiler error: Killed signal"), a full disk, a
-# header missing or unreadable. It may not recur, so it is not recorded.
+# header missing or unreadable. It may not recur, so it is not recorded; any other failure
+# (an error in the source, or the assembler's or linker's on this host) recurs on this key.
 MACHINE_FAILURE = re.compile(r"internal compiler error|\bKilled\b|No space left|"
                              r"No such file or directory|Permission denied|out of memory", re.I)
 
@@ -221,10 +223,10 @@ def first_error(text: str) -> str:
     return (located or errors or lines or ["(no output)"])[0][:300]
 
 
-def rejects_source(text: str) -> bool:
-    """Whether a failed compile's output says the source is wrong for this compiler (which
-    recurs), not that the machine failed it."""
-    return bool(LOCATED_ERROR.search(text)) and not MACHINE_FAILURE.search(text)
+def failure_recurs(text: str) -> bool:
+    """Whether a failed compile's output says the build is wrong for this compiler and host
+    (which recurs), not that the machine failed it."""
+    return not MACHINE_FAILURE.search(text)
 
 
 def _ask(cxx: list[str], *args: str) -> str:
@@ -286,8 +288,10 @@ def load(name: str) -> Library:
         # Loading a sanitized library into a process whose ASan runtime was not loaded first
         # ends the process ("ASan runtime does not come first"), with no reason to return.
         return Library(None, ("RANKATTN_CPU_KERNEL_SANITIZE=1 needs AddressSanitizer's runtime "
-                              "preloaded: LD_PRELOAD=\"$(g++ -print-file-name=libasan.so)\" "
-                              "(tests only; unset it for the fast kernel)",))
+                              "preloaded, and the C++ runtime after it (jaxlib throws while "
+                              "starting): LD_PRELOAD=\"$(g++ -print-file-name=libasan.so) "
+                              "$(g++ -print-file-name=libstdc++.so)\" (tests only; unset it "
+                              "for the fast kernel)",))
     try:
         candidates = compilers()
         words("RANKATTN_CXXFLAGS")  # every build command parses it again
@@ -367,8 +371,8 @@ def _build_and_load(cxx: list[str], source: Path, target: Path, rebuild: bool) -
 
 def _build(cxx: list[str], source: Path, target: Path, rebuild: bool) -> float | None:
     """Compile ``source`` into ``target`` unless another process did meanwhile (unless
-    ``rebuild``: then None); the seconds taken. Raises BuildFailed, and a compiler's rejection
-    of the source is recorded (:func:`rejects_source`) so that none of this user's processes
+    ``rebuild``: then None); the seconds taken. Raises BuildFailed, and a failure the machine
+    did not cause is recorded (:func:`failure_recurs`) so that none of this user's processes
     runs this compiler on this key again."""
     failed = users_file(target, ".failed")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -391,7 +395,7 @@ def _build(cxx: list[str], source: Path, target: Path, rebuild: bool) -> float |
             if result.returncode != 0:
                 message = (f"compiling {source.name} with {shlex.join(cxx)} failed: "
                            f"{first_error(result.stderr + result.stdout)}")
-                if result.returncode > 0 and rejects_source(result.stderr + result.stdout):
+                if result.returncode > 0 and failure_recurs(result.stderr + result.stdout):
                     note = Path(scratch) / failed.name
                     note.write_text(message)
                     _publish(note, failed, 0o644)
