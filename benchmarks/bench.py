@@ -655,18 +655,18 @@ def run_header(run: dict) -> str:
     return (f"{m['date']}: jax {m['jax']} ({m['backend']}), torch {m['torch']}, "
             f"{m['cpu']} ({m['cores']} cores), fp32 matmul rate {m['rate'] / 1e9:.0f} GFLOP/s"
             + (f" (2048^3 matmul GFLOP/s: {rates})" if rates else "") + old
-            + older_method(m, "; "))
+            + "".join(f"; {note}" for note in older_methods(m)))
 
 
-def older_method(meta: dict, sep: str) -> str:
-    """What a run's timing did that the current method does not ("" for a current run)."""
-    if not meta.get("mm_per_round"):
-        return f"{sep}rounds in alternating order (before the shuffled order)"
+def older_methods(meta: dict) -> list[str]:
+    """What a run's timing did that the current method does not (none for a current run)."""
+    notes = [] if meta.get("mm_per_round") else ["rounds in alternating order (before the "
+                                                  "shuffled order)"]
     if not meta.get("settled"):
-        return (f"{sep}each call after a fixed {peers.SETTLE_S * 1e3:.0f} ms pause, before "
-                "waiting for a quiet process (a call after the dense reference shared a core "
-                "with its memory's return)")
-    return ""
+        notes.append(f"each call after a fixed {peers.SETTLE_S * 1e3:.0f} ms pause, before "
+                     "waiting for a quiet process (a call after the dense reference shared a "
+                     "core with its memory's return)")
+    return notes
 
 
 def targets(runs: list[dict], sweep: dict | None) -> list[tuple[str, str, bool | None]]:
@@ -870,11 +870,11 @@ def sweep_base() -> str:
 
 
 def sweep_run_line(sweep: dict) -> str:
-    older = older_method(sweep["meta"], " ")
+    older = "; ".join(older_methods(sweep["meta"]))
     return (f"Sweep run: {sweep['meta']['date']}, {SWEEP_REPEATS} rounds per cell (fewer past "
             f"{ROUND_BUDGET_S:.0f} s), dense XLA peers up to {SWEEP_DENSE_LIMIT >> 30} GiB of "
             f"logits. The base cell is one measurement, shown in every dimension."
-            + (f" Timed with{older}." if older else ""))
+            + (f" Timed with {older}." if older else ""))
 
 
 def sweep_markdown(machines: list[Machine]) -> str:

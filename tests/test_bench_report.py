@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -140,43 +139,43 @@ def test_round_orders_never_time_a_function_right_after_its_own_call_regression(
     assert seen == [name for order in bench.peers.round_orders(names, 5) for name in order]
 
 
-def test_settle_waits_for_work_left_running_after_a_call_regression():
+class BusyUntil:
+    """A stand-in for peers' clock: the process uses one core until ``busy_s`` of wall time
+    (never idle when None), then none; sleep advances the clock, as a loaded machine might,
+    by more than it was asked."""
+
+    def __init__(self, busy_s):
+        self.now, self.cpu, self.busy_s = 0.0, 0.0, busy_s
+
+    def perf_counter(self):
+        return self.now
+
+    def process_time(self):
+        return self.cpu
+
+    def sleep(self, seconds):
+        end = self.now + 1.5 * seconds
+        busy_end = end if self.busy_s is None else min(end, max(self.now, self.busy_s))
+        self.cpu += busy_end - self.now
+        self.now = end
+
+
+def test_settle_waits_for_work_left_running_after_a_call_regression(monkeypatch):
     """Stop 72: the dense reference's memory was returned on a background thread for up to
     half a second after its call, which ran into the next call's time. settle() waits past
-    its pause until the process is quiet (a thread spinning 0.3 s here), gives up after its
-    limit (a thread that spins on), waits for nothing without a pause, and off the CPU
-    backend for the pause only."""
-    import threading
-
-    def spin(stop):
-        while not stop.is_set():
-            pass
-
-    stop = threading.Event()
-    busy = threading.Thread(target=spin, args=(stop,))
-    threading.Timer(0.3, stop.set).start()
-    busy.start()
-    bench.peers.settle(0.01)
-    assert not busy.is_alive()
-    stop = threading.Event()
-    busy = threading.Thread(target=spin, args=(stop,))
-    busy.start()
-    try:
-        start = time.perf_counter()
-        bench.peers.settle(0.01, limit_s=0.1)
-        assert busy.is_alive() and time.perf_counter() - start >= 0.1
-        start = time.perf_counter()
-        bench.peers.settle(0.0)
-        assert time.perf_counter() - start < 0.05
-        # On an accelerator the pause alone: a GPU runtime's host threads need never be idle.
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(bench.peers.jax, "default_backend", lambda: "gpu")
-            start = time.perf_counter()
-            bench.peers.settle(0.01, limit_s=2.0)
-            assert time.perf_counter() - start < 1.0
-    finally:
-        stop.set()
-        busy.join()
+    its pause until the process is quiet (busy for 0.3 s here), gives up after its limit
+    (busy for good), waits for nothing without a pause, and off the CPU backend for the
+    pause only. (A clock of its own: a spinning thread could lose a whole window to the
+    scheduler on a loaded 2-core machine.)"""
+    for busy_s, pause, limit, backend, low, high in [
+            (0.3, 0.02, 5.0, "cpu", 0.3, 0.32), (None, 0.02, 0.1, "cpu", 0.12, 0.15),
+            (None, 0.0, 5.0, "cpu", 0.0, 0.0), (None, 0.02, 5.0, "gpu", 0.02, 0.035),
+            (0.0, 0.02, 5.0, "cpu", 0.02, 0.04)]:
+        clock = BusyUntil(busy_s)
+        monkeypatch.setattr(bench.peers, "time", clock)
+        monkeypatch.setattr(bench.peers.jax, "default_backend", lambda: backend)
+        bench.peers.settle(pause, limit_s=limit)
+        assert low <= clock.now <= high, (busy_s, pause, limit, backend, clock.now)
 
 
 @pytest.mark.parametrize("sessions", [((1024, 128),), ((960, 64),) * 3, ((5, 0), (1, 7))])
