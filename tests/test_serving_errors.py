@@ -445,6 +445,8 @@ def test_a_sharded_cache_outside_attend_says_how_to_take_one_shard(cache):
     with raises("RA201", "select_pages and page_bounds score one shard's cache"):
         serving.select_pages(q4(), jax.tree.map(lambda x: x[None, None], cache), USERS,
                              budget=64)
-    with raises("RA218", "a stack of sharded caches"):
-        serving.page_bounds(q4(), jax.tree.map(lambda x: x[None, None, None], cache), USERS,
-                            layer=0)
+    stack = jax.tree.map(lambda x: x[None, None, None], cache)
+    with raises("RA218", "a stack of sharded caches", "x[:, i, j]"):
+        serving.page_bounds(q4(), stack, USERS, layer=0)
+    with raises("RA218", "a stack of sharded caches", "pass sharding= with it"):
+        serving.attend(q4(), stack, USERS, layer=0)

@@ -440,12 +440,12 @@ def layer_view(cache, layer, where: str, *, lead: int = 0):
                                 "or a traced int32 scalar such as a fori_loop index), or scan over "
                                 "the stack: jax.lax.scan hands its body one layer's cache.")
         return cache, None
-    if len(shape) > 5 + lead:
+    if lead == 0 and len(shape) == 7:
+        fix = ("pass sharding= with it" if where == "attend" else
+               "pass one shard's stack, jax.tree.map(lambda x: x[:, i, j], cache) (batch shard "
+               "i, context shard j), with layer=")
         raise fail("RA218", f"{where}: cache has k_pages {shape}, a stack of sharded caches "
-                            f"[L, nb, nc, N, Hkv, P, D], which {where} does not take: pass one "
-                            "shard's stack, jax.tree.map(lambda x: x[:, i, j], cache) (batch "
-                            "shard i, context shard j), with layer=; attend takes the whole "
-                            "stack with sharding=.")
+                            f"[L, nb, nc, N, Hkv, P, D]: {fix}.")
     if not stacked:
         raise fail("RA218", f"{where}: layer={layer!r} was given but cache has no layer axis "
                             f"(k_pages {shape}; a stack of layers has k_pages {layout}). Drop "
