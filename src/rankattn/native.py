@@ -278,10 +278,11 @@ def users_file(target: Path, suffix: str) -> Path:
 @functools.cache
 def load(name: str) -> Library:
     """The library built from ``backends/<name>.cc``: from the cache, or compiled now."""
-    if bad_settings():
-        warnings.warn(f"rankattn: the cpu kernel is not used: {'; '.join(bad_settings())} "
+    bad = bad_settings()
+    if bad:
+        warnings.warn(f"rankattn: the cpu kernel is not used: {'; '.join(bad)} "
                       "(impl='auto' runs xla instead)", stacklevel=2)
-        return Library(None, tuple(bad_settings()))
+        return Library(None, tuple(bad))
     if disabled():
         return Library(None, ("the C++ kernel is turned off (RANKATTN_CPU_KERNEL=0)",))
     if sanitized() and "asan" not in os.environ.get("LD_PRELOAD", ""):
