@@ -228,7 +228,7 @@ ERROR_CASES = [
     ("impl", "RA114", ValueError, lambda: rankattn.flax.attention_fn(impl="cuda"), ["'cuda'"]),
     # Regression (review): it said "Pass scale=None for 1/sqrt(1)", a placeholder head dim.
     ("scale-zero", "RA113", ValueError, lambda: rankattn.flax.attention_fn(scale=0.0),
-     ["got 0.0", "scale=None for 1/sqrt(D)"]),
+     ["scale=0.0", "scale=None for 1/sqrt(D)"]),
     ("plan-batch", "RA117", ValueError,
      lambda: call_fn(mask=rankattn.plan(segment_ids=SEG[:2])), ["(2, 12)", "B=3"]),
 ]

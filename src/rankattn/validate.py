@@ -167,22 +167,35 @@ def check_logit_options(scale, softcap, softcap_method, head_dim: int | None):
     if scale is None and head_dim is not None:
         scale = 1.0 / math.sqrt(head_dim)
     if scale is not None:
-        scale = static_float("scale", scale, "RA113")
-        if not FLOAT32_NORMAL <= abs(scale) <= FLOAT32_MAX:  # the kernels scale in float32
-            raise fail("RA113", f"scale must be finite and non-zero as a float32 (a normal "
-                                f"number, {FLOAT32_NORMAL:.3g} <= |scale| <= "
-                                f"{FLOAT32_MAX:.3g}); got {scale}. Pass scale=None for "
-                                f"1/sqrt({head_dim or 'D'}).")
+        scale = check_scale("scale", static_float("scale", scale, "RA113"),
+                            f"Pass scale=None for 1/sqrt({head_dim or 'D'}).")
     if not isinstance(softcap_method, str) or softcap_method not in semantics.SOFTCAP_METHODS:
         raise fail("RA112", f"softcap_method={softcap_method!r}; use one of "
                             f"{', '.join(map(repr, semantics.SOFTCAP_METHODS))}.")
     if softcap is not None:
-        softcap = static_float("softcap", softcap, "RA111")
-        if not FLOAT32_NORMAL <= softcap <= FLOAT32_MAX:  # as scale: a float32, not 0 or inf
-            raise fail("RA111", f"softcap={softcap}; it must be a positive finite float32 (a "
-                                f"normal number, {FLOAT32_NORMAL:.3g} to {FLOAT32_MAX:.3g}) such "
-                                "as 30.0, or None for no cap.")
+        softcap = check_softcap("softcap", static_float("softcap", softcap, "RA111"),
+                                "or None for no cap")
     return scale, softcap
+
+
+def check_scale(name: str, scale: float, hint: str) -> float:
+    """``scale`` (a float, the argument ``name``) if the kernels, which scale in float32, can
+    use it: a normal float32, not 0 or inf (RA113 otherwise, ending with ``hint``)."""
+    if not FLOAT32_NORMAL <= abs(scale) <= FLOAT32_MAX:
+        raise fail("RA113", f"{name}={scale}; it must be finite and non-zero as a float32 (a "
+                            f"normal number, {FLOAT32_NORMAL:.3g} <= |{name}| <= "
+                            f"{FLOAT32_MAX:.3g}). {hint}")
+    return scale
+
+
+def check_softcap(name: str, softcap: float, no_cap: str) -> float:
+    """``softcap`` (a float, the argument ``name``) if it is a positive normal float32, as
+    scale (RA111 otherwise, saying how to pass ``no_cap``)."""
+    if not FLOAT32_NORMAL <= softcap <= FLOAT32_MAX:
+        raise fail("RA111", f"{name}={softcap}; it must be a positive finite float32 (a normal "
+                            f"number, {FLOAT32_NORMAL:.3g} to {FLOAT32_MAX:.3g}) such as 30.0, "
+                            f"{no_cap}.")
+    return softcap
 
 
 def check_mask_args(segment_ids, bounds, causal, batch: int, seq_len: int):

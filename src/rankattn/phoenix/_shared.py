@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from rankattn import distributed, semantics
 from rankattn.api import BACKENDS, attention, resolve_impls, select_backend
 from rankattn.errors import fail
-from rankattn.validate import (FLOAT32_MAX, FLOAT32_NORMAL, check_attention_args, concrete,
+from rankattn.validate import (check_attention_args, check_scale, check_softcap, concrete,
                                static_float)
 
 
@@ -27,10 +27,7 @@ def cap_options(cap, cap_method) -> dict:
                             f"{', '.join(map(repr, methods))} ('none': no cap).")
     if cap_method == "none" or cap <= 0.0:
         return dict(softcap=None, softcap_method="tanh")
-    if not FLOAT32_NORMAL <= cap <= FLOAT32_MAX:  # inf, NaN or below float32's normal range
-        raise fail("RA111", f"cap={cap}; pass a positive finite float32 (a normal number, "
-                            f"{FLOAT32_NORMAL:.3g} to {FLOAT32_MAX:.3g}) such as 30.0, or "
-                            "cap <= 0 (or cap_method='none') for no cap.")
+    cap = check_softcap("cap", cap, "or cap <= 0 (or cap_method='none') for no cap")
     return dict(softcap=cap, softcap_method=cap_method)
 
 
@@ -40,11 +37,8 @@ def scalar_options(sm_scale, cap, cap_method, z_loss_weight) -> tuple[dict, floa
     (sm_scale), RA111 / RA112 (cap, cap_method) or RA129 (z_loss_weight) naming the argument
     for a string, a bool, None, a traced array, an overflowing int or a value no kernel can
     use (a scale of 0 or inf, an infinite cap, a weight that is not finite)."""
-    scale = static_float("sm_scale (the scale)", sm_scale, "RA113")
-    if not FLOAT32_NORMAL <= abs(scale) <= FLOAT32_MAX:  # the kernels scale in float32
-        raise fail("RA113", f"sm_scale={scale}; it must be finite and non-zero as a float32 (a "
-                            f"normal number, {FLOAT32_NORMAL:.3g} <= |sm_scale| <= "
-                            f"{FLOAT32_MAX:.3g}), e.g. Phoenix's sqrt(128) / key_size.")
+    scale = check_scale("sm_scale", static_float("sm_scale (the scale)", sm_scale, "RA113"),
+                        "e.g. Phoenix's sqrt(128) / key_size.")
     options = dict(scale=scale, **cap_options(cap, cap_method))
     weight = static_float("z_loss_weight", z_loss_weight, "RA129")
     if not math.isfinite(weight):  # its gradient would be NaN everywhere, without a word
