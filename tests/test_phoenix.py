@@ -389,7 +389,11 @@ def _phoenix_qkv():
     (lambda q, k, v: fa3.attention(q, k, v, z_loss_weight=float("inf")), "RA129",
      ["z_loss_weight=inf"]),
     (lambda q, k, v: fa3.attention(q, k[:, :-1], v[:, :-1], bound=(0, S, S, S)), "RA106",
-     [f"q has length {S}", f"k has length {S - 1}"]),
+     ["bound describes", f"q has length {S}", f"k has length {S - 1}"]),
+    (lambda q, k, v: jax.jit(lambda b: fa3.attention(q, k[:, :-1], v[:, :-1], bound=b))(
+        jnp.array([0, 2, 2, 4])), "RA106", ["bound describes", f"k has length {S - 1}"]),
+    (lambda q, k, v: fa3.attention(q, k, v, bound=np.zeros((B + 1, 4), np.int32)), "RA108",
+     ["bound has shape", f"({B + 1}, 4)", f"({B}, 4) for this q"]),
     (lambda q, k, v: v2.mha(q, k, v, np.ones((B, S)), None), "RA107", ["dtype object"]),
     (lambda q, k, v: varlen.mha(q[0].tolist(), k[0], v[0], None, np.ones(S), np.array([0, S]),
                                 np.array([0, S]), S, S), "RA101", ["q", "list"]),
@@ -413,7 +417,8 @@ def _phoenix_qkv():
 ], ids=["fa3-q-1d", "fa3-q-none", "v2-q-list", "scale-none", "scale-str", "cap-str",
         "cap-overflow", "v2-cap-none", "z-loss-str", "jit-scale", "jit-cap", "batch-negative",
         "batch-float", "seq-none", "scale-numeric-str", "scale-bool", "z-loss-bool",
-        "z-loss-inf", "whole-history-bound-k-shorter", "v2-ids-none", "varlen-q-list",
+        "z-loss-inf", "whole-history-bound-k-shorter", "traced-bound-k-shorter",
+        "bound-rows-not-batch", "v2-ids-none", "varlen-q-list",
         "v2-ids-float", "scale-zero", "cap-inf", "cap-method", "varlen-ids-float",
         "varlen-ids-short", "v2-causal-on-a-gpu-kernel"])
 def test_phoenix_arguments_of_the_wrong_kind_are_rankattn_errors(call, code, fragments):

@@ -118,7 +118,7 @@ def attention(q, k, v, config=None, save_residuals=False, bound=None, sm_scale=1
         return rankattn_attention(q, k, v, bounds=bounds, return_lse=True, **options)
 
     out, lse = with_z_loss(outputs, z_loss_weight, q, k, v,
-                           _clamped(bound, q.shape[1], k.shape[1]))
+                           _clamped(bound, *q.shape[:2], k.shape[1]))
     if save_residuals:
         return out, (lse * (1 / math.log(2)),)
     return out
@@ -163,19 +163,23 @@ def _check_integer(bound):
                             ".astype(jnp.int32).")
 
 
-def _clamped(bound, seq_len: int, kv_len: int):
+def _clamped(bound, batch: int, seq_len: int, kv_len: int):
     """bound as rankattn's ``bounds=``: None when every token is history (concrete only, and
-    only where q and k have one length: else rankattn refuses the bound, RA106, as it does a
-    traced one), else an int array [4] or [B, 4] clamped to [0, seq_len] with each hi raised to
-    its lo (an empty range). Concrete bounds stay numpy (rankattn checks their values); traced
-    ones use jnp."""
+    only where q and k have one length), else an int array [4] or [B, 4] clamped to [0,
+    seq_len] with each hi raised to its lo (an empty range). Concrete bounds stay numpy
+    (rankattn checks their values); traced ones use jnp. Its shape and q's and k's lengths
+    are checked here, so that an error names ``bound`` (rankattn's would name ``bounds``)."""
     if bound is None:
         return None
     bound = as_array("bound", bound, "RA108", BOUNDS_FORM)
-    if bound.ndim not in (1, 2) or bound.shape[-1] != 4:
+    if bound.ndim not in (1, 2) or bound.shape[-1] != 4 or bound.shape[:-1] not in ((), (batch,)):
         raise fail("RA108", f"bound has shape {tuple(bound.shape)}; it must be (hist_lo, "
                             "hist_hi, cand_lo, cand_hi), shape (4,), or one such row per batch "
-                            "row, [B, 4].")
+                            f"row, [B, 4] = ({batch}, 4) for this q.")
+    if kv_len != seq_len:
+        raise fail("RA106", f"bound describes self-attention, but q has length {seq_len} and "
+                            f"k has length {kv_len}. Pass q, k, v of one sequence, or "
+                            "bound=None (every token history).")
     _check_integer(bound)
     values = concrete(bound)
     if values is None:  # traced under jit: the same arithmetic in jnp
