@@ -10,6 +10,7 @@ Building, caching and loading it (rankattn.native): tests/test_native_build.py.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import platform
@@ -305,6 +306,27 @@ def test_prepared_plan_is_used_not_rebuilt(monkeypatch):
     q = jnp.ones((2, 200, 2, 8))
     out = rankattn.attention(q, q[:, :, :1], q[:, :, :1], plan=prepared, impl="cpu")
     assert out.shape == (2, 200, 2, 8)
+
+
+@needs_cpu_kernel
+def test_block_attributes_past_the_sequence_are_one_block_regression():
+    """Regression (review): the kernel took its block_q / block_k attributes at any size from a
+    direct FFI call, and at 2^58 the panels' byte counts wrapped and the call wrote past its
+    buffer (SIGSEGV). A block past its sequence is capped to it, as plan_sizes caps them: the
+    same bits as the blocks of the whole sequence."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(keys[0], (2, 21, 4, 16))
+    k, v = (jax.random.normal(key, (2, 21, 2, 16)) for key in keys[1:])
+    seg = jnp.asarray(np.tile(np.r_[np.ones(15), -np.ones(6)], (2, 1)), jnp.int32)
+    static, mask, plan = cpu._prepare(q.shape, 21, seg, False, 0.25, None, "tanh", None, None,
+                                      None, None, own=True)
+    assert static.sizes == blocks.BlockSizes(21, 21)  # one block each: the plan's grid fits
+    want = cpu._forward(static, q, k, v, mask, plan)
+    for huge in ((2**58, 2**58), (21, 2**62), (2**40, 22)):
+        past = dataclasses.replace(static, sizes=blocks.BlockSizes(*huge))
+        got = cpu._forward(past, q, k, v, mask, plan)
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(huge))
 
 
 @pytest.mark.parametrize("kv_len, block_k", [(40, 40), (100, 64), (128, 64), (129, 128),

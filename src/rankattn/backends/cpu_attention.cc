@@ -90,7 +90,6 @@ ffi::Error describe_shapes(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   *pr = Problem{};
   pr->batch = qd[0], pr->q_len = qd[1], pr->q_heads = qd[2], pr->dim = qd[3];
   pr->dim_v = vd[kv_rank - 1];
-  pr->block_q = block_q, pr->block_k = block_k;
   pr->scale = scale, pr->softcap = softcap, pr->soft_sign = soft_sign, pr->causal = causal;
   pr->own = own;
   bool ok;
@@ -124,8 +123,12 @@ ffi::Error describe_shapes(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
        q.element_type() == v.element_type();
   if (auto e = check(ok, "inconsistent q, k, v shapes, block sizes or own-key flag"); e.failure())
     return e;
-  pr->n_q = (pr->q_len + block_q - 1) / block_q;
-  pr->n_k = (pr->kv_len + block_k - 1) / block_k;
+  // A block past its sequence holds the whole sequence (cpu.plan_sizes caps them so): capped
+  // here too, every size the tasks compute from a block is bounded by the arrays' own (a
+  // block_k of 2^58 from a direct FFI call wrapped the panels' byte counts and wrote past them).
+  pr->block_q = std::min(block_q, pr->q_len), pr->block_k = std::min(block_k, pr->kv_len);
+  pr->n_q = (pr->q_len + pr->block_q - 1) / pr->block_q;
+  pr->n_k = (pr->kv_len + pr->block_k - 1) / pr->block_k;
   return ffi::Error::Success();
 }
 
