@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import jax
@@ -289,6 +290,42 @@ def trace_regions(stderr: str) -> dict[int, tuple[int, list[tuple[str, int, int]
             regions.setdefault(int(region), (int(tasks), []))[1].append(
                 (who, int(ran), int(yields)))
     return regions
+
+
+@needs_cpu_kernel
+def test_calls_from_several_python_threads_give_the_same_bits():
+    """A server may run requests on several threads at once: each call's tasks, scratch and
+    errors stay its own in the kernel's shared pool, so concurrent fwd + bwd calls and serving
+    requests give the bits of one call alone."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(keys[0], (2, 130, 4, 33))
+    k, v = (jax.random.normal(key, (2, 130, 2, 24 + 9 * (i == 0))) for i, key in
+            enumerate(keys[1:]))
+    seg = jnp.asarray(np.tile(np.r_[np.ones(100), -np.ones(30)], (2, 1)), jnp.int32)
+    grads = jax.jit(jax.grad(lambda q, k, v: rankattn.attention(
+        q, k, v, segment_ids=seg, causal=True, impl="cpu").sum(), (0, 1, 2)))
+    cache = serving.cache_from_history(k[:, :100], v[:, :100], jnp.array([100, 57]), page_size=16)
+    scores = jax.jit(lambda q, cache, self_kv: serving.attend(q, cache, jnp.array([0, 1]),
+                                                              self_kv=self_kv, impl="cpu"))
+    calls = [lambda: grads(q, k, v), lambda: (scores(q[:, 100:], cache,
+                                                     (k[:, 100:], v[:, 100:])),)]
+    alone = [[np.asarray(x) for x in call()] for call in calls]
+    mismatches = []
+
+    def worker(index):
+        for round_ in range(6):
+            which = (index + round_) % 2
+            got = [np.asarray(x) for x in calls[which]()]
+            if not all(np.array_equal(a, b) for a, b in zip(got, alone[which])):
+                mismatches.append((index, round_, which))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a call never returned"
+    assert not mismatches, mismatches
 
 
 @needs_cpu_kernel
