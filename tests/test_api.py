@@ -97,6 +97,24 @@ def test_traced_unsigned_bounds_past_int32_are_positions_past_the_end_regression
         assert_close_f32(got, want_part, name)
 
 
+@pytest.mark.parametrize("dtype, wide", [(np.uint32, 2**32 - 1), (np.int32, -2**31)])
+def test_traced_segment_ids_past_int32_are_padding_regression(dtype, wide):
+    """Regression (review): traced segment ids were cast to int32 as given, so a uint32 history
+    id of 2**32 - 1 wrapped to -1 and its tokens became candidates of session 1 (concrete ids
+    raise RA118). Such a traced id is now padding, in any dtype, int32's -2**31 too."""
+    q, k, v, _ = random_qkv(3, B, S, HQ, HKV, D)
+    seg = np.ones((B, S), np.int64)
+    seg[:, S // 2:] = wide
+    with pytest.raises(rankattn.RankattnError, match="RA118"):
+        rankattn.attention(q, k, v, segment_ids=seg.astype(dtype))
+    traced = jax.jit(lambda s: rankattn.attention(q, k, v, segment_ids=s, return_lse=True))(
+        seg.astype(dtype))
+    padded = np.where(seg == 1, 1, 0)
+    want = oracle.attention_loops(q, k, v, oracle.mask_dense(padded, False))
+    for got, want_part, name in zip(traced, want, ("out", "lse")):
+        assert_close_f32(got, want_part, name)
+
+
 def test_vmap_over_an_extra_leading_axis(impl):
     n = 3
     qs, ks, vs, ws = (np.stack(x) for x in zip(*(random_qkv(10 + i, B, S, HQ, HKV, D)

@@ -109,6 +109,14 @@ ERROR_CASES = [
     ("return-lse-str", "RA116", T, lambda: attend(return_lse="yes"), ["return_lse", "str"]),
     ("block-zero", "RA116", T, lambda: BlockSizes(0, 8), ["block_q", "0"]),
     ("block-float", "RA116", T, lambda: BlockSizes(16, 8.0), ["block_k", "8.0"]),
+    # Regression (review): these failed later, inside a call (max() of an empty sequence), or
+    # took a truthy string as True.
+    ("xla-step-bytes", "RA116", T, lambda: rankattn.backends.Xla(step_logits_bytes=-1),
+     ["step_logits_bytes=-1", "positive int"]),
+    ("xla-mixed-str", "RA116", T, lambda: rankattn.backends.Xla(mixed_precision="no"),
+     ["mixed_precision='no'", "True, False or None"]),
+    ("triton-split-str", "RA116", T,
+     lambda: rankattn.backends.PallasTriton(split_dkv="no"), ["split_dkv='no'"]),
     ("plan-no-mask", "RA117", V, lambda: rankattn.plan(), ["segment_ids or bounds"]),
     ("plan-bounds-no-len", "RA117", V, lambda: rankattn.plan(bounds=(0, 2, 2, 8)), ["seq_len"]),
     ("plan-zero-seq", "RA105", V, lambda: rankattn.plan(segment_ids=np.ones((2, 0), np.int32)),

@@ -523,6 +523,9 @@ def test_segment_ids_from_cu_seqlens_packs_like_separate_calls():
     cu = np.array([0, 6, 7, 15])
     seg = rankattn.segment_ids_from_cu_seqlens(cu, length=17)
     np.testing.assert_array_equal(seg, [1] * 6 + [2] + [3] * 8 + [0, 0])
+    # Regression (review): a numpy length (what x.shape[0] of a numpy int gives) was RA123.
+    np.testing.assert_array_equal(rankattn.segment_ids_from_cu_seqlens(cu, length=np.int64(17)),
+                                  seg)
     q, k, v, _ = random_qkv(8, 1, 17, HQ, HKV, D)
     packed = np.asarray(rankattn.attention(q, k, v, segment_ids=seg[None]))
     for a, b in zip(cu[:-1], cu[1:]):

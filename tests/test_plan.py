@@ -56,6 +56,18 @@ def test_a_one_row_plan_broadcasts_like_one_row_of_bounds(impl):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("rows, batch", [(2, 3), (1, 0), (2, 1)])
+def test_broadcast_to_a_batch_it_cannot_serve_is_ra117_regression(rows, batch):
+    """Regression (review): Plan.broadcast_to, public, raised JAX's broadcasting ValueError for a
+    plan of B > 1 rows and another batch (attention checks the shapes first; direct callers
+    did not)."""
+    plan = rankattn.plan(segment_ids=np.ones((rows, 8), np.int32))
+    with pytest.raises(rankattn.RankattnValueError, match="RA117") as err:
+        plan.broadcast_to(batch)
+    assert f"{rows} rows" in str(err.value) and f"batch={batch}" in str(err.value)
+    assert plan.broadcast_to(rows) is plan
+
+
 def test_old_spellings_raise_naming_the_new_ones():
     with pytest.raises(rankattn.RankattnValueError, match="RA125") as err:
         rankattn.plan(segment_ids=_segments(), impls=[SMALL_XLA])

@@ -28,7 +28,8 @@ def attention(q, k, v, *, segment_ids=None, bounds=None, causal=False, scale=Non
         visible to query i iff both are non-padding, in the same session, and
         either key j is history or i == j is a candidate. So history attends
         bidirectionally within its session, each candidate sees its session's
-        history and itself, and nothing crosses sessions.
+        history and itself, and nothing crosses sessions. Ids need |s| <= 2**31 - 1
+        (RA118; under jit, a traced id past that is padding).
       bounds: optional int [4] or [B, 4] = (hist_lo, hist_hi, cand_lo, cand_hi),
         half-open; the same mask as segment ids 1 on the history range, -1 on
         the candidate range, 0 elsewhere. Give segment_ids or bounds, not both.
@@ -131,9 +132,9 @@ def segment_ids_from_cu_seqlens(cu_seqlens, roles=None, *, length: int | None = 
       (checked when concrete), or roles that are not int [T].
     """
     if roles is None:
-        if (not isinstance(length, int) or isinstance(length, bool)
+        if (not isinstance(length, (int, np.integer)) or isinstance(length, bool)
                 or not 0 <= length <= INT32_MAX):
-            raise fail("RA123", f"roles=None needs length=T, the packed length as a Python int "
+            raise fail("RA123", f"roles=None needs length=T, the packed length as an int "
                                 f"in [0, {INT32_MAX}] (positions are int32); got "
                                 f"length={length!r}.")
         roles = np.ones(length, np.int32)

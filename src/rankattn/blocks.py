@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from rankattn import semantics
 from rankattn.errors import fail
+from rankattn.validate import is_positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,7 @@ class BlockSizes:
     def __post_init__(self):
         for name in ("block_q", "block_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 raise fail("RA116", f"BlockSizes.{name} must be a positive int; got {value!r}.")
 
 

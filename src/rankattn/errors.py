@@ -155,7 +155,8 @@ _KINDS = [
         "RA118", "segment ids outside the int32 range",
         "Segment ids are used as int32: a session id s needs |s| <= 2**31 - 1, or it would "
         "wrap and could merge two sessions or turn history into candidates. Concrete ids of any "
-        "integer dtype are checked before the cast; traced ids wider than int32 cannot be.",
+        "integer dtype are checked before the cast; traced ones cannot be, so a traced id outside "
+        "that range is padding.",
         "Renumber the sessions of each batch 1, 2, 3, ... (ids only need to differ within a "
         "row), e.g. with np.unique(abs(ids), return_inverse=True)."),
     ErrorKind(

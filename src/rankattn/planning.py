@@ -50,6 +50,11 @@ class Plan:
         [1, S]) broadcasts over any batch, as [4] bounds do in ``attention``."""
         if self.shape[0] == batch:
             return self
+        if self.shape[0] != 1 or not isinstance(batch, (int, np.integer)) or batch < 1:
+            raise fail("RA117", f"this plan is for {self.shape[0]} rows and cannot serve "
+                                f"batch={batch!r}: a plan of one row broadcasts to any batch "
+                                ">= 1; a plan of B rows serves B. Make the plan from this "
+                                "batch's mask.")
         # Broadcast now: under jit, a broadcast of a prepared (known) plan would be traced,
         # and a backend that sizes its grid from known lists (pallas_tpu) would take the
         # worst case.

@@ -71,6 +71,19 @@ def check_static_bool(name: str, value) -> bool:
     return bool(value)
 
 
+def check_optional_bool(name: str, value) -> bool | None:
+    """A backend's on / off option: None (chosen per call) or a bool; RA116 otherwise (a string
+    such as 'no' would count as on)."""
+    if value is not None and not isinstance(value, (bool, np.bool_)):
+        raise fail("RA116", f"{name}={value!r}; pass True, False or None (chosen per call).")
+    return None if value is None else bool(value)
+
+
+def is_positive_int(value) -> bool:
+    """Whether a static option is a positive Python int (a bool is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def check_attention_args(q, k, v, *, segment_ids, bounds, causal, scale, softcap,
                          softcap_method, plan=None, logit_multiplier=None) -> AttentionCall:
     check_tensor("q", q, "[B, Sq, Hq, D]")
@@ -297,13 +310,27 @@ def _check_segment_ids(segment_ids, batch: int, seq_len: int):
         raise fail("RA107", f"segment_ids has shape {tuple(segment_ids.shape)}; q has batch {batch} "
                             f"and length {seq_len}, so it must be ({batch}, {seq_len}).")
     values = concrete(segment_ids)
-    if values is not None and values.size:
+    if values is None:  # traced: ids past int32's would wrap onto other sessions or roles
+        return traced_ids_as_int32(jnp.asarray(segment_ids))
+    if values.size:
         low, high = int(values.min()), int(values.max())
         if low < -INT32_MAX or high > INT32_MAX:
             raise fail("RA118", f"segment_ids range from {low} to {high}; ids must lie in "
                                 f"[-{INT32_MAX}, {INT32_MAX}] (int32, with |s| representable). "
                                 "Renumber each row's sessions 1, 2, 3, ...")
     return jnp.asarray(segment_ids).astype(jnp.int32)
+
+
+def traced_ids_as_int32(ids) -> jax.Array:
+    """Traced segment ids as int32, those outside [-(2**31 - 1), 2**31 - 1] (which concrete ids
+    raise RA118 for) as padding: a cast would wrap uint32 2**32 - 1 onto -1, a candidate of
+    session 1, and int64 2**32 + 1 onto session 1."""
+    info = jnp.iinfo(ids.dtype)
+    keep = ids <= INT32_MAX if info.max > INT32_MAX else None
+    if info.min < -INT32_MAX:
+        low = ids >= -INT32_MAX
+        keep = low if keep is None else keep & low
+    return (ids if keep is None else jnp.where(keep, ids, 0)).astype(jnp.int32)
 
 
 def _check_bounds(bounds, batch: int, seq_len: int):

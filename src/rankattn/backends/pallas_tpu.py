@@ -90,7 +90,7 @@ from rankattn.backends.base import Backend, first_derivatives_only
 from rankattn.blocks import (BlockPlan, BlockSizes, check_block_sizes, pad_axis1, round_up,
                              segments_and_plan)
 from rankattn.errors import fail
-from rankattn.validate import AttentionCall, concrete
+from rankattn.validate import AttentionCall, concrete, is_positive_int
 
 # Pallas TPU names moved between JAX versions (TPUCompilerParams became CompilerParams); the
 # backend declines with the missing names rather than failing at import.
@@ -1064,13 +1064,11 @@ class PallasTpu(Backend):
                 and isinstance(interpret, pltpu.InterpretParams)):
             raise fail("RA116", f"PallasTpu interpret={interpret!r}; pass True, False or a "
                                 "jax.experimental.pallas.tpu.InterpretParams(...).")
-        if dma_block is not None and (isinstance(dma_block, bool) or not isinstance(
-                dma_block, int) or dma_block < 1 or dma_block % SUBLANES):
+        if dma_block is not None and (not is_positive_int(dma_block) or dma_block % SUBLANES):
             raise fail("RA116", f"PallasTpu dma_block={dma_block!r}; pass None (the target's) "
                                 f"or a positive multiple of {SUBLANES} tokens, e.g. 512 (a "
                                 "multiple of the blocks; a multiple of 128 on a TPU).")
-        if max_visits is not None and (isinstance(max_visits, bool)
-                                       or not isinstance(max_visits, int) or max_visits < 1):
+        if max_visits is not None and not is_positive_int(max_visits):
             raise fail("RA116", f"PallasTpu max_visits={max_visits!r}; pass None (every block "
                                 "under jit) or a positive int, the most key blocks a query "
                                 "block visits (and query blocks a key block) in your masks.")

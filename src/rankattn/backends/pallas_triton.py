@@ -52,7 +52,7 @@ from rankattn.backends.gpu_config import (MIN_BLOCK, PORTABLE_TARGET, SHARED_MEM
 from rankattn.blocks import (BlockPlan, BlockSizes, check_block_sizes, pad_axis1,
                              segments_and_plan, round_up)
 from rankattn.errors import fail
-from rankattn.validate import AttentionCall
+from rankattn.validate import AttentionCall, check_optional_bool, is_positive_int
 
 try:  # JAX may one day drop the Triton lowering (0.11 deprecates it for Mosaic GPU).
     from jax.experimental import pallas as pl
@@ -636,8 +636,7 @@ class PallasTriton(Backend):
             raise fail("RA116", f"PallasTriton num_warps={num_warps!r}; pass "
                                 f"{gpu_config.NUM_WARPS_TEXT} (Triton takes a power of two), "
                                 "or None for the default.")
-        if num_stages is not None and (not isinstance(num_stages, int)
-                                       or isinstance(num_stages, bool) or num_stages < 1):
+        if num_stages is not None and not is_positive_int(num_stages):
             raise fail("RA116", f"PallasTriton num_stages={num_stages!r}; pass a positive int "
                                 "or None for the default.")
         if precision not in F32_DOTS:
@@ -646,8 +645,8 @@ class PallasTriton(Backend):
         self.block_sizes = block_sizes
         self.num_warps = num_warps
         self.num_stages = num_stages
-        self.split_dkv = split_dkv
-        self.key_major = key_major
+        self.split_dkv = check_optional_bool("PallasTriton split_dkv", split_dkv)
+        self.key_major = check_optional_bool("PallasTriton key_major", key_major)
         self.precision = precision
         self.target = None if target is None else GpuTarget.of(target)
         self.tuned = gpu_config.check_tuned(tuned, "PallasTriton")

@@ -51,7 +51,7 @@ from rankattn.backends.base import Backend, compute_dtype, first_derivatives_onl
 from rankattn.blocks import (BlockPlan, BlockSizes, check_block_sizes, pad_axis1, pad_positions,
                              round_up, segments_and_plan)
 from rankattn.errors import fail
-from rankattn.validate import AttentionCall
+from rankattn.validate import AttentionCall, check_optional_bool, is_positive_int
 
 
 # The xla backend's default blocks. Measured on the 2-core AMD EPYC development machine
@@ -512,7 +512,10 @@ class Xla(Backend):
                                 "every backend's: Xla(block_sizes, mixed_precision=..., "
                                 "step_logits_bytes=...).")
         self.block_sizes = check_block_sizes(block_sizes)
-        self.mixed_precision = mixed_precision
+        self.mixed_precision = check_optional_bool("Xla mixed_precision", mixed_precision)
+        if step_logits_bytes is not None and not is_positive_int(step_logits_bytes):
+            raise fail("RA116", f"Xla step_logits_bytes={step_logits_bytes!r}; pass None (chosen "
+                                "per shape) or a positive int of bytes, e.g. 16 << 20.")
         self.step_logits_bytes = step_logits_bytes
 
     def plan_sizes(self, seq_len: int) -> tuple[BlockSizes, ...]:
