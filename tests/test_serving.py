@@ -704,3 +704,26 @@ def test_quest_recall_floor_of_each_mode(planted, gqa, group_rule):
     assert must.any(), "the floor is empty: the check would be vacuous"
     assert hits[must].all(), (f"{gqa}/{group_rule}: missed {np.argwhere(must & ~hits).tolist()} "
                               f"of the {int(must.sum())} items it must recover")
+
+
+def test_a_backend_made_per_request_reuses_the_compiled_program_regression():
+    """Regression: backends compared by identity, so serving.attend, which compiles a program
+    per static impl=, compiled again for every Xla(BlockSizes(...)) a server made per request.
+    A backend is its options now: equal options are equal, hash alike and share programs."""
+    from rankattn.backends import BlockSizes, Cpu, Xla
+    from rankattn.serving import scoring
+    assert Xla(BlockSizes(16, 8)) == Xla(BlockSizes(16, 8))
+    assert hash(Xla(BlockSizes(16, 8))) == hash(Xla(BlockSizes(16, 8)))
+    assert Xla(BlockSizes(16, 8)) != Xla(BlockSizes(16, 16)) and Xla() != Cpu()
+    assert Xla() != Xla(mixed_precision=True)
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    k = jax.random.normal(keys[0], (2, 40, 2, 16))
+    cache = serving.cache_from_history(k, k, jnp.array([40, 21]), page_size=8)
+    q = jax.random.normal(keys[1], (2, 4, 4, 16))
+    outs, sizes = [], []
+    for _ in range(2):
+        outs.append(np.asarray(serving.attend(q, cache, jnp.array([0, 1]), self_kv=(
+            q[:, :, :2], q[:, :, :2]), impl=Xla(BlockSizes(16, 8)))))
+        sizes.append(scoring._attend._cache_size())
+    assert sizes[1] == sizes[0], sizes
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -106,3 +106,15 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<rankattn backend {self.name!r}>"
+
+    # A backend is its options (set once, in __init__), so two instances of one configuration
+    # are equal and hash alike: jit caches a program per static impl=, and serving.attend's
+    # compiled a new one for every Cpu(BlockSizes(...)) made per request.
+    def _options(self) -> tuple:
+        return tuple(sorted(vars(self).items()))
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other._options() == self._options()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._options()))
