@@ -212,6 +212,10 @@ def test_xla_picks_mixed_precision_per_platform_and_dtype(monkeypatch, platform,
     """Xla() feeds bf16 / f16 to the dots as they are, except f16 on CPU, which it up-casts:
     each path where it measured faster (see the Xla docstring)."""
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    # The choice is made when a call is traced, and equal backends share traced programs: one
+    # traced under another parametrization's fake platform would be reused (a real process's
+    # platform does not change).
+    jax.clear_caches()
     case = dataclasses.replace(CONFIGS[17], dtype=dtype,
                                mask_values=((1,) * 12 + (-1,) * 4,) * 2)
     auto = run(case, Xla(BlockSizes(16, 8)))
