@@ -164,11 +164,11 @@ def _check_integer(bound):
 
 
 def _clamped(bound, batch: int, seq_len: int, kv_len: int):
-    """bound as rankattn's ``bounds=``: None when every token is history (concrete only, and
-    only where q and k have one length), else an int array [4] or [B, 4] clamped to [0,
-    seq_len] with each hi raised to its lo (an empty range). Concrete bounds stay numpy
-    (rankattn checks their values); traced ones use jnp. Its shape and q's and k's lengths
-    are checked here, so that an error names ``bound`` (rankattn's would name ``bounds``)."""
+    """bound as rankattn's ``bounds=``: None when every token is history (concrete only), else
+    an int array [4] or [B, 4] clamped to [0, seq_len] with each hi raised to its lo (an empty
+    range). Concrete bounds stay numpy (rankattn checks their values); traced ones use jnp.
+    Its shape and q's and k's lengths (one, concrete or traced) are checked here, so that an
+    error names ``bound`` (rankattn's would name ``bounds``)."""
     if bound is None:
         return None
     bound = as_array("bound", bound, "RA108", BOUNDS_FORM)
@@ -191,6 +191,6 @@ def _clamped(bound, batch: int, seq_len: int, kv_len: int):
     bound = np.clip(values.astype(np.int64), 0, seq_len)
     # Phoenix's ranges are lo <= x < hi: one with hi < lo is empty (rankattn refuses it).
     bound[..., 1::2] = np.maximum(bound[..., 1::2], bound[..., 0::2])
-    if kv_len == seq_len and ((bound[..., 0] == 0) & (bound[..., 1] == seq_len)).all():
+    if ((bound[..., 0] == 0) & (bound[..., 1] == seq_len)).all():
         return None  # every token is history (a token in both ranges is history)
     return bound.astype(np.int32)
