@@ -129,6 +129,96 @@ double dot_gflops(int64_t m, int64_t n, int64_t k, int blocks, int64_t offset = 
   return 2.0 * m * n * k * reps / seconds_since(start) / 1e9;
 }
 
+#if defined(RANKATTN_AMX)
+// float32 products from bfloat16 ones (what float32 dots on AMX would take: issue 40): each
+// float32 x split into hi = bf16(x) and lo = bf16(x - hi), and C = A_lo B_hi + A_hi B_lo +
+// A_hi B_hi in three AMX dots (A_lo B_lo and what the split drops, 2^-16 relative and under, are
+// not computed). Its rate in float32 FLOPs (2 m n k per dot, not per product) on split
+// operands, hot and cold as above; the split itself is not timed (the kernel's packing would
+// write the two halves where it writes one float32 panel now). And the largest error of each
+// way against a dot in double, relative to sum |a_i b_i| (the error bound's scale), on
+// operands uniform in [-1, 1]. Every block holds the same operands.
+struct SplitDot {
+  int64_t m, n, k, lda, ldb, ldc, blocks;
+  std::vector<float> a, b;  // float32 A rows, B rows (B[k][n] at k * n + n)
+  Vector<bf16_t> a_hi, a_lo, b_hi, b_lo;  // `blocks` of each, one after another
+  Vector<float> c;
+
+  SplitDot(int64_t m_, int64_t n_, int64_t k_, int64_t blocks_)
+      : m(m_), n(n_), k(k_), lda(round_up(k_, kDepth<bf16_t>) + kLanes), ldb(n_ + kLanes),
+        ldc(n_ + kLanes), blocks(blocks_), a(m_ * k_), b(k_ * n_),
+        a_hi(rows_size<bf16_t>(m_, lda) * blocks_), a_lo(a_hi.size()),
+        b_hi(panel_size<bf16_t>(k_, ldb) * blocks_), b_lo(b_hi.size()),
+        c(rows_size<float>(m_, ldc) * blocks_) {
+    uint64_t state = 12345;
+    auto uniform = [&state] {  // a 64-bit LCG's top bits, in [-1, 1)
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+      return static_cast<float>(static_cast<int64_t>(state >> 40) - (1 << 23)) / (1 << 23);
+    };
+    for (float& x : a) x = uniform();
+    for (float& x : b) x = uniform();
+    auto split = [](float x, bf16_t* hi, bf16_t* lo) {
+      *hi = to_element<bf16_t>(x);
+      *lo = to_element<bf16_t>(x - to_float(*hi));
+    };
+    const int64_t a_size = a_hi.size() / blocks, b_size = b_hi.size() / blocks;
+    for (int64_t block = 0; block < blocks; ++block) {
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t d = 0; d < k; ++d) {
+          const int64_t at = block * a_size + i * lda + d;
+          split(a[i * k + d], &a_hi[at], &a_lo[at]);
+        }
+      for (int64_t d = 0; d < k; ++d)
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t at = block * b_size + panel_index<bf16_t>(d, j, ldb);
+          split(b[d * n + j], &b_hi[at], &b_lo[at]);
+        }
+    }
+  }
+  void three_products(int64_t block) {
+    const int64_t a_at = block * (a_hi.size() / blocks), b_at = block * (b_hi.size() / blocks);
+    float* cb = &c[block * (c.size() / blocks)];
+    amx_gemm<false>(m, n, k, &a_lo[a_at], lda, &b_hi[b_at], ldb, cb, ldc);
+    amx_gemm<true>(m, n, k, &a_hi[a_at], lda, &b_lo[b_at], ldb, cb, ldc);
+    amx_gemm<true>(m, n, k, &a_hi[a_at], lda, &b_hi[b_at], ldb, cb, ldc);
+  }
+  double largest_error(const float* got, int64_t ld) const {  // relative to sum |a_i b_i|
+    double worst = 0;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double exact = 0, scale = 0;
+        for (int64_t d = 0; d < k; ++d) {
+          exact += double(a[i * k + d]) * b[d * n + j];
+          scale += std::abs(double(a[i * k + d]) * b[d * n + j]);
+        }
+        worst = std::max(worst, std::abs(got[i * ld + j] - exact) / scale);
+      }
+    return worst;
+  }
+};
+
+void split_dot_report(int64_t m, int64_t n, int64_t k) {
+  double gflops[2];  // hot (one block), cold (64)
+  double error3 = 0;
+  for (int cold = 0; cold < 2; ++cold) {
+    SplitDot dot(m, n, k, cold ? 64 : 1);
+    const int reps = 4000;
+    auto start = std::chrono::steady_clock::now();
+    for (int r = 0; r < reps; ++r) dot.three_products(r % dot.blocks);
+    gflops[cold] = 2.0 * m * n * k * reps / seconds_since(start) / 1e9;
+    std::exchange(at_region_end, nullptr)();
+    error3 = dot.largest_error(dot.c.data(), dot.ldc);
+  }
+  SplitDot dot(m, n, k, 1);  // the float32 dot on the same operands (n whole strips of 32)
+  Vector<float> c32(dot.c.size());
+  gemm<false, float>(m, n, k, dot.a.data(), k, dot.b.data(), n, c32.data(), dot.ldc);
+  std::printf("float32 as three bfloat16 dots (AMX) %ld x %ld x %ld: hot %.0f GFLOP/s, cold %.0f "
+              "GFLOP/s; largest error / sum |a b| %.1e (the float32 dot's %.1e)\n",
+              static_cast<long>(m), static_cast<long>(n), static_cast<long>(k), gflops[0],
+              gflops[1], error3, dot.largest_error(c32.data(), dot.ldc));
+}
+#endif
+
 }  // namespace
 
 int main() {
@@ -154,5 +244,10 @@ int main() {
   std::printf("bfloat16 dot (%s) 128 x 128 x 128, buffers 16 bytes off their cache lines: hot "
               "%.0f GFLOP/s, cold %.0f GFLOP/s\n", unit, dot_gflops<bf16_t>(128, 128, 128, 1, 16),
               dot_gflops<bf16_t>(128, 128, 128, 64, 16));
+#if defined(RANKATTN_AMX)
+  if (amx_usable()) {
+    for (int64_t m : {64, 128}) split_dot_report(m, 128, 128);
+  }
+#endif
 #endif
 }
