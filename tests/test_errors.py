@@ -142,6 +142,10 @@ ERROR_CASES = [
     ("mesh-axis", "RA119", V, shard(batch="batch"), ["batch='batch'", "'batch'", "('data', 'seq')"]),
     ("mesh-axis-twice", "RA119", V, shard(batch="data", context=("seq", "data")),
      ["'data'", "batch=", "context="]),
+    # Regression (review): listed out of the mesh's order, the causal reorder's permutes moved
+    # chunks to the wrong shards (ppermute numbers shards in mesh order).
+    ("context-out-of-mesh-order", "RA119", V, shard(context=("seq", "data")),
+     ["context=('seq', 'data')", "('data', 'seq')"]),
     ("mesh-not-a-mesh", "RA119", V, lambda: rankattn.Sharding("data", batch="data"), ["str"]),
     ("sharding-not-a-sharding", "RA119", V, sharded("data"), ["rankattn.Sharding", "str"]),
     ("batch-not-divisible", "RA120", V, sharded(shard(batch="seq")),

@@ -51,6 +51,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from rankattn import semantics
+from rankattn.backends.base import first_derivatives_only
 from rankattn.errors import fail
 from rankattn.validate import AttentionCall
 
@@ -146,6 +147,14 @@ class Sharding:
                                         f"and {role}=; each mesh axis can split one dimension.")
                 seen[name] = role
             object.__setattr__(self, role, axes)
+        # Shard i of the context axes is the i-th in their listed order for axis_index and the
+        # data, but ppermute numbers the shards in the mesh's order: listed otherwise, the
+        # dual-chunk reorder's permutes moved chunks to the wrong shards (wrong causal results).
+        in_mesh_order = tuple(a for a in self.mesh.axis_names if a in self.context)
+        if self.context != in_mesh_order:
+            raise fail("RA119", f"Sharding(context={self.context!r}) lists the mesh axes in "
+                                f"another order than the mesh's {tuple(self.mesh.axis_names)}; "
+                                f"pass context={in_mesh_order!r}.")
         if not isinstance(self.strategy, str) or self.strategy not in STRATEGIES:
             raise fail("RA121", f"Sharding(strategy={self.strategy!r}); use one of "
                                 f"{', '.join(map(repr, STRATEGIES))}.")
@@ -429,11 +438,15 @@ def _history_kernel(backend, call: AttentionCall):
     return kernel
 
 
-def ring_history(kernel, axes: Axes, n: int, q, mult, seg_q, pos_q, k, v, seg_k, pos_k):
+def ring_history(kernel, axes: Axes, n: int, q, mult, seg_q, pos_q, k, v, seg_k, pos_k, *,
+                 backend_name: str):
     """History part of this device's queries against every device's keys, passed in a ring.
 
     Step t computes against the block of device (i - t) mod n while the next block is
     already on its way, and merges into the running result. Returns float32 (out, lse).
+    Its custom VJP's rules call ``kernel`` (its backward through ``jax.vjp``), which only the
+    reference backend's plain jnp lets JAX differentiate again: on the others a second
+    derivative raises RA130 (a kernel's custom VJP has no forward mode).
     """
     ring = [(i, (i + 1) % n) for i in range(n)]
 
@@ -500,7 +513,17 @@ def ring_history(kernel, axes: Axes, n: int, q, mult, seg_q, pos_q, k, v, seg_k,
         return (dq.astype(q.dtype), None, None, None, dk.astype(k.dtype), dv.astype(v.dtype),
                 None, None)
 
-    history.defvjp(history_fwd, history_bwd)
+    def first_order(rule):  # the rule, refusing to be differentiated (see the docstring)
+        if backend_name == "reference":
+            return rule
+        refusing = first_derivatives_only(
+            backend_name, reached=f"context sharding's ring strategy on {backend_name!r}, "
+                                  "whose rules call the kernel's custom VJP (first derivatives "
+                                  "only; strategy='all_gather' does not)",
+        )(lambda _, *args: rule(*args))
+        return functools.partial(refusing, None)
+
+    history.defvjp(first_order(history_fwd), first_order(history_bwd))
     return history(q, mult, seg_q, pos_q, k, v, seg_k, pos_k)
 
 
@@ -558,7 +581,8 @@ def _sharded_attention(*arrays, backend, static: AttentionCall, sharding: Shardi
     # Reorder inside this call: causal, divisible, and not already in the balanced order.
     balance = (call.causal and n > 1 and s % (2 * n) == 0 and not sharding.balanced_layout)
     kernel = _history_kernel(backend, call)
-    history = ring_history if strategy == "ring" else gathered_history
+    history = (functools.partial(ring_history, backend_name=backend.name)
+               if strategy == "ring" else gathered_history)
     segment_ids = call.segment_ids
     if segment_ids is None:  # no mask: every token is history of one session
         segment_ids = jnp.ones((b, s), jnp.int32)

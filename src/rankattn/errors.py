@@ -160,12 +160,15 @@ _KINDS = [
         "Renumber the sessions of each batch 1, 2, 3, ... (ids only need to differ within a "
         "row), e.g. with np.unique(abs(ids), return_inverse=True)."),
     ErrorKind(
-        "RA119", "sharding names a mesh axis the mesh does not have",
+        "RA119", "sharding names a mesh axis that is not there, twice, or out of order",
         "rankattn.Sharding(mesh, batch=, heads=, context=) maps the batch, head and sequence "
         "axes of q, k, v onto mesh axes, each given as an axis name or a tuple of names. Every "
-        "name must be one of mesh.axis_names, and no mesh axis may serve two roles.",
+        "name must be one of mesh.axis_names, and no mesh axis may serve two roles. Context "
+        "axes are listed in the mesh's order: the sequence's shards are numbered in that "
+        "order by the collective permutes that move them.",
         "Use the names the mesh was built with (the message lists them), e.g. "
-        "Sharding(Mesh(devices.reshape(2, 4), ('data', 'seq')), batch='data', context='seq')."),
+        "Sharding(Mesh(devices.reshape(2, 4), ('data', 'seq')), batch='data', context='seq'); "
+        "for context over two axes, context=('data', 'seq') as the mesh lists them."),
     ErrorKind(
         "RA120", "a mesh axis does not divide the dimension it shards",
         "Each shard gets an equal slice: the batch mesh axes must divide B, the head axes both "
@@ -255,7 +258,9 @@ _KINDS = [
         "that JAX cannot differentiate again. The reference backend is plain differentiable "
         "jnp, so it gives derivatives of any order; the xla backend's loops have a forward-mode "
         "derivative, so jax.jvp of jax.grad (forward over reverse) runs there, but not "
-        "jax.grad of jax.grad.",
+        "jax.grad of jax.grad. Context sharding's ring strategy wraps the kernel's custom VJP "
+        "in one of its own, which gives first derivatives only on any kernel but the "
+        "reference one; strategy='all_gather' does not.",
         "Take second derivatives with impl='reference' (dense: small shapes), or with "
         "impl='xla' as forward over reverse: hvp = jax.jvp(jax.grad(loss), (x,), (t,))[1] "
         "computes a Hessian-vector product."),

@@ -105,13 +105,17 @@ CONTEXT_MESHES = {
     "data2-context4": lambda: rankattn.Sharding(mesh(data=2, ctx=4), batch="data", context="ctx"),
     "data2-heads2-context2": lambda: rankattn.Sharding(mesh(data=2, heads=2, ctx=2), batch="data",
                                                        heads="heads", context="ctx"),
+    # Context over two mesh axes: shard i is listed-order for axis_index and the data, and the
+    # causal reorder's permutes must move its chunks there (Sharding refuses other orders).
+    "context2x4": lambda: rankattn.Sharding(mesh(outer=2, inner=4), context=("outer", "inner")),
 }
 
 
 # Every mesh runs both strategies and both masks; the 8-shard mesh every combination.
 CONTEXT_CASES = [("context8", c, s) for c in (False, True) for s in ("all_gather", "ring")] + [
     ("data2-context4", True, "ring"), ("data2-context4", False, "all_gather"),
-    ("data2-heads2-context2", True, "all_gather"), ("data2-heads2-context2", False, "ring")]
+    ("data2-heads2-context2", True, "all_gather"), ("data2-heads2-context2", False, "ring"),
+    ("context2x4", True, "ring")]
 
 
 @pytest.mark.parametrize("mesh_name, causal, strategy", CONTEXT_CASES,
@@ -230,6 +234,29 @@ def test_a_plan_is_split_over_the_batch():
                      rankattn.Sharding(mesh(data=2, ctx=4), batch="data", context="ctx")):
         got = np.asarray(rankattn.attention(q, k, v, plan=plan, sharding=sharding))
         assert_close_f32(got, want, f"plan under {sharding}", tol=SHARDED_TOL)
+
+
+def test_ring_second_derivatives_run_on_reference_and_raise_ra130_elsewhere():
+    """Regression (review): the ring's custom VJP calls the kernel's own inside its rules, so
+    jax.jvp of jax.grad failed with JAX's TypeError on xla (which takes it on one device, or
+    with all_gather). Now RA130 on every kernel but the reference one, where it runs, matching
+    one device."""
+    q, k, v, tangent, _ = inputs(2, 5)
+    seg = edge_rows(2, 5)
+
+    def grad(impl, strategy):
+        sharding = None if strategy is None else rankattn.Sharding(mesh(ctx=8), context="ctx",
+                                                                   strategy=strategy)
+        return jax.grad(lambda q: (rankattn.attention(
+            q, k, v, segment_ids=seg, causal=True, impl=impl, sharding=sharding) ** 2).sum())
+
+    want = jax.jvp(grad("reference", None), (q,), (tangent,))[1]
+    got = jax.jvp(grad("reference", "ring"), (q,), (tangent,))[1]
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-4 * np.abs(want).max()
+    with pytest.raises(rankattn.RankattnError, match=r"\[RA130\].*ring strategy on 'xla'"):
+        jax.jvp(grad("xla", "ring"), (q,), (tangent,))
+    with pytest.raises(rankattn.RankattnError, match=r"\[RA130\].*ring strategy on 'xla'"):
+        jax.grad(lambda q: (grad("xla", "ring")(q) * tangent).sum())(q)
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])

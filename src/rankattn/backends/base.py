@@ -20,9 +20,8 @@ def compute_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _refuse(backend: str, forward_over_reverse: bool):
-    raise fail("RA130", f"a second derivative reached the {backend} backend, whose kernels "
-                        "give first derivatives only. Take second derivatives with "
+def _refuse(reached: str, forward_over_reverse: bool):
+    raise fail("RA130", f"a second derivative reached {reached}. Take second derivatives with "
                         "impl='reference' (dense, small shapes)"
                         + (", or on 'xla' as jax.jvp of jax.grad (forward over reverse)."
                            if forward_over_reverse else "."))
@@ -33,34 +32,38 @@ def _refuse(backend: str, forward_over_reverse: bool):
 # transpose. (jax.custom_derivatives.linear_call does the same but has no batching rule, so
 # jax.hessian and vmapped Hessian-vector products failed.)
 _no_transpose_p = Primitive("rankattn_tangent_without_transpose")
-_no_transpose_p.def_impl(lambda x, *, backend: x)
-_no_transpose_p.def_abstract_eval(lambda x, *, backend: x)
-mlir.register_lowering(_no_transpose_p, lambda ctx, x, *, backend: [x])
+_no_transpose_p.def_impl(lambda x, *, reached: x)
+_no_transpose_p.def_abstract_eval(lambda x, *, reached: x)
+mlir.register_lowering(_no_transpose_p, lambda ctx, x, *, reached: [x])
 batching.primitive_batchers[_no_transpose_p] = (
-    lambda args, dims, *, backend: (_no_transpose_p.bind(args[0], backend=backend), dims[0]))
-ad.deflinear2(_no_transpose_p, lambda ct, x, *, backend: _refuse(backend, True))
+    lambda args, dims, *, reached: (_no_transpose_p.bind(args[0], reached=reached), dims[0]))
+ad.deflinear2(_no_transpose_p, lambda ct, x, *, reached: _refuse(reached, True))
 
 
-def first_derivatives_only(backend: str, *, forward_over_reverse: bool = False):
+def first_derivatives_only(backend: str, *, forward_over_reverse: bool = False,
+                           reached: str | None = None):
     """Decorate a kernel function (a static first argument, then arrays) that JAX may not
     differentiate: a custom VJP's primal kernel or its backward rule.
 
     The attention's first derivatives come from its custom VJP; a second derivative would
     differentiate these functions themselves (their FFI calls, Pallas kernels or dynamic
     loops), which fails deep in JAX. Instead, differentiating one raises RA130 naming
-    ``backend``. With ``forward_over_reverse``, forward mode goes through (``jax.jvp`` of
-    ``jax.grad``: Hessian-vector products, ``jax.hessian``; the xla backend's loops have a
-    JVP) and only transposing that JVP, i.e. reverse over reverse, raises.
+    ``backend`` (or saying what it ``reached``: a phrase that ends the sentence). With ``forward_over_reverse``, forward mode
+    goes through (``jax.jvp`` of ``jax.grad``: Hessian-vector products, ``jax.hessian``; the
+    xla backend's loops have a JVP) and only transposing that JVP, i.e. reverse over reverse,
+    raises.
     """
+    reached = reached or f"the {backend} backend, whose kernels give first derivatives only"
+
     def decorate(kernel):
         wrapped = jax.custom_jvp(kernel, nondiff_argnums=(0,))
 
         @wrapped.defjvp
         def _jvp(static, primals, tangents):
             if not forward_over_reverse:
-                _refuse(backend, False)
+                _refuse(reached, False)
             out, tangent = jax.jvp(functools.partial(kernel, static), primals, tangents)
-            return out, jax.tree.map(lambda t: _no_transpose_p.bind(t, backend=backend),
+            return out, jax.tree.map(lambda t: _no_transpose_p.bind(t, reached=reached),
                                      tangent)
 
         return wrapped
