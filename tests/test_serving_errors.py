@@ -335,6 +335,26 @@ def test_sharded_attend_budget_across_context_shards(cache):
                        sharding=_sharding(batch="data", context="ctx"))
 
 
+def test_shard_cache_checks_its_caches(cache):
+    """Regression (review): shard_cache checked only the counts, with len(row), and a
+    PagedKVCache is a tuple of 8: caches of other shapes failed inside jnp.stack, a bfloat16
+    shard was silently promoted to float32, arrays failed with AttributeError, and a flat
+    list of caches passed where the context shards were 8."""
+    sharding = _sharding(batch="data")
+    other_pages = serving.cache_from_history(jnp.ones((3, 10, HKV, D)), jnp.ones((3, 10, HKV, DV)),
+                                             jnp.array([10, 5, 0]), page_size=P, num_pages=16,
+                                             max_pages=4)
+    with raises("RA201", "caches[1][0].k_pages", "(16,", "caches[0][0].k_pages"):
+        serving.shard_cache([[cache], [other_pages]], sharding=sharding)
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, cache)
+    with raises("RA201", "caches[1][0].k_pages is bfloat16", "float32"):
+        serving.shard_cache([[cache], [bf16]], sharding=sharding)
+    with raises("RA215", "2 lists of 1 caches", "['PagedKVCache', 'PagedKVCache']"):
+        serving.shard_cache([cache, cache], sharding=sharding)
+    with raises("RA215", "caches[0][0] is ArrayImpl", "not a PagedKVCache"):
+        serving.shard_cache([[cache.k_pages], [cache.k_pages]], sharding=sharding)
+
+
 # --- Keyword-only options (RA217), stacked caches and layer= (RA218, RA201). --------------------
 
 

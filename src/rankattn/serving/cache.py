@@ -263,13 +263,21 @@ def stack_caches(caches) -> PagedKVCache:
                             f"{tuple(first.k_pages.shape)} (already stacked). Pass the caches of "
                             "single layers.")
     check_cache(shapes(first, first.k_pages.ndim - 4))
-    for i, cache in enumerate(caches[1:], 1):
+    check_alike(caches, [f"caches[{i}]" for i in range(len(caches))], "stack_caches",
+                "every layer's cache")
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *caches)
+
+
+def check_alike(caches, labels: list[str], caller: str, whose: str) -> None:
+    """RA201 unless every one of ``caches`` (named ``labels``) has the first's shapes and
+    dtypes: stacking them would fail inside jnp.stack, or silently promote a dtype."""
+    first = caches[0]
+    for label, cache in zip(labels[1:], caches[1:]):
         for name, x, y in zip(PagedKVCache._fields, cache, first):
             if (tuple(x.shape), x.dtype) != (tuple(y.shape), y.dtype):
-                raise fail("RA201", f"stack_caches: caches[{i}].{name} is {_describe(x)} but "
-                                    f"caches[0].{name} is {_describe(y)}; every layer's cache "
-                                    "must have the same shapes and dtypes.")
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *caches)
+                raise fail("RA201", f"{caller}: {label}.{name} is {_describe(x)} but "
+                                    f"{labels[0]}.{name} is {_describe(y)}; {whose} must have "
+                                    "the same shapes and dtypes.")
 
 
 def append(cache: PagedKVCache, users, k_new, v_new, counts, *, layer=None,

@@ -41,7 +41,8 @@ from rankattn.distributed import (
 )
 from rankattn.errors import fail
 from rankattn.serving.cache import (PagedKVCache, _positive_int, cache_from_history,
-                                    check_history, keyword_options, select_layer, shapes)
+                                    check_alike, check_history, keyword_options, select_layer,
+                                    shapes)
 from rankattn.validate import concrete
 
 
@@ -59,17 +60,31 @@ def _check_sharding(sharding) -> None:
 
 @keyword_options("sharding")
 def shard_cache(caches, *, sharding: Sharding) -> PagedKVCache:
-    """Stack ``caches[i][j]`` (batch shard i, context shard j; equal shapes) into a sharded
-    cache whose arrays are placed on ``sharding``'s mesh, [nb, nc, ...] over (batch, context).
+    """Stack ``caches[i][j]`` (batch shard i, context shard j: nb lists of nc PagedKVCache,
+    RA215 otherwise; equal shapes and dtypes, RA201 otherwise) into a sharded cache whose
+    arrays are placed on ``sharding``'s mesh, [nb, nc, ...] over (batch, context).
     Stacked caches of L layers each give a stacked sharded cache, [L, nb, nc, ...] (the layer
     axis first, so that layer i is a sharded cache)."""
     _check_sharding(sharding)
     nb, nc = _shards(sharding)
-    if len(caches) != nb or any(len(row) != nc for row in caches):
-        raise fail("RA215", f"shard_cache needs {nb} x {nc} caches (batch x context shards of "
-                            f"the sharding); got {[len(row) for row in caches]}.")
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs).reshape((nb, nc) + xs[0].shape),
-                           *[c for row in caches for c in row])
+
+    def is_list(x):  # a PagedKVCache is a tuple too: a flat list of 8 passed as 8 rows of 8
+        return isinstance(x, (list, tuple)) and not isinstance(x, PagedKVCache)
+
+    if not is_list(caches) or len(caches) != nb or any(
+            not is_list(row) or len(row) != nc for row in caches):
+        got = ([len(row) if is_list(row) else type(row).__name__ for row in caches]
+               if is_list(caches) else type(caches).__name__)
+        raise fail("RA215", f"shard_cache needs {nb} lists of {nc} caches (batch x context "
+                            f"shards of the sharding); got {got}.")
+    flat = [c for row in caches for c in row]
+    labels = [f"caches[{i}][{j}]" for i in range(nb) for j in range(nc)]
+    for label, cache in zip(labels, flat):
+        if not isinstance(cache, PagedKVCache):
+            raise fail("RA215", f"shard_cache: {label} is {type(cache).__name__}, not a "
+                                "PagedKVCache.")
+    check_alike(flat, labels, "shard_cache", "every shard's cache")
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs).reshape((nb, nc) + xs[0].shape), *flat)
     layers = stacked.k_pages.ndim == 7
     if layers:
         stacked = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), stacked)
