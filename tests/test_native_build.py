@@ -276,7 +276,12 @@ def test_a_library_that_loads_nowhere_is_a_reason_not_a_rebuild_regression(tiny_
 @pytest.mark.parametrize("output", [
     "cc1plus: internal compiler error: Killed signal terminated program cc1plus",
     "probe.cc:1:10: fatal error: header.h: No such file or directory",
-    "probe.cc:1:1: error: cannot write: No space left on device"])
+    "probe.cc:1:1: error: cannot write: No space left on device",
+    # Review (stop 75): under ulimit -v g++ exits 1 with this (checked with g++ 12 on the
+    # kernel); a disk quota; a process limit.
+    "virtual memory exhausted: Cannot allocate memory",
+    "/usr/bin/ld: final link failed: Disk quota exceeded",
+    "g++: fatal error: cannot execute 'cc1plus': vfork: Resource temporarily unavailable"])
 def test_a_failure_of_the_machine_is_not_recorded_regression(tiny_source, monkeypatch, output):
     """Review (stop 72): any failed compile with a positive exit was recorded for good, so a
     compiler killed for memory (g++ exits 4), a full disk or a missing header kept every
@@ -292,6 +297,18 @@ def test_a_failure_of_the_machine_is_not_recorded_regression(tiny_source, monkey
     assert not list((tiny_source / "cache").glob("*.failed"))
     cause.unlink()  # the same compiler, the cause gone: it builds
     assert load_uncached("probe").handle is not None
+
+
+@needs_compiler
+def test_a_relative_cache_folder_loads_regression(tiny_source, monkeypatch):
+    """Review (stop 75): RANKATTN_CACHE_DIR=. built the library, then handed dlopen a name
+    without a slash, which it looks up on the library path, not in the working folder: the
+    kernel never loaded, blamed on a noexec mount."""
+    monkeypatch.chdir(tiny_source)
+    monkeypatch.setenv("RANKATTN_CACHE_DIR", ".")
+    library = load_uncached("probe")
+    assert library.handle is not None, library.reasons
+    assert library.path.parent == tiny_source
 
 
 def test_a_sanitized_build_without_its_runtime_preloaded_is_a_reason_regression(tiny_source,

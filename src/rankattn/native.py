@@ -186,15 +186,17 @@ def compiler() -> list[str] | None:
 
 
 def cache_dir() -> Path:
+    """The folder of built libraries, absolute: dlopen searches the library path, not the
+    working folder, for a name without a slash (RANKATTN_CACHE_DIR=. built and never loaded)."""
     if os.environ.get("RANKATTN_CACHE_DIR"):
-        return Path(os.environ["RANKATTN_CACHE_DIR"])
+        return Path(os.environ["RANKATTN_CACHE_DIR"]).absolute()
     if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "rankattn"
+        return (Path(os.environ["XDG_CACHE_HOME"]) / "rankattn").absolute()
     try:
         home = Path.home()
     except RuntimeError as e:  # no HOME and no password entry: a cache folder problem too
         raise OSError(f"{e} (HOME is not set)") from e
-    return home / ".cache" / "rankattn"
+    return (home / ".cache" / "rankattn").absolute()
 
 
 def build_command(cxx: list[str], source: Path, output: Path) -> list[str]:
@@ -209,11 +211,17 @@ def build_command(cxx: list[str], source: Path, output: Path) -> list[str]:
 # GCC first prints a context line ("cpu_attention.cc: In function '...':") that names no error.
 LOCATED_ERROR = re.compile(r":\d+(?::\d+)?: (?:fatal )?error:")
 # What the machine, not the source, made a compile fail with: the compiler proper killed (the
-# OOM killer: g++ exits 4 with "internal compiler error: Killed signal"), a full disk, a
-# header missing or unreadable. It may not recur, so it is not recorded; any other failure
-# (an error in the source, or the assembler's or linker's on this host) recurs on this key.
+# OOM killer: g++ exits 4 with "internal compiler error: Killed signal") or out of memory
+# under an address-space limit (ulimit -v: "virtual memory exhausted: Cannot allocate
+# memory"), a full disk or quota, a process limit (fork: "Resource temporarily
+# unavailable"), a header or program missing or unreadable. It may not recur, so it is not
+# recorded; any other failure (an error in the source, or the assembler's or linker's on
+# this host) recurs on this key.
 MACHINE_FAILURE = re.compile(r"internal compiler error|\bKilled\b|No space left|"
-                             r"No such file or directory|Permission denied|out of memory", re.I)
+                             r"Disk quota exceeded|virtual memory exhausted|"
+                             r"Cannot allocate memory|Resource temporarily unavailable|"
+                             r"cannot execute|No such file or directory|Permission denied|"
+                             r"out of memory", re.I)
 
 
 def first_error(text: str) -> str:
