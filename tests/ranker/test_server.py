@@ -1152,6 +1152,26 @@ def ra(code: str):
     return errors.fail(code, f"a stand-in {code}")
 
 
+def test_a_field_sent_twice_and_a_user_header_padded_with_non_http_space_are_400():
+    """Regressions (review of the server): {"user": 7, "user": 8} was served as user 8 (the
+    last key), and an X-User-Id of b"\\xa07" or b"7\\x85" passed as user 7 (str.strip() took
+    those bytes; HAProxy hashes them), routing the user's request to another replica."""
+    from examples.ranker.server import schema
+
+    limits = schema.Limits(contexts=4, max_history=8, max_candidates=8, max_body=4096,
+                           deadline_ms=1000)
+    with pytest.raises(schema.BadRequest) as refused:
+        schema.decoded(b'{"user": 7, "history_items": [], "user": 8}', limits)
+    assert refused.value.field == "user" and "twice" in refused.value.message
+    request = SimpleNamespace(user=7)
+    for header in (b"\xa07", b"7\x85", b"07", b"8"):
+        with pytest.raises(schema.BadRequest) as refused:
+            schema.check_user_header(header, request)
+        assert refused.value.field == "X-User-Id", header
+    for header in (b"7", b" 7\t", None):
+        schema.check_user_header(header, request)
+
+
 def test_counts_nesting_and_flags_past_what_python_takes_are_refused(capsys, monkeypatch):
     """Regressions (review of the server): a Content-Length or Inference-Header-Content-Length
     of more than 4300 digits made int() raise ValueError, answered 500 internal; JSON nested
