@@ -52,7 +52,7 @@ def gxx_runtime(name: str) -> str:
 
 @needs_cpu_kernel
 @pytest.mark.parametrize("part, budget_mb, backward_pass",
-                         [("chunked", "0", "blocks"), ("whole", str(10**20), "rows")])
+                         [("chunked", "0", "blocks"), ("whole", str(10**20), "rows-by-query")])
 def test_sanitized_build_runs_odd_shapes_and_malformed_plans(part, budget_mb, backward_pass):
     """AddressSanitizer + UBSan: odd shapes (fwd + grads against the oracle), a context shard,
     and plans whose lists point outside the block grid, without one bad access; the backward's
@@ -236,13 +236,15 @@ def test_results_are_bit_identical_in_any_task_order_thread_count_backward_pass_
     threads where they are fewer, as one row of one kv head), give the same bits. The
     backward's two passes
     (RANKATTN_CPU_BACKWARD_PASS) agree bit for bit: rows (one task per batch row and kv head,
-    each dq term added at once: what one thread takes) and blocks, which keeps dS for the dq
-    tasks in chunks of key blocks that fit RANKATTN_CPU_BACKWARD_MB (0: one key block per
-    chunk); dq sums in key order in either pass and any chunking. Two runs also trace their
-    threads (RANKATTN_CPU_TRACE=1), which changes no bit either."""
+    each dq term added at once: what one thread takes, key blocks outer at these sizes; and
+    query blocks outer, forced) and blocks, which keeps dS for the dq tasks in chunks of key
+    blocks that fit RANKATTN_CPU_BACKWARD_MB (0: one key block per chunk); dq sums in key
+    order and dk / dv in query order in every pass, order and chunking. Two runs also trace
+    their threads (RANKATTN_CPU_TRACE=1), which changes no bit either."""
     runs = {"one thread": {"RANKATTN_CPU_THREADS": "1", "RANKATTN_CPU_TRACE": "1"},
-            "pool, rows": {"RANKATTN_CPU_TRACE": "1", "RANKATTN_CPU_TASK_ORDER": "reverse",
-                           "RANKATTN_CPU_BACKWARD_PASS": "rows"},
+            "pool, rows by query": {"RANKATTN_CPU_TRACE": "1",
+                                    "RANKATTN_CPU_TASK_ORDER": "reverse",
+                                    "RANKATTN_CPU_BACKWARD_PASS": "rows-by-query"},
             "pool, dS kept": {"RANKATTN_CPU_BACKWARD_PASS": "blocks"},
             "pool, shuffled, dS kept in chunks": {"RANKATTN_CPU_TASK_ORDER": "shuffle:7",
                                                   "RANKATTN_CPU_BACKWARD_PASS": "blocks",
@@ -262,11 +264,11 @@ def test_results_are_bit_identical_in_any_task_order_thread_count_backward_pass_
     # pool, no task twice (a worker that starts after the call has returned runs none, and
     # may print after the process has ended). Only a caller yields its CPU, to workers that
     # are late, and at most once per task it runs: never on one thread, which has none.
-    assert traces["one thread"] and traces["pool, rows"] and not traces["pool, dS kept"]
+    assert traces["one thread"] and traces["pool, rows by query"] and not traces["pool, dS kept"]
     if len(os.sched_getaffinity(0)) > 1:  # the checks of workers' lines below have some
-        assert any(who == "worker" for _, lines in traces["pool, rows"].values()
-                   for who, _, _ in lines), traces["pool, rows"]
-    for name in ("one thread", "pool, rows"):
+        assert any(who == "worker" for _, lines in traces["pool, rows by query"].values()
+                   for who, _, _ in lines), traces["pool, rows by query"]
+    for name in ("one thread", "pool, rows by query"):
         for region, (tasks, lines) in traces[name].items():
             assert [who for who, _, _ in lines].count("caller") == 1, (name, region, lines)
             ran = sum(count for _, count, _ in lines)

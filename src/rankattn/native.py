@@ -65,7 +65,8 @@ Environment:
                             MiB): longer sequences run in chunks of key blocks that fit it.
   RANKATTN_CPU_BACKWARD_PASS=rows|blocks  force one of the backward's two passes (default:
                             rows where the batch rows x kv heads fill the threads; the same
-                            bits either way; for tests and measurements).
+                            bits either way; for tests and measurements); rows-by-key or
+                            rows-by-query also forces the rows pass's order.
   RANKATTN_CPU_MOVE_WORKERS=0  a pool worker that Linux woke onto its caller's CPU stays
                             there (default: it moves to the caller's other CPUs for that
                             call; benchmarks/CALL_COSTS.md measures both).
@@ -139,8 +140,9 @@ SETTINGS = {
                             "one of " + ", ".join(OFF + ON)),
     "RANKATTN_CPU_THREADS": (_whole(1), "a whole number >= 1"),
     "RANKATTN_CPU_BACKWARD_MB": (_whole(0), "a whole number of MiB >= 0"),
-    "RANKATTN_CPU_BACKWARD_PASS": (lambda text: text in ("auto", "rows", "blocks"),
-                                   "auto, rows or blocks"),
+    "RANKATTN_CPU_BACKWARD_PASS": (
+        lambda text: text in ("auto", "rows", "rows-by-key", "rows-by-query", "blocks"),
+        "auto, rows, rows-by-key, rows-by-query or blocks"),
     "RANKATTN_CPU_MOVE_WORKERS": (lambda text: text in ("0", "1"), "0 or 1"),
     "RANKATTN_CPU_TRACE": (lambda text: text in ("0", "1"), "0 or 1"),
 }

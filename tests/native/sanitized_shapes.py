@@ -10,8 +10,9 @@ a context shard), then runs plans whose lists point outside the block grid.
 The kernel reads its settings once per process, so the test runs the script twice, with
 half of the cases each (argv[1]): "chunked" takes the backward's blocks pass and keeps dS in
 chunks of one key block (RANKATTN_CPU_BACKWARD_PASS=blocks, budget 0: the path of long
-sequences on many threads), "whole" its rows pass (each dq term added at once) under a budget
-too large for its bytes to fit an int64 (it is clamped: shifting it was undefined behaviour).
+sequences on many threads), "whole" its rows pass by query (each dq term added at once, query
+blocks outer; RANKATTN_CPU_BACKWARD_PASS=rows-by-query) under a budget too large for its bytes
+to fit an int64 (it is clamped: shifting it was undefined behaviour).
 """
 
 import os
@@ -63,7 +64,7 @@ def run(impl, q, k, v, d_out, **kw):
 
 
 PART = sys.argv[1]
-SETTINGS = {"chunked": ("0", "blocks"), "whole": (str(10**20), "rows")}
+SETTINGS = {"chunked": ("0", "blocks"), "whole": (str(10**20), "rows-by-query")}
 assert (os.environ["RANKATTN_CPU_BACKWARD_MB"],
         os.environ["RANKATTN_CPU_BACKWARD_PASS"]) == SETTINGS[PART]
 

@@ -13,9 +13,12 @@
 //   dK += dS^T Q                                     (a dot: dS^T rows, the Q panel)
 //   dQ^T += K^T dS^T                                 (a dot: K^T rows, the dS^T panel)
 // in one of two passes (rows_pass picks), which add every dQ^T's pairs in ascending
-// key-block order and every dK / dV's in its list's order, so they give the same bits:
-//  - rows: one task per (batch row, kv head) runs its key blocks in order and adds each
-//    pair's dQ^T term at once, into the dQ^T its task alone writes;
+// key-block order and every dK / dV's in ascending query-block order, so they give the same
+// bits:
+//  - rows: one task per (batch row, kv head) runs its block pairs and adds each pair's dQ^T
+//    term at once, into the dQ^T its task alone writes; by key (key blocks outer, each
+//    one's dK / dV in cache) or, where a query block's panels outweigh a key block's, by
+//    query (query blocks outer, each one's panels and dQ^T in cache; queries_outer);
 //  - blocks: one task per key block keeps its pairs' dS^T (KeptGrads), then one task per
 //    query block adds its dQ^T terms: for calls whose (batch row, kv head) pairs do not
 //    fill the threads. Keeping dS^T writes it out of cache and reads it back, which the
@@ -114,11 +117,57 @@ struct KeptGrads {
 // very unequal masks would balance better in the blocks pass.)
 inline bool rows_pass(int64_t rows, int64_t threads) {
   switch (settings().backward_pass) {
-    case BackwardPass::kRows: return true;
+    case BackwardPass::kRows:
+    case BackwardPass::kRowsByKey:
+    case BackwardPass::kRowsByQuery: return true;
     case BackwardPass::kBlocks: return false;
     case BackwardPass::kAuto: break;
   }
   return rows % threads == 0 || rows >= 8 * threads;
+}
+
+// Whether the rows pass takes query blocks outer: where a query block's float32 panels and
+// dQ^T (its rows: the group's heads times block_q, 3 D + 2 Dv floats each) reach 512 KiB, a
+// quarter of a Sapphire Rapids core's L2. Key blocks outer, those are read again for every
+// key block; query blocks outer, a key block's K, K^T, V and dK / dV accumulators are. At the
+// default 64 x 256 blocks that is 4 query heads per kv head at D = 128, 2 at D = 256: there
+// the sweep's fwd+bwd cells measured 1-10% faster by query, and at 2 heads of D = 128 2-6%
+// slower (CPU_KERNEL.md). bfloat16 panels (half the bytes) measured no faster by query.
+template <typename E>
+bool queries_outer(const Problem& pr) {
+  switch (settings().backward_pass) {
+    case BackwardPass::kRowsByKey: return false;
+    case BackwardPass::kRowsByQuery: return true;
+    default: break;
+  }
+  const int64_t query_block_bytes =
+      pr.group() * pr.block_q * (3 * pr.dim + 2 * pr.dim_v) * int64_t{sizeof(float)};
+  return std::is_same_v<E, float> && query_block_bytes >= (int64_t{512} << 10);
+}
+
+// A visit list's valid entries in ascending block order (a list holds its full blocks, then
+// its partial ones): the order every dK / dV and dQ^T adds its pairs in, whichever pass and
+// order computes them. `entry` is the index in the list (the blocks pass's kept slot); an
+// entry outside [0, limit) (a malformed plan) is skipped; a block listed twice keeps its
+// list order.
+struct Visit {
+  int32_t block, entry;
+  bool masked;
+};
+inline void ascending(const Visits& list, Vector<Visit>& out) {
+  out.clear();
+  for (int64_t e = 0; e < list.count; ++e) {
+    const int32_t block = list.index[e];
+    if (block >= 0 && block < list.limit) {
+      out.push_back({block, static_cast<int32_t>(e), e >= list.full});
+    }
+  }
+  for (size_t i = 1; i < out.size(); ++i) {  // insertion: the list is two ascending runs
+    const Visit x = out[i];
+    size_t j = i;
+    for (; j > 0 && out[j - 1].block > x.block; --j) out[j] = out[j - 1];
+    out[j] = x;
+  }
 }
 
 template <typename D>
@@ -243,59 +292,98 @@ struct Backward {
     }
   }
 
-  // The rows pass's task: every key block of (batch row, kv head) `row`, in order.
+  // The rows pass's task: every block pair of (batch row, kv head) `row`, key blocks outer
+  // (each key block's dK / dV finished before the next) or query blocks outer.
   void row_task(int64_t row) const {
-    for (int64_t kb = 0; kb < pr.n_k; ++kb) dkv_task(row * pr.n_k + kb, true);
-  }
-
-  // dk, dv of one key block of one kv head, over the query blocks that see it; each pair's
-  // dQ^T term added at once (`add_dq`, the rows pass) or its dS^T kept (the blocks pass).
-  void dkv_task(int64_t task, bool add_dq) const {
-    const int64_t b = task / (pr.kv_heads * pr.n_k), hk = task / pr.n_k % pr.kv_heads;
-    const int64_t kb = task % pr.n_k, ld_d = pr.ld_d(), ld_dv = pr.ld_dv();
-    const int64_t ld_rows = pr.ld_rows();
-    const KeyPanel<E> key = keys.get(b, hk, kb);
-    const int64_t nk = key.nk;
-    thread_local Pair pair;
-    thread_local Vector<float> dk_acc, dv_acc;
-    thread_local Vector<E> rounded, ds_panel;
-    dk_acc.assign(rows_size<E>(nk, ld_d), 0.0f);
-    dv_acc.assign(rows_size<E>(nk, ld_dv), 0.0f);
-    const Visits list = visits(pr, pr.q_index, pr.q_full_count, pr.q_count, b * pr.n_k + kb,
-                               pr.n_q);
-    for (int64_t e = 0; e < list.count; ++e) {
-      const int32_t qb = list.index[e];
-      if (qb < 0 || qb >= pr.n_q) continue;
+    if (!queries_outer<E>(pr)) {
+      for (int64_t kb = 0; kb < pr.n_k; ++kb) dkv_task(row * pr.n_k + kb, true);
+      return;
+    }
+    const int64_t b = row / pr.kv_heads, hk = row % pr.kv_heads;
+    const int64_t dk_size = rows_size<E>(pr.block_k, pr.ld_d());
+    const int64_t dv_size = rows_size<E>(pr.block_k, pr.ld_dv());
+    thread_local Vector<float> dk_acc, dv_acc;  // every key block's, one after another
+    thread_local Vector<Visit> order;
+    dk_acc.assign(pr.n_k * dk_size, 0.0f);
+    dv_acc.assign(pr.n_k * dv_size, 0.0f);
+    for (int64_t qb = 0; qb < pr.n_q; ++qb) {
       const QueryPanel<E> qp = queries.get(b, hk, qb);
-      // In float32, dS^T's rows are the panel dQ^T += K^T dS^T reads, so a kept pair is
-      // computed in its kept slot (a copy measured 2.4% of nano fwd+bwd); else in pair.s_t,
-      // and a bfloat16 one then rounded into its panel.
-      float* s_t = nullptr;
-      if constexpr (kRowsArePanel<E>) {
-        if (!add_dq) s_t = kept.slot(task, e);
-      }
-      if (!s_t) {
-        pair.s_t.resize(rows_size<E>(nk, ld_rows));
-        s_t = pair.s_t.data();
-      }
-      probabilities(key, qp, e >= list.full, s_t, pair);
-      // dV += P^T dO.
-      gemm<true>(nk, pr.dim_v, qp.m, dot_rows<E>(s_t, nk, qp.m, ld_rows, rounded), ld_rows,
-                 qp.d_out_panel, ld_dv, dv_acc.data(), ld_dv);
-      // dS^T, then dK += dS^T Q, and dQ^T += K^T dS^T now or dS^T kept for it.
-      logit_grads_of(nk, qp, s_t, pair);
-      gemm<true>(nk, pr.dim, qp.m, dot_rows<E>(s_t, nk, qp.m, ld_rows, rounded), ld_rows,
-                 qp.q_panel, ld_d, dk_acc.data(), ld_d);
-      if constexpr (kRowsArePanel<E>) {
-        if (add_dq) dq_pair(key, s_t, qp);
-      } else {
-        if (add_dq) ds_panel.resize(panel_size<E>(pr.block_k, ld_rows));
-        E* panel = add_dq ? ds_panel.data() : kept.slot(task, e);
-        keep_panel(s_t, nk, qp.m, ld_rows, panel);
-        if (add_dq) dq_pair(key, panel, qp);
+      ascending(visits(pr, pr.kv_index, pr.full_count, pr.count, b * pr.n_q + qb, pr.n_k),
+                order);
+      for (const Visit& pair : order) {
+        pair_grads(keys.get(b, hk, pair.block), qp, pair.masked, nullptr,
+                   dk_acc.data() + pair.block * dk_size, dv_acc.data() + pair.block * dv_size);
       }
     }
+    for (int64_t kb = 0; kb < pr.n_k; ++kb) {
+      finish_key_block(b, hk, keys.get(b, hk, kb), dk_acc.data() + kb * dk_size,
+                       dv_acc.data() + kb * dv_size);
+    }
+  }
 
+  // One block pair: dV += P^T dO, dK += dS^T Q into dk_acc / dv_acc, and dQ^T += K^T dS^T now
+  // (kept_slot null) or its dS^T kept in kept_slot. Never inlined: one compiled copy for
+  // every pass and order. Inlined into both row orders, the copies gave capped logits'
+  // gradients that differed in their last bits (the compiler decides per copy which
+  // multiplies and adds become FMAs).
+  __attribute__((noinline)) void pair_grads(const KeyPanel<E>& key, const QueryPanel<E>& qp,
+                                            bool masked, E* kept_slot, float* dk_acc,
+                                            float* dv_acc) const {
+    const int64_t nk = key.nk, ld_d = pr.ld_d(), ld_dv = pr.ld_dv(), ld_rows = pr.ld_rows();
+    const bool add_dq = kept_slot == nullptr;
+    thread_local Pair pair;
+    thread_local Vector<E> rounded, ds_panel;
+    // In float32, dS^T's rows are the panel dQ^T += K^T dS^T reads, so a kept pair is
+    // computed in its kept slot (a copy measured 2.4% of nano fwd+bwd); else in pair.s_t,
+    // and a bfloat16 one then rounded into its panel.
+    float* s_t = nullptr;
+    if constexpr (kRowsArePanel<E>) s_t = kept_slot;
+    if (!s_t) {
+      pair.s_t.resize(rows_size<E>(nk, ld_rows));
+      s_t = pair.s_t.data();
+    }
+    probabilities(key, qp, masked, s_t, pair);
+    // dV += P^T dO.
+    gemm<true>(nk, pr.dim_v, qp.m, dot_rows<E>(s_t, nk, qp.m, ld_rows, rounded), ld_rows,
+               qp.d_out_panel, ld_dv, dv_acc, ld_dv);
+    // dS^T, then dK += dS^T Q, and dQ^T += K^T dS^T now or dS^T kept for it.
+    logit_grads_of(nk, qp, s_t, pair);
+    gemm<true>(nk, pr.dim, qp.m, dot_rows<E>(s_t, nk, qp.m, ld_rows, rounded), ld_rows,
+               qp.q_panel, ld_d, dk_acc, ld_d);
+    if constexpr (kRowsArePanel<E>) {
+      if (add_dq) dq_pair(key, s_t, qp);
+    } else {
+      if (add_dq) ds_panel.resize(panel_size<E>(pr.block_k, ld_rows));
+      E* panel = add_dq ? ds_panel.data() : kept_slot;
+      keep_panel(s_t, nk, qp.m, ld_rows, panel);
+      if (add_dq) dq_pair(key, panel, qp);
+    }
+  }
+
+  // dk, dv of one key block of one kv head, over the query blocks that see it in ascending
+  // order; each pair's dQ^T term added at once (`add_dq`, the rows pass by key) or its dS^T
+  // kept (the blocks pass).
+  void dkv_task(int64_t task, bool add_dq) const {
+    const int64_t b = task / (pr.kv_heads * pr.n_k), hk = task / pr.n_k % pr.kv_heads;
+    const int64_t kb = task % pr.n_k;
+    const KeyPanel<E> key = keys.get(b, hk, kb);
+    thread_local Vector<float> dk_acc, dv_acc;
+    dk_acc.assign(rows_size<E>(key.nk, pr.ld_d()), 0.0f);
+    dv_acc.assign(rows_size<E>(key.nk, pr.ld_dv()), 0.0f);
+    thread_local Vector<Visit> order;
+    ascending(visits(pr, pr.q_index, pr.q_full_count, pr.q_count, b * pr.n_k + kb, pr.n_q),
+              order);
+    for (const Visit& pair : order) {
+      pair_grads(key, queries.get(b, hk, pair.block), pair.masked,
+                 add_dq ? nullptr : kept.slot(task, pair.entry), dk_acc.data(), dv_acc.data());
+    }
+    finish_key_block(b, hk, key, dk_acc.data(), dv_acc.data());
+  }
+
+  // The candidates' own-key terms of a key block's dk / dv, then dk = scale dK, dv = dV.
+  void finish_key_block(int64_t b, int64_t hk, const KeyPanel<E>& key, float* dk_acc,
+                        float* dv_acc) const {
+    const int64_t nk = key.nk, ld_d = pr.ld_d(), ld_dv = pr.ld_dv();
     if (pr.own) {  // each candidate key's own query rows
       const int64_t g_len = pr.group();
       for (int64_t j = 0; j < nk; ++j) {
@@ -316,7 +404,6 @@ struct Backward {
         }
       }
     }
-    // dk = scale dK, dv = dV.
     for (int64_t j = 0; j < nk; ++j) {
       T* ok = dk + ((b * pr.kv_len + key.k0 + j) * pr.kv_heads + hk) * pr.dim;
       T* ov = dv + ((b * pr.kv_len + key.k0 + j) * pr.kv_heads + hk) * pr.dim_v;

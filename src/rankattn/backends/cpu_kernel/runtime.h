@@ -35,14 +35,15 @@ namespace {
 // ---- Settings: the environment, read once per process (by the first call), in one place.
 
 enum class TaskOrder { kNatural, kReverse, kShuffle };
-enum class BackwardPass { kAuto, kRows, kBlocks };  // see backward.h
+enum class BackwardPass { kAuto, kRows, kRowsByKey, kRowsByQuery, kBlocks };  // backward.h
 
 struct Settings {
   int64_t max_threads;     // RANKATTN_CPU_THREADS: at most this many threads per call
   int64_t backward_bytes;  // RANKATTN_CPU_BACKWARD_MB, in bytes: the dS a backward keeps
-  // RANKATTN_CPU_BACKWARD_PASS=auto | rows | blocks: which of the backward's two passes runs
-  // (auto: rows where its tasks fill the threads, see backward_pass). Both give the same bits;
-  // for tests and measurements.
+  // RANKATTN_CPU_BACKWARD_PASS=auto | rows | rows-by-key | rows-by-query | blocks: which of
+  // the backward's two passes runs (auto: rows where its tasks fill the threads, see
+  // rows_pass), and in which order the rows pass takes its block pairs (rows: the order
+  // queries_outer picks). All give the same bits; for tests and measurements.
   BackwardPass backward_pass;
   // Tests only: RANKATTN_CPU_FAIL_ALLOC=caller:<n> or pool:<n> fails the n-th allocation
   // (from 1) of the kernel's buffers on the threads that call the kernel, or on XLA's pool
@@ -80,6 +81,8 @@ struct Settings {
     }
     if (const char* pass = std::getenv("RANKATTN_CPU_BACKWARD_PASS")) {
       if (std::strcmp(pass, "rows") == 0) s.backward_pass = BackwardPass::kRows;
+      if (std::strcmp(pass, "rows-by-key") == 0) s.backward_pass = BackwardPass::kRowsByKey;
+      if (std::strcmp(pass, "rows-by-query") == 0) s.backward_pass = BackwardPass::kRowsByQuery;
       if (std::strcmp(pass, "blocks") == 0) s.backward_pass = BackwardPass::kBlocks;
     }
     if (const char* order = std::getenv("RANKATTN_CPU_TASK_ORDER")) {
