@@ -164,6 +164,24 @@ def test_options_are_checked(kwargs, fragment):
     assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize("fields, fragment", [
+    (dict(block_sizes=(16, 16)), "block_sizes=(16, 16)"),
+    (dict(block_sizes=BlockSizes(16, 24)), "(16, 24)"),
+    (dict(dma_block=12), "dma_block=12"),
+    (dict(dma_block=0), "dma_block=0"),
+    (dict(smem_budget=0), "smem_budget=0"),
+    (dict(vmem_limit_bytes=-1), "vmem_limit_bytes=-1"),
+])
+def test_a_target_is_checked_like_the_backends_options_regression(fields, fragment):
+    """Review (stop 75): a TpuTarget's fields were taken as given: blocks of a tuple built
+    the backend and every call failed with AttributeError, and blocks PallasTpu(block_sizes=)
+    refuses were accepted."""
+    with pytest.raises(rankattn.RankattnTypeError, match="RA116") as err:
+        TpuTarget(**{"name": "mine", "block_sizes": BlockSizes(16, 16), "smem_budget": 1000,
+                     **fields})
+    assert fragment in str(err.value) and "TpuTarget('mine', ...)" in str(err.value)
+
+
 def test_calls_split_to_fit_the_smem_budget_give_the_same_bits():
     """Rows of 40 tokens in 16-token blocks, DMA blocks of one block: int16 schedules of at
     most 3 x 3 steps, three arrays, 54 bytes a row and 18 a block. A 110-byte budget takes

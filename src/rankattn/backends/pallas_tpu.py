@@ -132,6 +132,38 @@ class TpuTarget:
     vmem_limit_bytes: int | None = None
     dma_block: int = 512
 
+    def __post_init__(self):  # the checks PallasTpu's own block_sizes= and dma_block= get
+        where = f"TpuTarget({self.name!r}, ...)"
+        if not isinstance(self.block_sizes, BlockSizes):
+            raise fail("RA116", f"{where} block_sizes={self.block_sizes!r}; pass the "
+                                "generation's BlockSizes(block_q, block_k), e.g. "
+                                "BlockSizes(128, 256).")
+        check_tpu_blocks(self.block_sizes, where)
+        check_dma_block(self.dma_block, where, "512")
+        if not is_positive_int(self.smem_budget):
+            raise fail("RA116", f"{where} smem_budget={self.smem_budget!r}; pass the bytes of "
+                                "scalar prefetch one call may hold, e.g. 512 << 10.")
+        if self.vmem_limit_bytes is not None and not is_positive_int(self.vmem_limit_bytes):
+            raise fail("RA116", f"{where} vmem_limit_bytes={self.vmem_limit_bytes!r}; pass "
+                                "None (Mosaic's default) or a positive int, e.g. 32 << 20.")
+
+
+def check_tpu_blocks(block_sizes: BlockSizes, where: str) -> None:
+    """RA116 unless both blocks are multiples of the sublanes and one divides the other."""
+    bq, bk = block_sizes.block_q, block_sizes.block_k
+    if bq % SUBLANES or bk % SUBLANES or (max(bq, bk) % min(bq, bk)):
+        raise fail("RA116", f"{where} block_sizes=({bq}, {bk}); blocks must be multiples of "
+                            f"{SUBLANES}, one dividing the other, e.g. BlockSizes(128, 256) "
+                            "(block_k a multiple of 128 on a TPU).")
+
+
+def check_dma_block(dma_block, where: str, default: str) -> None:
+    """RA116 unless ``dma_block`` is a positive multiple of the sublanes."""
+    if not is_positive_int(dma_block) or dma_block % SUBLANES:
+        raise fail("RA116", f"{where} dma_block={dma_block!r}; pass {default} or a positive "
+                            f"multiple of {SUBLANES} tokens, e.g. 512 (a multiple of the "
+                            "blocks; a multiple of 128 on a TPU).")
+
 
 # Blocks per generation (benchmarks/TPU_COMPILE.md: all 144 configurations of float32 /
 # bfloat16 x D 64 / 128 / 256 x GQA 1 / 5 x causal x cap compile deviceless, forward and
@@ -1054,20 +1086,14 @@ class PallasTpu(Backend):
                  dma_block: int | None = None, max_visits: int | None = None):
         block_sizes = check_block_sizes(block_sizes)
         if block_sizes is not None:
-            bq, bk = block_sizes.block_q, block_sizes.block_k
-            if bq % SUBLANES or bk % SUBLANES or (max(bq, bk) % min(bq, bk)):
-                raise fail("RA116", f"PallasTpu block_sizes=({bq}, {bk}); blocks must be "
-                                    f"multiples of {SUBLANES}, one dividing the other, e.g. "
-                                    "BlockSizes(128, 256) (block_k a multiple of 128 on a TPU).")
+            check_tpu_blocks(block_sizes, "PallasTpu")
         if not isinstance(interpret, bool) and not (
                 pltpu is not None and hasattr(pltpu, "InterpretParams")
                 and isinstance(interpret, pltpu.InterpretParams)):
             raise fail("RA116", f"PallasTpu interpret={interpret!r}; pass True, False or a "
                                 "jax.experimental.pallas.tpu.InterpretParams(...).")
-        if dma_block is not None and (not is_positive_int(dma_block) or dma_block % SUBLANES):
-            raise fail("RA116", f"PallasTpu dma_block={dma_block!r}; pass None (the target's) "
-                                f"or a positive multiple of {SUBLANES} tokens, e.g. 512 (a "
-                                "multiple of the blocks; a multiple of 128 on a TPU).")
+        if dma_block is not None:
+            check_dma_block(dma_block, "PallasTpu", "None (the target's)")
         if max_visits is not None and not is_positive_int(max_visits):
             raise fail("RA116", f"PallasTpu max_visits={max_visits!r}; pass None (every block "
                                 "under jit) or a positive int, the most key blocks a query "
