@@ -52,12 +52,13 @@ def gxx_runtime(name: str) -> str:
 
 @needs_cpu_kernel
 @pytest.mark.parametrize("part, budget_mb, backward_pass",
-                         [("chunked", "0", "blocks"), ("whole", str(10**20), "rows-by-query")])
+                         [("chunked", "0", "blocks"), ("whole", str(10**20), "rows-by-query"),
+                          ("keys", "1024", "rows-by-key")])
 def test_sanitized_build_runs_odd_shapes_and_malformed_plans(part, budget_mb, backward_pass):
     """AddressSanitizer + UBSan: odd shapes (fwd + grads against the oracle), a context shard,
     and plans whose lists point outside the block grid, without one bad access; the backward's
-    blocks pass with dS kept in chunks of one key block, and its rows pass under a budget whose
-    bytes overflowed an int64."""
+    blocks pass with dS kept in chunks of one key block, its rows pass by query under a budget
+    whose bytes overflowed an int64, and by key."""
     # Python is not linked to libstdc++: preload it after libasan, so that ASan finds the
     # __cxa_throw it wraps (jaxlib throws while it starts).
     env = {"RANKATTN_CPU_KERNEL_SANITIZE": "1", "ASAN_OPTIONS": "detect_leaks=0",

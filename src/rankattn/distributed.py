@@ -519,7 +519,8 @@ def ring_history(kernel, axes: Axes, n: int, q, mult, seg_q, pos_q, k, v, seg_k,
         refusing = first_derivatives_only(
             backend_name, reached=f"context sharding's ring strategy on {backend_name!r}, "
                                   "whose rules call the kernel's custom VJP (first derivatives "
-                                  "only; strategy='all_gather' does not)",
+                                  "only; on 'xla', strategy='all_gather' takes jax.jvp of "
+                                  "jax.grad)",
         )(lambda _, *args: rule(*args))
         return functools.partial(refusing, None)
 

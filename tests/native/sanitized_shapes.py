@@ -12,7 +12,8 @@ half of the cases each (argv[1]): "chunked" takes the backward's blocks pass and
 chunks of one key block (RANKATTN_CPU_BACKWARD_PASS=blocks, budget 0: the path of long
 sequences on many threads), "whole" its rows pass by query (each dq term added at once, query
 blocks outer; RANKATTN_CPU_BACKWARD_PASS=rows-by-query) under a budget too large for its bytes
-to fit an int64 (it is clamped: shifting it was undefined behaviour).
+to fit an int64 (it is clamped: shifting it was undefined behaviour), "keys" the malformed
+plans through its rows pass by key.
 """
 
 import os
@@ -64,11 +65,14 @@ def run(impl, q, k, v, d_out, **kw):
 
 
 PART = sys.argv[1]
-SETTINGS = {"chunked": ("0", "blocks"), "whole": (str(10**20), "rows-by-query")}
+SETTINGS = {"chunked": ("0", "blocks"), "whole": (str(10**20), "rows-by-query"),
+            "keys": ("1024", "rows-by-key")}
 assert (os.environ["RANKATTN_CPU_BACKWARD_MB"],
         os.environ["RANKATTN_CPU_BACKWARD_PASS"]) == SETTINGS[PART]
 
-for b, sq, skv, hq, hkv, d, dv, blocks, mask, dtype in SHAPES[PART == "chunked"::2]:
+# Half of the odd shapes each in the two passes; the rows pass by key takes the malformed plans.
+PART_SHAPES = {"chunked": SHAPES[1::2], "whole": SHAPES[0::2], "keys": []}
+for b, sq, skv, hq, hkv, d, dv, blocks, mask, dtype in PART_SHAPES[PART]:
     q, k, v, d_out = inputs(b, sq, skv, hq, hkv, d, dv, dtype)
     kw = {}
     if mask != "none":
@@ -141,13 +145,15 @@ def paged():
 
 def malformed_plan():
     """Block indices and counts outside the grid must never be followed, and repeated entries
-    (query block 0, listed many times) must stay inside the kept dS (blocks pass) and add into
-    their query block's dQ (rows pass)."""
+    (query block 0 in every key block's list, key block 0 in every query block's) must stay
+    inside the kept dS (blocks pass) and add into their blocks' dQ and dK / dV (rows pass, by
+    key and by query)."""
     b, s = 2, 21
     q, k, v, d_out = inputs(b, s, s, 2, 1, 8, 8, jnp.float32)
     sizes = BlockSizes(4, 8)
     n_q, n_k = -(-s // 4), -(-s // 8)
-    bad = BlockPlan(kv_index=jnp.full((b, n_q, n_k), 10**6, jnp.int32).at[:, :, 0].set(-7),
+    bad = BlockPlan(kv_index=jnp.full((b, n_q, n_k), 0, jnp.int32).at[:, :, 0].set(-7)
+                    .at[:, 1:, -1].set(10**6),
                     full_count=jnp.full((b, n_q), 99, jnp.int32),
                     count=jnp.full((b, n_q), 10**4, jnp.int32),
                     q_index=jnp.full((b, n_k, n_q), -1, jnp.int32).at[:, :, ::2].set(0),
@@ -158,7 +164,8 @@ def malformed_plan():
     jax.block_until_ready(run(Cpu(sizes), q, k, v, d_out, plan=plan))
 
 
-for case in {"chunked": [context_shard, paged, malformed_plan], "whole": [malformed_plan]}[PART]:
+for case in {"chunked": [context_shard, paged, malformed_plan], "whole": [malformed_plan],
+             "keys": [malformed_plan]}[PART]:
     case()
     print("ok", case.__name__)
 print("SANITIZED RUN PASSED")

@@ -246,7 +246,7 @@ def fields_once(pairs: list[tuple[str, object]]) -> dict:
     for name, value in pairs:
         if name in data:
             raise BadRequest("bad_value", name, f"the body has {name!r} twice.",
-                             "Send each field once, e.g. " + EXAMPLE)
+                             "Send each field once.")
         data[name] = value
     return data
 

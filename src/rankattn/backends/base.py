@@ -48,10 +48,10 @@ def first_derivatives_only(backend: str, *, forward_over_reverse: bool = False,
     The attention's first derivatives come from its custom VJP; a second derivative would
     differentiate these functions themselves (their FFI calls, Pallas kernels or dynamic
     loops), which fails deep in JAX. Instead, differentiating one raises RA130 naming
-    ``backend`` (or saying what it ``reached``: a phrase that ends the sentence). With ``forward_over_reverse``, forward mode
-    goes through (``jax.jvp`` of ``jax.grad``: Hessian-vector products, ``jax.hessian``; the
-    xla backend's loops have a JVP) and only transposing that JVP, i.e. reverse over reverse,
-    raises.
+    ``backend`` (or saying what it ``reached``: a phrase that ends the sentence). With
+    ``forward_over_reverse``, forward mode goes through (``jax.jvp`` of ``jax.grad``:
+    Hessian-vector products, ``jax.hessian``; the xla backend's loops have a JVP) and only
+    transposing that JVP, i.e. reverse over reverse, raises.
     """
     reached = reached or f"the {backend} backend, whose kernels give first derivatives only"
 

@@ -139,7 +139,7 @@ class TpuTarget:
                                 "generation's BlockSizes(block_q, block_k), e.g. "
                                 "BlockSizes(128, 256).")
         check_tpu_blocks(self.block_sizes, where)
-        check_dma_block(self.dma_block, where, "512")
+        check_dma_block(self.dma_block, where, "")
         if not is_positive_int(self.smem_budget):
             raise fail("RA116", f"{where} smem_budget={self.smem_budget!r}; pass the bytes of "
                                 "scalar prefetch one call may hold, e.g. 512 << 10.")
@@ -157,10 +157,11 @@ def check_tpu_blocks(block_sizes: BlockSizes, where: str) -> None:
                             "(block_k a multiple of 128 on a TPU).")
 
 
-def check_dma_block(dma_block, where: str, default: str) -> None:
-    """RA116 unless ``dma_block`` is a positive multiple of the sublanes."""
+def check_dma_block(dma_block, where: str, alternative: str) -> None:
+    """RA116 unless ``dma_block`` is a positive multiple of the sublanes (``alternative``: what
+    else the message may offer, e.g. "None (the target's) or ")."""
     if not is_positive_int(dma_block) or dma_block % SUBLANES:
-        raise fail("RA116", f"{where} dma_block={dma_block!r}; pass {default} or a positive "
+        raise fail("RA116", f"{where} dma_block={dma_block!r}; pass {alternative}a positive "
                             f"multiple of {SUBLANES} tokens, e.g. 512 (a multiple of the "
                             "blocks; a multiple of 128 on a TPU).")
 
@@ -1093,7 +1094,7 @@ class PallasTpu(Backend):
             raise fail("RA116", f"PallasTpu interpret={interpret!r}; pass True, False or a "
                                 "jax.experimental.pallas.tpu.InterpretParams(...).")
         if dma_block is not None:
-            check_dma_block(dma_block, "PallasTpu", "None (the target's)")
+            check_dma_block(dma_block, "PallasTpu", "None (the target's) or ")
         if max_visits is not None and not is_positive_int(max_visits):
             raise fail("RA116", f"PallasTpu max_visits={max_visits!r}; pass None (every block "
                                 "under jit) or a positive int, the most key blocks a query "

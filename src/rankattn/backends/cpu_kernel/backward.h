@@ -17,7 +17,7 @@
 // bits:
 //  - rows: one task per (batch row, kv head) runs its block pairs and adds each pair's dQ^T
 //    term at once, into the dQ^T its task alone writes; by key (key blocks outer, each
-//    one's dK / dV in cache) or, where a query block's panels outweigh a key block's, by
+//    one's dK / dV in cache) or, where a query block's panels and dQ^T reach 512 KiB, by
 //    query (query blocks outer, each one's panels and dQ^T in cache; queries_outer);
 //  - blocks: one task per key block keeps its pairs' dS^T (KeptGrads), then one task per
 //    query block adds its dQ^T terms: for calls whose (batch row, kv head) pairs do not
@@ -132,7 +132,11 @@ inline bool rows_pass(int64_t rows, int64_t threads) {
 // key block; query blocks outer, a key block's K, K^T, V and dK / dV accumulators are. At the
 // default 64 x 256 blocks that is 4 query heads per kv head at D = 128, 2 at D = 256: there
 // the sweep's fwd+bwd cells measured 1-10% faster by query, and at 2 heads of D = 128 2-6%
-// slower (CPU_KERNEL.md). bfloat16 panels (half the bytes) measured no faster by query.
+// slower (CPU_KERNEL.md). bfloat16 panels (half the bytes) measured no faster by query. By
+// query a thread keeps every key block's dK / dV accumulators of its row (float32, K and V's
+// size): at most kMaxQueryOrderBytes, past which (about 58K keys at D = Dv = 128) it takes
+// key order.
+constexpr int64_t kMaxQueryOrderBytes = int64_t{64} << 20;
 template <typename E>
 bool queries_outer(const Problem& pr) {
   switch (settings().backward_pass) {
@@ -142,7 +146,11 @@ bool queries_outer(const Problem& pr) {
   }
   const int64_t query_block_bytes =
       pr.group() * pr.block_q * (3 * pr.dim + 2 * pr.dim_v) * int64_t{sizeof(float)};
-  return std::is_same_v<E, float> && query_block_bytes >= (int64_t{512} << 10);
+  const int64_t accumulator_bytes = pr.n_k * (rows_size<E>(pr.block_k, pr.ld_d()) +
+                                              rows_size<E>(pr.block_k, pr.ld_dv())) *
+                                    int64_t{sizeof(float)};
+  return std::is_same_v<E, float> && query_block_bytes >= (int64_t{512} << 10) &&
+         accumulator_bytes <= kMaxQueryOrderBytes;
 }
 
 // A visit list's valid entries in ascending block order (a list holds its full blocks, then
@@ -182,7 +190,8 @@ struct Backward {
 
   // Per-thread buffers of one block pair, reused by every task the thread runs (see
   // Workspace), [nk][ld_rows] each: in bfloat16, S^T, then P^T, then dS^T in place (in
-  // float32 these live in the pair's kept slot, see dkv_task); dP^T - delta; and with a cap
+  // float32 the blocks pass computes them in the pair's kept slot, see pair_grads); dP^T -
+  // delta; and with a cap
   // the logits before it.
   struct Pair {
     Vector<float> s_t, dp_t, raw;
@@ -381,8 +390,9 @@ struct Backward {
   }
 
   // The candidates' own-key terms of a key block's dk / dv, then dk = scale dK, dv = dV.
-  void finish_key_block(int64_t b, int64_t hk, const KeyPanel<E>& key, float* dk_acc,
-                        float* dv_acc) const {
+  // Never inlined, as pair_grads: both row orders call it.
+  __attribute__((noinline)) void finish_key_block(int64_t b, int64_t hk, const KeyPanel<E>& key,
+                                                  float* dk_acc, float* dv_acc) const {
     const int64_t nk = key.nk, ld_d = pr.ld_d(), ld_dv = pr.ld_dv();
     if (pr.own) {  // each candidate key's own query rows
       const int64_t g_len = pr.group();
